@@ -1,0 +1,59 @@
+"""sparcml: sparse and compressed gradient collectives for data-parallel PyTorch training.
+
+Quick start (a world of one rank needs no process group)::
+
+    import torch, sparcml
+    s = sparcml.SparseStream.from_dense(torch.tensor([0.0, 1.5, 0.0, -2.0]))
+    total = sparcml.sparse_allreduce(s)          # sum over all ranks
+    dense = total.to_dense()
+
+Under ``torchrun`` after ``torch.distributed.init_process_group("gloo")`` the same
+call reduces across every rank.
+"""
+
+from __future__ import annotations
+
+from . import comm
+from .collectives import (
+    algorithms,
+    dsar_split_allgather,
+    sparse_allgather,
+    sparse_allreduce,
+    ssar_recursive_double,
+    ssar_split_allgather,
+)
+from .costmodel import CostModel, expected_fill_in
+from .engine import Work
+from .errors import (
+    CommError,
+    CommTimeoutError,
+    PeerFailedError,
+    RankMismatchError,
+    SparcmlError,
+    WireFormatError,
+)
+from .stream import SparseStream, dense_threshold, index_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommError",
+    "CommTimeoutError",
+    "CostModel",
+    "PeerFailedError",
+    "RankMismatchError",
+    "SparcmlError",
+    "SparseStream",
+    "WireFormatError",
+    "Work",
+    "algorithms",
+    "comm",
+    "dense_threshold",
+    "dsar_split_allgather",
+    "expected_fill_in",
+    "index_bytes",
+    "sparse_allgather",
+    "sparse_allreduce",
+    "ssar_recursive_double",
+    "ssar_split_allgather",
+]

@@ -1,0 +1,80 @@
+"""Building blocks shared by the collectives (written once, used by several algorithms)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Communicator
+from ..stream import SparseStream
+from ..wire import decode, encode
+
+__all__ = [
+    "decode_or_empty",
+    "encode_or_empty",
+    "largest_power_of_two",
+    "partition_boundaries",
+    "split_and_reduce",
+]
+
+
+def largest_power_of_two(p: int) -> int:
+    """The largest power of two ``<= p`` (``p >= 1``)."""
+    return 1 << (p.bit_length() - 1)
+
+
+def partition_boundaries(size: int, parts: int) -> list[int]:
+    """Boundaries ``b[j] = j*N // P`` of ``P`` contiguous index ranges.
+
+    Appendix A of paper 000 gives every rank ``floor(N/P)`` indices and the
+    remainder to the last; ``j*N // P`` is the same when ``P`` divides ``N`` and
+    spreads the remainder (at most one extra index per range) otherwise, so
+    ``N < P`` leaves some ranges empty instead of loading the last rank.
+    """
+    return [j * size // parts for j in range(parts + 1)]
+
+
+def encode_or_empty(stream: SparseStream) -> torch.Tensor:
+    """The wire encoding, or a zero-length payload for a sparse stream with no entries."""
+    if not stream.is_dense and stream.nnz == 0:
+        return torch.empty(0, dtype=torch.uint8, device=stream.device)
+    return encode(stream)
+
+
+def decode_or_empty(
+    buf: torch.Tensor, size: int, dtype: torch.dtype, device: torch.device
+) -> SparseStream:
+    """Inverse of :func:`encode_or_empty`, checking size and dtype."""
+    if buf.numel() == 0:
+        return SparseStream.empty(size, dtype, device)
+    return decode(buf, expect_size=size, expect_dtype=dtype, device=device)
+
+
+def split_and_reduce(stream: SparseStream, comm: Communicator) -> tuple[SparseStream, list[int]]:
+    """The split phase of the split-allgather algorithms (paper 000, sec. 5.3.2).
+
+    1. Split the local stream into ``P`` index ranges (:func:`partition_boundaries`).
+    2. Send range ``j`` to rank ``j`` directly, non-blocking, destinations rotated
+       (zero-length payloads for empty ranges).
+    3. Rank ``j`` sums the ``P`` pieces of its range in rank order (deterministic).
+
+    Cost: ``(P-1) alpha + [0, k] beta_s`` (``T_split``).
+
+    Returns:
+        This rank's reduced range (local indices) and the boundaries.
+    """
+    p, me = comm.world_size, comm.rank
+    bounds = partition_boundaries(stream.size, p)
+    pieces = stream.split(bounds)
+    payloads = [
+        torch.empty(0, dtype=torch.uint8, device=stream.device)
+        if j == me
+        else encode_or_empty(piece)
+        for j, piece in enumerate(pieces)
+    ]
+    received = comm.alltoallv(payloads)
+    width = bounds[me + 1] - bounds[me]
+    mine = [
+        pieces[me] if j == me else decode_or_empty(received[j], width, stream.dtype, stream.device)
+        for j in range(p)
+    ]
+    return SparseStream.sum(mine), bounds

@@ -1,0 +1,138 @@
+"""``sparse_allreduce``: the front door of the sparse allreduce algorithms.
+
+Every call first exchanges a few integers per rank (size, dtype, nnz) with one
+small dense allgather. That check makes mismatched calls fail with the same
+clear error on every rank instead of hanging or corrupting data, and gives
+``algorithm="auto"`` the observed nnz of every rank for the cost model
+(:mod:`sparcml.costmodel`). The choice is computed from the same gathered numbers
+on every rank, so all ranks pick the same algorithm.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal, overload
+
+import torch
+
+from ..comm import Communicator, resolve
+from ..costmodel import CostModel
+from ..engine import Work
+from ..errors import RankMismatchError
+from ..stream import SparseStream
+from ..wire import code_dtype, dtype_code
+from .registry import get_algorithm
+
+__all__ = ["check_consistent", "sparse_allreduce"]
+
+log = logging.getLogger("sparcml")
+
+
+def check_consistent(stream: SparseStream, comm: Communicator) -> list[int]:
+    """Check that every rank passes the same size and dtype; return every rank's nnz.
+
+    Raises:
+        RankMismatchError: on every rank, naming the ranks that differ.
+    """
+    meta = torch.tensor([stream.size, dtype_code(stream.dtype), stream.nnz], dtype=torch.int64)
+    rows = [r.tolist() for r in comm.allgather(meta)]
+    sizes = [r[0] for r in rows]
+    codes = [r[1] for r in rows]
+    if len(set(sizes)) > 1:
+        detail = ", ".join(f"rank {i}: N={n}" for i, n in enumerate(sizes))
+        raise RankMismatchError(
+            f"sparse_allreduce called with different sizes across ranks ({detail})"
+        )
+    if len(set(codes)) > 1:
+        detail = ", ".join(f"rank {i}: {code_dtype(c)}" for i, c in enumerate(codes))
+        raise RankMismatchError(
+            f"sparse_allreduce called with different dtypes across ranks ({detail})"
+        )
+    return [r[2] for r in rows]
+
+
+def _run(
+    stream: SparseStream, comm: Communicator, algorithm: str, model: CostModel | None
+) -> SparseStream:
+    ks = check_consistent(stream, comm)
+    if algorithm == "auto":
+        model = model if model is not None else CostModel.load()
+        algorithm = model.choose(comm.world_size, stream.size, ks, stream.values.element_size())
+        log.debug("sparse_allreduce auto chose %s (nnz per rank %s)", algorithm, ks)
+    return get_algorithm(algorithm)(stream, comm)
+
+
+@overload
+def sparse_allreduce(
+    stream: SparseStream,
+    comm: Communicator | None = ...,
+    algorithm: str = ...,
+    async_op: Literal[False] = ...,
+    *,
+    cost_model: CostModel | None = ...,
+) -> SparseStream: ...
+
+
+@overload
+def sparse_allreduce(
+    stream: SparseStream,
+    comm: Communicator | None = ...,
+    algorithm: str = ...,
+    async_op: Literal[True] = ...,
+    *,
+    cost_model: CostModel | None = ...,
+) -> Work: ...
+
+
+def sparse_allreduce(
+    stream: SparseStream,
+    comm: Communicator | None = None,
+    algorithm: str = "auto",
+    async_op: bool = False,
+    *,
+    cost_model: CostModel | None = None,
+) -> SparseStream | Work:
+    """Sum of every rank's sparse stream, bitwise identical on every rank.
+
+    Args:
+        stream: this rank's :class:`SparseStream` (same size and dtype on every rank;
+            nnz may differ, zero included).
+        comm: the communicator; default the initialised default process group,
+            or a world of one rank when torch.distributed is not initialised.
+        algorithm: a registered algorithm (``ssar_recursive_double``,
+            ``ssar_split_allgather``, ``dsar_split_allgather``, ``dense``, ...) or
+            ``"auto"``: the fastest under the cost model for the observed nnz.
+        async_op: return a :class:`~sparcml.engine.Work` at once; the operation runs
+            on the communicator's background engine, in submission order.
+        cost_model: the model ``auto`` uses (default: stored calibration or defaults).
+
+    Returns:
+        The sum as a :class:`SparseStream` (or a ``Work`` whose ``wait()`` returns it).
+
+    Raises:
+        ValueError: unknown algorithm.
+        RankMismatchError: ranks passed different sizes or dtypes (raised on all ranks).
+        CommTimeoutError / PeerFailedError: a peer did not answer or died (names it).
+
+    Example:
+        >>> s = SparseStream(torch.tensor([1, 4]), torch.tensor([1.0, 2.0]), 8)
+        >>> sparse_allreduce(s).to_dense().tolist()  # a world of one rank
+        [0.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0]
+    """
+    comm = resolve(comm)
+    if not isinstance(stream, SparseStream):
+        raise TypeError(
+            f"sparse_allreduce expects a SparseStream, got {type(stream).__name__}; "
+            "wrap a tensor with SparseStream.from_dense(t) or SparseStream(indices, values, N)"
+        )
+    if algorithm != "auto":
+        get_algorithm(algorithm)  # unknown names fail here, before any communication
+
+    def run() -> SparseStream:
+        return _run(stream, comm, algorithm, cost_model)
+
+    if async_op:
+        return comm.engine.submit(run)
+    if comm.has_engine:
+        return comm.engine.submit(run).wait()
+    return run()

@@ -1,0 +1,20 @@
+"""The dense baseline: the backend's allreduce of the dense vector.
+
+Cost (ring or Rabenseifner): ``2 log2(P) alpha + 2 (P-1)/P N beta_d`` (paper 000,
+sec. 5.3.2, ``T_ar_rab``), whatever the sparsity.
+"""
+
+from __future__ import annotations
+
+from ..comm import Communicator, resolve
+from ..stream import SparseStream
+from .registry import register
+
+__all__ = ["dense_allreduce"]
+
+
+@register("dense")
+def dense_allreduce(stream: SparseStream, comm: Communicator | None = None) -> SparseStream:
+    """Sum of every rank's ``stream`` by a dense allreduce; the result is a dense stream."""
+    comm = resolve(comm)
+    return SparseStream.dense(comm.allreduce(stream.to_dense()))

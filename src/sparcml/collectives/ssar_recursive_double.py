@@ -1,0 +1,74 @@
+"""SSAR_Recursive_double: static sparse allreduce by recursive doubling (paper 000, sec. 5.3.1).
+
+Steps (``P'`` = largest power of two ``<= P``; Appendix A for ``P != P'``):
+
+0. Fold: rank ``r >= P'`` sends its stream to rank ``r - P'``, which adds it.
+1. For ``t = 1 .. log2(P')``: exchange the partial sum with rank ``r XOR 2^(t-1)``
+   and add the two (lower rank's operand first, so both partners compute the
+   same bits); the partial sum switches to dense once it passes ``delta``.
+2. Unfold: rank ``r < P - P'`` sends the result to rank ``r + P'``.
+
+Cost (``k`` pairs per rank, ``P`` a power of two), with ``L1(P) = log2(P) alpha``:
+
+    L1(P) + log2(P) k beta_s  <=  T_ssar_rec_dbl  <=  L1(P) + (P-1) k beta_s
+
+the lower bound when all index sets coincide, the upper when they are disjoint.
+Latency-optimal, best when the reduced result is small.
+"""
+
+from __future__ import annotations
+
+from ..comm import Communicator, resolve
+from ..stream import SparseStream
+from ..wire import decode, encode
+from ._common import largest_power_of_two
+from .registry import register
+
+__all__ = ["ssar_recursive_double"]
+
+
+@register("ssar_recursive_double")
+def ssar_recursive_double(stream: SparseStream, comm: Communicator | None = None) -> SparseStream:
+    """Sum of every rank's ``stream`` by recursive doubling; same bits on every rank.
+
+    Args:
+        stream: this rank's vector (same size and dtype on every rank).
+        comm: the communicator (default: the default process group, or a world of one).
+
+    Returns:
+        The sum, on ``stream``'s device.
+    """
+    comm = resolve(comm)
+    p, me = comm.world_size, comm.rank
+    if p == 1:
+        return stream.clone()
+    p2 = largest_power_of_two(p)
+
+    def receive(src: int) -> SparseStream:
+        return decode(
+            comm.recv(src), expect_size=stream.size, expect_dtype=stream.dtype, device=stream.device
+        )
+
+    # Step 0: fold.
+    if me >= p2:
+        comm.send(encode(stream), me - p2)
+        return receive(me - p2)
+    acc = stream
+    if me < p - p2:
+        acc = acc + receive(me + p2)
+    # Step 1: log2(P') exchange-and-add stages.
+    mask = 1
+    while mask < p2:
+        partner = me ^ mask
+        other = decode(
+            comm.sendrecv(encode(acc), partner),
+            expect_size=stream.size,
+            expect_dtype=stream.dtype,
+            device=stream.device,
+        )
+        acc = other + acc if partner < me else acc + other
+        mask <<= 1
+    # Step 2: unfold.
+    if me < p - p2:
+        comm.send(encode(acc), me + p2)
+    return acc if acc is not stream else stream.clone()

@@ -1,0 +1,322 @@
+"""The communicator interface: moves byte payloads whose size the receiver does not know.
+
+SparCML's core difficulty (paper 000, sec. 5.2-5.3) is that the size of a
+partially reduced sparse stream is unknown before it arrives. A backend therefore
+only has to provide point-to-point sends and receives of 1-D ``uint8`` tensors of
+any length (zero included) and dense collectives; everything else — all-to-all
+with per-peer sizes, allgather with per-rank sizes — is built here once, on top
+of those primitives, so every backend counts bytes the same way.
+
+Backends:
+
+* :class:`~sparcml.comm.local.LocalCommunicator` — in-process ranks (threads),
+  for tests; see :func:`~sparcml.comm.local.run_ranks`.
+* :class:`~sparcml.comm.torchdist.TorchDistCommunicator` — torch.distributed
+  (gloo with CPU tensors, NCCL with CUDA tensors).
+* :class:`SelfCommunicator` — a world of one, no process group needed.
+
+Byte accounting (:class:`CommStats`): ``bytes_sent``/``bytes_recv`` count the
+payload bytes of point-to-point messages, and for dense collectives delegated to
+a backend library the bytes a ring algorithm moves per rank (documented in each
+backend); ``control_bytes`` counts the 8-byte length prefixes of the
+unknown-size protocol separately.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["CommStats", "Communicator", "Handle", "SelfCommunicator"]
+
+
+@dataclasses.dataclass
+class CommStats:
+    """Per-rank traffic counters. ``reset()`` zeroes them; ``snapshot()`` copies them."""
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    messages_sent: int = 0
+    messages_recv: int = 0
+    control_bytes: int = 0
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
+
+    def snapshot(self) -> CommStats:
+        return dataclasses.replace(self)
+
+    def __sub__(self, other: CommStats) -> CommStats:
+        return CommStats(
+            **{
+                f.name: getattr(self, f.name) - getattr(other, f.name)
+                for f in dataclasses.fields(self)
+            }
+        )
+
+
+class Handle:
+    """A pending point-to-point operation. ``wait()`` returns the received tensor (or None)."""
+
+    def __init__(self, waiter: Callable[[], torch.Tensor | None]) -> None:
+        self._waiter: Callable[[], torch.Tensor | None] | None = waiter
+        self._result: torch.Tensor | None = None
+
+    @classmethod
+    def done(cls, result: torch.Tensor | None = None) -> Handle:
+        h = cls(lambda: result)
+        h.wait()
+        return h
+
+    def wait(self) -> torch.Tensor | None:
+        if self._waiter is not None:
+            waiter, self._waiter = self._waiter, None
+            self._result = waiter()
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._waiter is None
+
+
+def _check_payload(buf: torch.Tensor) -> torch.Tensor:
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise TypeError("payloads are 1-D uint8 tensors")
+    return buf.contiguous()
+
+
+class Communicator(abc.ABC):
+    """SPMD communication between ``world_size`` ranks.
+
+    Subclasses implement :meth:`_isend`, :meth:`_irecv` and may override the
+    dense collectives with faster native versions. All methods are blocking
+    unless named ``i*``; a call that waits longer than :attr:`timeout` seconds
+    for a peer raises :class:`~sparcml.errors.CommTimeoutError` naming it.
+
+    Attributes:
+        rank: this rank, ``0 <= rank < world_size``.
+        world_size: number of ranks.
+        timeout: seconds to wait for a peer before failing.
+        stats: this rank's :class:`CommStats`.
+        device: where received payloads land (``cpu`` for gloo and in-process).
+    """
+
+    rank: int
+    world_size: int
+    timeout: float
+    device: torch.device
+
+    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"invalid rank {rank} for world size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self.stats = CommStats()
+        self._engine: Any = None
+        self._engine_lock = threading.Lock()
+
+    # ----------------------------------------------------------- backend primitives
+    @abc.abstractmethod
+    def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
+        """Start sending ``buf`` (1-D uint8, possibly empty) to ``dst``."""
+
+    @abc.abstractmethod
+    def _irecv(self, src: int, tag: int) -> Handle:
+        """Start receiving one message of unknown length from ``src``."""
+
+    # ----------------------------------------------------------- point to point
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(
+                f"rank {self.rank}: invalid {what} rank {peer} (world size {self.world_size})"
+            )
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        """Non-blocking send of a 1-D uint8 tensor of any length to ``dst``."""
+        self._check_peer(dst, "destination")
+        buf = _check_payload(buf)
+        self.stats.bytes_sent += buf.numel()
+        self.stats.messages_sent += 1
+        return self._isend(buf, dst, tag)
+
+    def irecv(self, src: int, tag: int = 0) -> Handle:
+        """Non-blocking receive of one message of unknown length from ``src``."""
+        self._check_peer(src, "source")
+        handle = self._irecv(src, tag)
+        stats = self.stats
+
+        def counted() -> torch.Tensor | None:
+            out = handle.wait()
+            assert out is not None
+            stats.bytes_recv += out.numel()
+            stats.messages_recv += 1
+            return out
+
+        return Handle(counted)
+
+    def send(self, buf: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(buf, dst, tag).wait()
+
+    def recv(self, src: int, tag: int = 0) -> torch.Tensor:
+        out = self.irecv(src, tag).wait()
+        assert out is not None
+        return out
+
+    def sendrecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> torch.Tensor:
+        """Exchange messages with ``peer`` (both send, both receive)."""
+        send = self.isend(buf, peer, tag)
+        out = self.recv(peer, tag)
+        send.wait()
+        return out
+
+    # ----------------------------------------------------------- irregular collectives
+    def alltoallv(self, parts: Sequence[torch.Tensor], tag: int = 0) -> list[torch.Tensor]:
+        """Personalised all-to-all: ``parts[j]`` goes to rank ``j``; any sizes, zero included.
+
+        Destinations are rotated (rank ``r`` sends to ``r+1, r+2, ...`` first) so
+        no rank is everybody's first target. ``parts[self.rank]`` is returned as is.
+
+        Returns:
+            ``received[j]``: what rank ``j`` sent here.
+        """
+        p, me = self.world_size, self.rank
+        if len(parts) != p:
+            raise ValueError(f"alltoallv needs {p} parts (one per rank), got {len(parts)}")
+        sends = [self.isend(parts[(me + s) % p], (me + s) % p, tag) for s in range(1, p)]
+        recvs = {(me - s) % p: self.irecv((me - s) % p, tag) for s in range(1, p)}
+        out: list[torch.Tensor] = []
+        for j in range(p):
+            if j == me:
+                out.append(_check_payload(parts[me]))
+            else:
+                got = recvs[j].wait()
+                assert got is not None
+                out.append(got)
+        for h in sends:
+            h.wait()
+        return out
+
+    def allgatherv(self, buf: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
+        """Every rank's payload (any sizes, zero included), in rank order, on every rank.
+
+        Ring algorithm: ``P-1`` steps, each rank forwards the block it received in
+        the step before; every rank sends and receives the others' bytes once.
+        """
+        p, me = self.world_size, self.rank
+        blocks: list[torch.Tensor | None] = [None] * p
+        blocks[me] = _check_payload(buf)
+        right, left = (me + 1) % p, (me - 1) % p
+        for s in range(p - 1):
+            outgoing = blocks[(me - s) % p]
+            assert outgoing is not None
+            h = self.isend(outgoing, right, tag)
+            blocks[(me - s - 1) % p] = self.recv(left, tag)
+            h.wait()
+        return [b for b in blocks if b is not None]
+
+    # ----------------------------------------------------------- dense collectives
+    def allgather(self, tensor: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
+        """Dense allgather of equally shaped tensors; returns the list in rank order."""
+        flat = tensor.contiguous().reshape(-1)
+        got = self.allgatherv(flat.view(torch.uint8), tag)
+        out = []
+        for i, g in enumerate(got):
+            if g.numel() != flat.numel() * flat.element_size():
+                raise ValueError(
+                    f"allgather: rank {i} sent {g.numel()} bytes, rank {self.rank} "
+                    f"expected {flat.numel() * flat.element_size()} (shapes differ across ranks)"
+                )
+            out.append(g.to(tensor.device).view(tensor.dtype).reshape(tensor.shape))
+        return out
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", tag: int = 0) -> torch.Tensor:
+        """Dense allreduce; returns a new tensor, identical bits on every rank.
+
+        Generic version: ring reduce-scatter then ring allgather (``2(P-1)/P``
+        of the vector sent per rank). Each chunk is reduced once, in a fixed ring
+        order, then copied, so every rank ends with the same bits.
+
+        Args:
+            op: ``"sum"``, ``"max"`` or ``"min"``.
+        """
+        reducer = _REDUCERS.get(op)
+        if reducer is None:
+            raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
+        p, me = self.world_size, self.rank
+        flat = tensor.detach().contiguous().reshape(-1).clone()
+        if p == 1:
+            return flat.reshape(tensor.shape)
+        n = flat.numel()
+        bounds = [i * n // p for i in range(p + 1)]
+        chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(p)]
+        right, left = (me + 1) % p, (me - 1) % p
+        # Reduce-scatter: after P-1 steps, rank r holds the full sum of chunk (r+1) % P.
+        for s in range(p - 1):
+            send_idx, recv_idx = (me - s) % p, (me - s - 1) % p
+            h = self.isend(chunks[send_idx].view(torch.uint8), right, tag)
+            got = self.recv(left, tag).to(flat.device).view(flat.dtype)
+            chunks[recv_idx] = reducer(got, chunks[recv_idx])
+            h.wait()
+        # Allgather of the reduced chunks.
+        for s in range(p - 1):
+            send_idx, recv_idx = (me + 1 - s) % p, (me - s) % p
+            h = self.isend(chunks[send_idx].view(torch.uint8), right, tag)
+            chunks[recv_idx] = self.recv(left, tag).to(flat.device).view(flat.dtype)
+            h.wait()
+        return torch.cat(chunks).reshape(tensor.shape)
+
+    def barrier(self) -> None:
+        """Wait until every rank has reached the barrier."""
+        self.allreduce(torch.zeros(1, dtype=torch.int32))
+
+    # ----------------------------------------------------------- background engine
+    @property
+    def engine(self) -> Any:
+        """This communicator's background engine (created on first use)."""
+        with self._engine_lock:
+            if self._engine is None:
+                from ..engine import Engine
+
+                self._engine = Engine(self)
+            return self._engine
+
+    @property
+    def has_engine(self) -> bool:
+        return self._engine is not None
+
+    def close(self) -> None:
+        """Stop the background engine, if any."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+
+def _sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+_REDUCERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "sum": _sum,
+    "max": torch.maximum,
+    "min": torch.minimum,
+}
+
+
+class SelfCommunicator(Communicator):
+    """A world of one rank: every collective is local, no process group needed."""
+
+    def __init__(self, device: torch.device | str = "cpu", timeout: float = 300.0) -> None:
+        super().__init__(0, 1, timeout)
+        self.device = torch.device(device)
+
+    def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:  # pragma: no cover
+        raise ValueError("a world of one rank has no peer to send to")
+
+    def _irecv(self, src: int, tag: int) -> Handle:  # pragma: no cover
+        raise ValueError("a world of one rank has no peer to receive from")

@@ -1,0 +1,135 @@
+"""In-process ranks: one thread per rank, messages through shared mailboxes.
+
+Used by the exhaustive property tests: :func:`run_ranks` runs an SPMD function
+on ``world_size`` ranks in this process and returns their results in rank order.
+If any rank raises, the others are aborted (they stop at their next
+communication instead of waiting for a message that will never come) and the
+first exception is re-raised in the caller, annotated with its rank.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ..errors import CommTimeoutError, RankAbortedError
+from .base import Communicator, Handle
+
+__all__ = ["LocalCommunicator", "LocalWorld", "run_ranks"]
+
+T = TypeVar("T")
+
+_POLL_S = 0.02
+
+
+class LocalWorld:
+    """Mailboxes shared by the in-process ranks of one world."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.aborted = threading.Event()
+        self._lock = threading.Lock()
+        self._boxes: dict[tuple[int, int, int], queue.SimpleQueue[torch.Tensor]] = defaultdict(
+            queue.SimpleQueue
+        )
+
+    def box(self, src: int, dst: int, tag: int) -> queue.SimpleQueue[torch.Tensor]:
+        with self._lock:
+            return self._boxes[(src, dst, tag)]
+
+
+class LocalCommunicator(Communicator):
+    """One rank of a :class:`LocalWorld`. Payloads are copied on send (no aliasing)."""
+
+    def __init__(self, world: LocalWorld, rank: int, timeout: float = 30.0) -> None:
+        super().__init__(rank, world.world_size, timeout)
+        self.world = world
+        self.device = torch.device("cpu")
+
+    def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
+        if self.world.aborted.is_set():
+            raise RankAbortedError(f"rank {self.rank}: aborted because another rank failed")
+        self.world.box(self.rank, dst, tag).put(buf.to("cpu", copy=True))
+        return Handle.done()
+
+    def _irecv(self, src: int, tag: int) -> Handle:
+        box = self.world.box(src, self.rank, tag)
+
+        def wait() -> torch.Tensor:
+            deadline = time.monotonic() + self.timeout
+            while True:
+                if self.world.aborted.is_set():
+                    raise RankAbortedError(
+                        f"rank {self.rank}: aborted while waiting for rank {src} "
+                        "because another rank failed",
+                        peer=src,
+                    )
+                try:
+                    return box.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        raise CommTimeoutError(
+                            f"rank {self.rank}: timed out after {self.timeout:g}s waiting "
+                            f"for a message from rank {src} (tag {tag})",
+                            peer=src,
+                        ) from None
+
+        return Handle(wait)
+
+
+def run_ranks(world_size: int, fn: Callable[..., T], *args: Any, timeout: float = 30.0) -> list[T]:
+    """Run ``fn(comm, *args)`` on ``world_size`` in-process ranks; results in rank order.
+
+    Args:
+        world_size: number of ranks (threads), at least 1.
+        fn: the SPMD function; its first argument is the rank's communicator.
+        timeout: seconds a rank waits for a peer before raising
+            :class:`~sparcml.errors.CommTimeoutError`.
+
+    Raises:
+        The first exception raised by any rank (with a note naming the rank);
+        the other ranks are aborted instead of hanging.
+
+    Example:
+        >>> run_ranks(3, lambda comm: comm.rank * 10)
+        [0, 10, 20]
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    world = LocalWorld(world_size)
+    comms = [LocalCommunicator(world, r, timeout) for r in range(world_size)]
+    results: list[Any] = [None] * world_size
+    errors: list[tuple[float, int, BaseException]] = []
+    lock = threading.Lock()
+
+    def body(r: int) -> None:
+        try:
+            results[r] = fn(comms[r], *args)
+        except BaseException as e:
+            with lock:
+                errors.append((time.monotonic(), r, e))
+            world.aborted.set()
+        finally:
+            comms[r].close()
+
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"sparcml-rank-{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        # The root cause is the earliest error that is not a consequence of the abort.
+        primary = [e for e in errors if not isinstance(e[2], RankAbortedError)] or errors
+        _, rank, exc = min(primary, key=lambda e: e[0])
+        exc.add_note(f"(raised on in-process rank {rank} of {world_size})")
+        raise exc
+    return results

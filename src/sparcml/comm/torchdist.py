@@ -1,0 +1,181 @@
+"""torch.distributed backend: gloo with CPU tensors, NCCL with CUDA tensors.
+
+Unknown-size messages use a two-message protocol: an int64 length, then the
+payload (skipped when empty). Messages between one pair of ranks are matched in
+order, so a collective's steps never mix.
+
+Timeouts: every wait is bounded by the communicator's ``timeout``. A peer that
+does not answer raises :class:`~sparcml.errors.CommTimeoutError` naming it; a
+peer whose connection closes (it died) raises
+:class:`~sparcml.errors.PeerFailedError` naming it. After either, the process
+group is no longer usable (gloo closes the pair): treat it as fatal.
+
+Dense collectives call torch.distributed's own ``all_reduce``/``all_gather``;
+their bytes are counted as a ring algorithm moves them per rank:
+``2(P-1)/P * n`` for allreduce and ``(P-1) * n`` for allgather of ``n`` bytes.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommError, CommTimeoutError, PeerFailedError
+from .base import Communicator, Handle
+
+__all__ = ["TorchDistCommunicator"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _wrap_error(e: Exception, me: int, peer: int | None, what: str, timeout: float) -> CommError:
+    text = str(e)
+    who = f"rank {peer}" if peer is not None else "a peer"
+    if "Timed out" in text or "timeout" in text.lower():
+        return CommTimeoutError(
+            f"rank {me}: timed out after {timeout:g}s in {what} waiting for {who} "
+            f"(is rank {peer} alive and calling the same collective?): {text}",
+            peer=peer,
+        )
+    if "closed" in text.lower() or "reset" in text.lower() or "broken" in text.lower():
+        return PeerFailedError(f"rank {me}: {who} failed during {what}: {text}", peer=peer)
+    return CommError(f"rank {me}: {what} with {who} failed: {text}", peer=peer)
+
+
+class TorchDistCommunicator(Communicator):
+    """A communicator over a torch.distributed process group.
+
+    Args:
+        group: the process group (default: the default group). It must be
+            initialised; for a world of one without a process group use
+            :class:`~sparcml.comm.SelfCommunicator`.
+        timeout: seconds to wait for a peer (default 300).
+        device: where payloads travel: ``cpu`` for gloo (CUDA payloads are staged
+            through host memory), the rank's CUDA device for NCCL. Inferred from
+            the backend when omitted.
+
+    Raises:
+        RuntimeError: if torch.distributed is not initialised.
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        timeout: float = 300.0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group(...) first, or pass no "
+                "communicator for a world of one rank"
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        rank = dist.get_rank(self.group)
+        world = dist.get_world_size(self.group)
+        super().__init__(rank, world, timeout)
+        backend = str(dist.get_backend(self.group)).lower()
+        self.backend = backend
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
+        self.device = torch.device(device)
+        self._td = datetime.timedelta(seconds=self.timeout)
+
+    def _global(self, group_rank: int) -> int:
+        if self.group is dist.group.WORLD:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def _wait(self, work: Any, peer: int | None, what: str) -> None:
+        try:
+            work.wait(self._td)
+        except Exception as e:
+            raise _wrap_error(e, self.rank, peer, what, self.timeout) from e
+
+    def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
+        buf = buf.to(self.device)
+        n = torch.tensor([buf.numel()], dtype=torch.int64, device=self.device)
+        gdst = self._global(dst)
+        self.stats.control_bytes += 8
+        try:
+            works = [dist.isend(n, gdst, group=self.group, tag=tag)]
+            if buf.numel():
+                works.append(dist.isend(buf, gdst, group=self.group, tag=tag))
+        except Exception as e:
+            raise _wrap_error(e, self.rank, dst, "send", self.timeout) from e
+
+        def wait() -> None:
+            for w in works:
+                self._wait(w, dst, "send")
+            del works[:]
+            _ = (n, buf)  # the closure keeps the tensors alive until the sends finish
+
+        return Handle(wait)
+
+    def _irecv(self, src: int, tag: int) -> Handle:
+        n = torch.empty(1, dtype=torch.int64, device=self.device)
+        gsrc = self._global(src)
+        self.stats.control_bytes += 8
+        try:
+            first = dist.irecv(n, gsrc, group=self.group, tag=tag)
+        except Exception as e:
+            raise _wrap_error(e, self.rank, src, "recv", self.timeout) from e
+
+        def wait() -> torch.Tensor:
+            self._wait(first, src, "recv")
+            size = int(n.item())
+            if size < 0:
+                raise CommError(f"rank {self.rank}: rank {src} announced a negative length")
+            out = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if size:
+                try:
+                    work = dist.irecv(out, gsrc, group=self.group, tag=tag)
+                except Exception as e:
+                    raise _wrap_error(e, self.rank, src, "recv", self.timeout) from e
+                self._wait(work, src, "recv")
+            return out
+
+        return Handle(wait)
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", tag: int = 0) -> torch.Tensor:
+        if op not in _OPS:
+            raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
+        out = tensor.detach().to(self.device, copy=True).contiguous()
+        p = self.world_size
+        if p > 1:
+            nbytes = out.numel() * out.element_size()
+            self.stats.bytes_sent += 2 * (p - 1) * nbytes // p
+            self.stats.bytes_recv += 2 * (p - 1) * nbytes // p
+            try:
+                work = dist.all_reduce(out, op=_OPS[op], group=self.group, async_op=True)
+            except Exception as e:
+                raise _wrap_error(e, self.rank, None, "allreduce", self.timeout) from e
+            self._wait(work, None, "allreduce")
+        return out.to(tensor.device)
+
+    def allgather(self, tensor: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
+        src = tensor.detach().to(self.device).contiguous()
+        p = self.world_size
+        outs = [torch.empty_like(src) for _ in range(p)]
+        if p > 1:
+            nbytes = src.numel() * src.element_size()
+            self.stats.bytes_sent += (p - 1) * nbytes
+            self.stats.bytes_recv += (p - 1) * nbytes
+            try:
+                work = dist.all_gather(outs, src, group=self.group, async_op=True)
+            except Exception as e:
+                raise _wrap_error(e, self.rank, None, "allgather", self.timeout) from e
+            self._wait(work, None, "allgather")
+        else:
+            outs[0].copy_(src)
+        return [o.to(tensor.device) for o in outs]
+
+    def barrier(self) -> None:
+        self.allreduce(torch.zeros(1, dtype=torch.int32))

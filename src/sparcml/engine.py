@@ -1,0 +1,109 @@
+"""Background engine for non-blocking collectives (paper 000, sec. 7).
+
+Each communicator owns at most one engine: a worker thread that runs submitted
+collectives one after another, in submission order. Since every rank submits
+its collectives in the same program order, outstanding operations complete in
+the same order on every rank, while the submitting thread goes on computing
+(communication overlaps computation, as SparCML's non-blocking operations do).
+
+A blocking collective issued while the engine exists is queued behind the
+outstanding ones and waited for, so blocking and non-blocking calls keep one
+order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["Engine", "Work"]
+
+
+class Work:
+    """Handle of a non-blocking collective, shaped like ``torch.distributed``'s Work.
+
+    Example:
+        >>> work = sparse_allreduce(stream, async_op=True)   # doctest: +SKIP
+        >>> ...  # compute while it runs
+        >>> result = work.wait()                              # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future[Any] = torch.futures.Future()
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+        if error is None:
+            self._future.set_result(result)
+        else:
+            self._future.set_exception(error)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done and return the result (re-raising the operation's error).
+
+        Raises:
+            TimeoutError: if ``timeout`` seconds pass first (the operation goes on).
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"operation not completed within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """A ``torch.futures.Future`` completed with the result (or the error)."""
+        return self._future
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+
+_STOP = object()
+
+
+class Engine:
+    """Runs callables for one communicator on a background thread, in FIFO order."""
+
+    def __init__(self, comm: Any) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"sparcml-engine-rank{comm.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            fn, work = item
+            try:
+                work._finish(result=fn())
+            except BaseException as e:
+                work._finish(error=e)
+
+    def submit(self, fn: Callable[[], Any]) -> Work:
+        """Queue ``fn`` behind everything submitted before; returns its :class:`Work`."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the communicator's engine has been shut down")
+        work = Work()
+        self._queue.put((fn, work))
+        return work
+
+    def shutdown(self) -> None:
+        """Finish the queued operations, then stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            if threading.current_thread() is not self._thread:
+                self._thread.join()

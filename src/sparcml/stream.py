@@ -1,0 +1,465 @@
+"""Sparse streams: SparCML's vector representation (paper 000, sec. 5.1).
+
+A :class:`SparseStream` is a vector of dimension ``N`` held either as
+(index, value) pairs sorted by index, or densely. Following sec. 5.1 it switches
+to the dense representation once the number of stored pairs exceeds
+
+    delta = N * isize / (c + isize),
+
+where ``isize`` is the byte size of a value and ``c`` the byte size of an index
+(the smallest of 2, 4 or 8 bytes that holds ``N``): past ``delta`` the sparse
+form would take more bytes than the dense one.
+
+In memory, indices are ``int64`` tensors (what PyTorch indexes with); the
+compact ``c``-byte indices are used on the wire (:mod:`sparcml.wire`).
+
+Input convention: indices given to the constructor may be unsorted and may
+repeat; they are sorted and duplicates are *combined by summation* (in the order
+they were given, so the result is deterministic). Explicit zero values are kept.
+NaN and Inf values are carried through like any other value, exactly as a dense
+allreduce would carry them.
+
+Everything here is pure tensor code: no communication, CPU or CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "SparseStream",
+    "dense_threshold",
+    "index_bytes",
+]
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+)
+
+if sys.byteorder != "little":  # pragma: no cover - all supported platforms are little-endian
+    raise ImportError("sparcml's wire format assumes a little-endian host")
+
+
+def index_bytes(size: int) -> int:
+    """Bytes ``c`` of one index on the wire: the smallest of 2, 4, 8 that holds ``size``.
+
+    Args:
+        size: the vector dimension ``N``.
+
+    Returns:
+        2, 4 or 8.
+
+    Example:
+        >>> index_bytes(60_000), index_bytes(16_777_216)
+        (2, 4)
+    """
+    if size < 0:
+        raise ValueError(f"size must be non-negative, got {size}")
+    for c in (2, 4):
+        if size < (1 << (8 * c)):
+            return c
+    return 8
+
+
+def dense_threshold(size: int, dtype: torch.dtype) -> int:
+    """SparCML's ``delta = N * isize / (c + isize)`` (sec. 5.1), rounded down.
+
+    A stream holding more than ``delta`` pairs is stored densely.
+
+    Example:
+        >>> dense_threshold(1_000_000, torch.float32)
+        500000
+    """
+    isize = torch.empty((), dtype=dtype).element_size()
+    return (size * isize) // (index_bytes(size) + isize)
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"unsupported value dtype {dtype}; sparse streams hold {names}")
+
+
+def _coalesce(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort by index and sum duplicates, in the order given (deterministic)."""
+    order = torch.argsort(indices, stable=True)
+    indices = indices[order]
+    values = values[order]
+    if indices.numel() < 2:
+        return indices, values
+    unique, counts = torch.unique_consecutive(indices, return_counts=True)
+    if unique.numel() == indices.numel():
+        return indices, values
+    # segment_reduce adds each segment left to right: the same bits on every run.
+    return unique, torch.segment_reduce(values, "sum", lengths=counts)
+
+
+class SparseStream:
+    """A vector of dimension ``N`` stored sparse (sorted index/value pairs) or dense.
+
+    Args:
+        indices: 1-D integer tensor of positions in ``[0, size)``; may be unsorted
+            and may repeat (duplicates are summed).
+        values: 1-D float tensor (float32, float16, bfloat16 or float64), same
+            length and device as ``indices``.
+        size: the dimension ``N``.
+
+    Raises:
+        TypeError: integer/float dtype problems or tensors on different devices.
+        ValueError: shape mismatch, negative size, or an index outside ``[0, size)``.
+
+    Example:
+        >>> s = SparseStream(torch.tensor([7, 2]), torch.tensor([1.0, 3.0]), size=10)
+        >>> s.indices.tolist(), s.values.tolist(), s.is_dense
+        ([2, 7], [3.0, 1.0], False)
+        >>> (s + s).to_dense()[2].item()
+        6.0
+    """
+
+    __slots__ = ("_dense", "_indices", "_size", "_values")
+
+    def __init__(self, indices: torch.Tensor, values: torch.Tensor, size: int) -> None:
+        size = int(size)
+        if size < 0:
+            raise ValueError(f"size must be non-negative, got {size}")
+        if not isinstance(indices, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise TypeError("indices and values must be torch tensors")
+        if indices.dim() != 1 or values.dim() != 1:
+            raise ValueError(
+                f"indices and values must be 1-D, got shapes {tuple(indices.shape)} "
+                f"and {tuple(values.shape)}"
+            )
+        if indices.numel() != values.numel():
+            raise ValueError(
+                f"indices and values differ in length: {indices.numel()} vs {values.numel()}"
+            )
+        if (
+            indices.dtype.is_floating_point
+            or indices.dtype.is_complex
+            or indices.dtype == torch.bool
+        ):
+            raise TypeError(f"indices must be an integer tensor, got {indices.dtype}")
+        _check_dtype(values.dtype)
+        if indices.device != values.device:
+            raise TypeError(
+                f"indices on {indices.device} but values on {values.device}; "
+                "put both on the same device"
+            )
+        indices = indices.to(torch.int64)
+        if indices.numel():
+            lo, hi = torch.aminmax(indices)
+            lo_i, hi_i = int(lo), int(hi)
+            if lo_i < 0 or hi_i >= size:
+                bad = lo_i if lo_i < 0 else hi_i
+                raise ValueError(f"index {bad} out of range for a stream of size {size}")
+            if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+                indices, values = _coalesce(indices, values)
+        self._set_sparse(indices.contiguous(), values.contiguous(), size)
+        self._maybe_densify()
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def _trusted(cls, indices: torch.Tensor, values: torch.Tensor, size: int) -> SparseStream:
+        """Build from pairs already sorted, unique, in range and of a supported dtype.
+
+        Internal fast path for the collectives (no device sync for validation).
+        """
+        s = cls.__new__(cls)
+        s._set_sparse(indices, values, size)
+        s._maybe_densify()
+        return s
+
+    @classmethod
+    def dense(cls, tensor: torch.Tensor) -> SparseStream:
+        """Wrap a 1-D tensor as a dense stream (no copy; the stream owns ``tensor``)."""
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
+            raise ValueError(f"a dense stream is built from a 1-D tensor, got {shape}")
+        _check_dtype(tensor.dtype)
+        s = cls.__new__(cls)
+        s._size = tensor.numel()
+        s._dense = True
+        s._indices = None
+        s._values = tensor.contiguous()
+        return s
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor) -> SparseStream:
+        """The non-zero entries of a 1-D tensor (NaN counts as non-zero).
+
+        The stream is sparse if the non-zeros number at most ``delta``, dense otherwise.
+
+        Example:
+            >>> SparseStream.from_dense(torch.tensor([0.0, 2.0, 0.0])).indices.tolist()
+            [1]
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"from_dense expects a tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 1:
+            raise ValueError(
+                f"from_dense expects a 1-D tensor, got shape {tuple(tensor.shape)}; "
+                "flatten it first"
+            )
+        _check_dtype(tensor.dtype)
+        size = tensor.numel()
+        idx = torch.nonzero(tensor).flatten()
+        if idx.numel() > dense_threshold(size, tensor.dtype):
+            return cls.dense(tensor.clone())
+        return cls._trusted(idx, tensor[idx], size)
+
+    @classmethod
+    def empty(
+        cls, size: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> SparseStream:
+        """A stream with no non-zero entries."""
+        _check_dtype(dtype)
+        return cls._trusted(
+            torch.empty(0, dtype=torch.int64, device=device),
+            torch.empty(0, dtype=dtype, device=device),
+            size,
+        )
+
+    def _set_sparse(self, indices: torch.Tensor, values: torch.Tensor, size: int) -> None:
+        self._size = size
+        self._dense = False
+        self._indices = indices
+        self._values = values
+
+    def _maybe_densify(self) -> None:
+        if not self._dense and self._values.numel() > dense_threshold(self._size, self.dtype):
+            self._values = self.to_dense()
+            self._indices = None
+            self._dense = True
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def size(self) -> int:
+        """The dimension ``N``."""
+        return self._size
+
+    @property
+    def is_dense(self) -> bool:
+        return self._dense
+
+    @property
+    def nnz(self) -> int:
+        """Entries held: the number of pairs if sparse, ``N`` if dense."""
+        return self._values.numel()
+
+    @property
+    def indices(self) -> torch.Tensor:
+        """Sorted int64 positions (``arange(N)`` for a dense stream)."""
+        if self._dense:
+            return torch.arange(self._size, device=self._values.device)
+        return self._indices
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Values at :attr:`indices` (the whole vector for a dense stream)."""
+        return self._values
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._values.device
+
+    @property
+    def delta(self) -> int:
+        """The dense-switch threshold of this stream's size and dtype."""
+        return dense_threshold(self._size, self.dtype)
+
+    def count_nonzero(self) -> int:
+        """Number of non-zero entries of the vector (NaN counts as non-zero)."""
+        return int(torch.count_nonzero(self._values))
+
+    def __repr__(self) -> str:
+        kind = "dense" if self._dense else f"sparse, nnz={self.nnz}"
+        return f"SparseStream(size={self._size}, {kind}, dtype={self.dtype}, device={self.device})"
+
+    # ------------------------------------------------------------------ conversions
+    def to_dense(self) -> torch.Tensor:
+        """The vector as a dense 1-D tensor (a new tensor for sparse, the storage for dense)."""
+        if self._dense:
+            return self._values
+        out = torch.zeros(self._size, dtype=self.dtype, device=self.device)
+        out[self._indices] = self._values
+        return out
+
+    def to(self, device: torch.device | str) -> SparseStream:
+        """This stream on another device."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        if self._dense:
+            return SparseStream.dense(self._values.to(device))
+        return SparseStream._trusted(self._indices.to(device), self._values.to(device), self._size)
+
+    def clone(self) -> SparseStream:
+        if self._dense:
+            return SparseStream.dense(self._values.clone())
+        return SparseStream._trusted(self._indices.clone(), self._values.clone(), self._size)
+
+    # ------------------------------------------------------------------ summation
+    def _check_compatible(self, other: SparseStream) -> None:
+        if not isinstance(other, SparseStream):
+            raise TypeError(f"cannot add SparseStream and {type(other).__name__}")
+        if other._size != self._size:
+            raise ValueError(f"cannot add streams of sizes {self._size} and {other._size}")
+        if other.dtype != self.dtype:
+            raise TypeError(f"cannot add streams of dtypes {self.dtype} and {other.dtype}")
+        if other.device != self.device:
+            raise TypeError(f"cannot add streams on {self.device} and {other.device}")
+
+    def __add__(self, other: SparseStream) -> SparseStream:
+        """Sum of two streams of the same size (sec. 5.1, "Efficient Summation").
+
+        * sparse + sparse, indices may overlap: if ``|H1| + |H2| > delta`` (the
+          paper's cheap upper bound of the union) the result is dense, else the
+          sorted union with values summed;
+        * sparse + dense: the pairs are added into a copy of the dense vector;
+        * dense + dense: a vectorised dense sum.
+
+        Deterministic: the same operands in the same order give the same bits on
+        every device and run (collectives always add in rank order).
+        """
+        self._check_compatible(other)
+        if self._dense and other._dense:
+            return SparseStream.dense(self._values + other._values)
+        if self._dense or other._dense:
+            dense, sparse = (self, other) if self._dense else (other, self)
+            out = dense._values.clone()
+            out[sparse._indices] += sparse._values
+            return SparseStream.dense(out)
+        if self.nnz + other.nnz > self.delta:
+            out = self.to_dense()
+            out[other._indices] += other._values
+            return SparseStream.dense(out)
+        union, inverse = torch.unique(
+            torch.cat([self._indices, other._indices]), sorted=True, return_inverse=True
+        )
+        values = torch.zeros(union.numel(), dtype=self.dtype, device=self.device)
+        values[inverse[: self.nnz]] = self._values
+        values[inverse[self.nnz :]] += other._values
+        return SparseStream._trusted(union, values, self._size)
+
+    def add_(self, other: SparseStream) -> SparseStream:
+        """In-place sum; reuses this stream's storage when it is dense (dense+dense in place)."""
+        self._check_compatible(other)
+        if self._dense:
+            if other._dense:
+                self._values += other._values
+            else:
+                self._values[other._indices] += other._values
+            return self
+        result = self + other
+        self._dense, self._indices, self._values = result._dense, result._indices, result._values
+        return self
+
+    @staticmethod
+    def sum(streams: Sequence[SparseStream]) -> SparseStream:
+        """Sum of several streams, added left to right (a fixed order: deterministic).
+
+        Raises:
+            ValueError: if ``streams`` is empty.
+        """
+        if not streams:
+            raise ValueError("SparseStream.sum needs at least one stream")
+        acc = streams[0]
+        for s in streams[1:]:
+            acc = acc + s
+        return acc
+
+    # ------------------------------------------------------------------ partitions
+    def split(self, boundaries: Sequence[int]) -> list[SparseStream]:
+        """Split into the index ranges ``[b[j], b[j+1])``; indices become local to each range.
+
+        Args:
+            boundaries: non-decreasing positions starting at 0 and ending at ``N``.
+
+        Returns:
+            ``len(boundaries) - 1`` streams; part ``j`` has size ``b[j+1] - b[j]``.
+
+        Example:
+            >>> s = SparseStream(torch.tensor([1, 5, 8]), torch.ones(3), 10)
+            >>> [p.indices.tolist() for p in s.split([0, 5, 10])]
+            [[1], [0, 3]]
+        """
+        b = [int(x) for x in boundaries]
+        if len(b) < 2 or b[0] != 0 or b[-1] != self._size:
+            raise ValueError(
+                f"boundaries must start at 0 and end at the size {self._size}, got {b}"
+            )
+        if any(b[i] > b[i + 1] for i in range(len(b) - 1)):
+            raise ValueError(f"boundaries must be non-decreasing, got {b}")
+        if self._dense:
+            return [
+                SparseStream.from_dense(self._values[lo:hi])
+                for lo, hi in itertools.pairwise(b)
+            ]
+        cuts = torch.searchsorted(
+            self._indices, torch.tensor(b, dtype=torch.int64, device=self.device)
+        ).tolist()
+        return [
+            SparseStream._trusted(
+                self._indices[cuts[j] : cuts[j + 1]] - b[j],
+                self._values[cuts[j] : cuts[j + 1]],
+                b[j + 1] - b[j],
+            )
+            for j in range(len(b) - 1)
+        ]
+
+    @staticmethod
+    def concat(parts: Sequence[SparseStream]) -> SparseStream:
+        """Disjoint summation by concatenation (sec. 5.1): the inverse of :meth:`split`.
+
+        Part ``j`` covers the index range right after part ``j-1``; the result has
+        size ``sum(part sizes)`` and is dense if its pairs exceed ``delta``.
+        """
+        if not parts:
+            raise ValueError("SparseStream.concat needs at least one part")
+        dtype, device = parts[0].dtype, parts[0].device
+        for p in parts:
+            if p.dtype != dtype or p.device != device:
+                raise TypeError("cannot concatenate streams of different dtypes or devices")
+        size = sum(p.size for p in parts)
+        total = sum(p.nnz for p in parts)
+        if any(p.is_dense for p in parts) or total > dense_threshold(size, dtype):
+            return SparseStream.dense(torch.cat([p.to_dense() for p in parts]))
+        offsets = [0]
+        for p in parts[:-1]:
+            offsets.append(offsets[-1] + p.size)
+        indices = torch.cat([p._indices + off for p, off in zip(parts, offsets, strict=True)])
+        values = torch.cat([p._values for p in parts])
+        return SparseStream._trusted(indices, values, size)
+
+    def equal(self, other: SparseStream) -> bool:
+        """Bitwise equality of representation and content (NaNs compare by bits)."""
+        if (
+            self._size != other._size
+            or self._dense != other._dense
+            or self.dtype != other.dtype
+            or self.nnz != other.nnz
+        ):
+            return False
+        if not self._dense and not torch.equal(self._indices, other._indices.to(self.device)):
+            return False
+        a = self._values.view(_bits_dtype(self.dtype))
+        b = other._values.to(self.device).view(_bits_dtype(self.dtype))
+        return bool(torch.equal(a, b))
+
+
+def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        torch.empty((), dtype=dtype).element_size()
+    ]
