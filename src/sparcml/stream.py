@@ -404,8 +404,7 @@ class SparseStream:
             raise ValueError(f"boundaries must be non-decreasing, got {b}")
         if self._dense:
             return [
-                SparseStream.from_dense(self._values[lo:hi])
-                for lo, hi in itertools.pairwise(b)
+                SparseStream.from_dense(self._values[lo:hi]) for lo, hi in itertools.pairwise(b)
             ]
         cuts = torch.searchsorted(
             self._indices, torch.tensor(b, dtype=torch.int64, device=self.device)

@@ -31,11 +31,25 @@ log = logging.getLogger("sparcml")
 def check_consistent(stream: SparseStream, comm: Communicator) -> list[int]:
     """Check that every rank passes the same size and dtype; return every rank's nnz.
 
+    Every rank sends its (size, dtype, nnz) straight to every other rank, so a
+    rank that is dead or not calling the collective is named by every peer's
+    timeout error, not just by a neighbour's.
+
     Raises:
         RankMismatchError: on every rank, naming the ranks that differ.
+        CommTimeoutError / PeerFailedError: naming a rank that did not answer.
     """
     meta = torch.tensor([stream.size, dtype_code(stream.dtype), stream.nnz], dtype=torch.int64)
-    rows = [r.tolist() for r in comm.allgather(meta)]
+    payload = meta.view(torch.uint8)
+    got = comm.alltoallv([payload] * comm.world_size)
+    rows = []
+    for r, buf in enumerate(got):
+        if buf.numel() != payload.numel():
+            raise RankMismatchError(
+                f"rank {r} sent a malformed header ({buf.numel()} bytes): is it running "
+                "the same collective and sparcml version?"
+            )
+        rows.append(buf.cpu().view(torch.int64).tolist())
     sizes = [r[0] for r in rows]
     codes = [r[1] for r in rows]
     if len(set(sizes)) > 1:

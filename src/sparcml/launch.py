@@ -1,0 +1,168 @@
+"""Local multi-process launcher: ranks as processes over gloo on loopback.
+
+:func:`run_processes` is the process-based sibling of
+:func:`sparcml.comm.run_ranks`: it spawns ``world_size`` Python processes,
+initialises a gloo process group among them on ``127.0.0.1``, runs
+``fn(comm, *args)`` on each with a :class:`~sparcml.comm.TorchDistCommunicator`,
+and returns the results in rank order. The demo, the benchmarks and the
+real-transport tests use it; under ``torchrun`` or ``mpirun`` you do not need it.
+
+``fn`` must be importable by the child processes (a module-level function).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["ProcessFailedError", "free_port", "run_processes"]
+
+
+class ProcessFailedError(RuntimeError):
+    """A rank process raised, died or overran the launcher's deadline."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    timeout: float,
+    threads: int,
+    results: Any,
+) -> None:
+    import torch.distributed as dist
+
+    from .comm import TorchDistCommunicator
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        comm = TorchDistCommunicator(timeout=timeout)
+        try:
+            out = fn(comm, *args)
+        finally:
+            comm.close()
+        results.put((rank, True, _dumps(out)))
+        dist.destroy_process_group()
+    except BaseException as e:
+        text = "".join(traceback.format_exception(e))
+        results.put((rank, False, _dumps((type(e).__name__, str(e), text))))
+
+
+def run_processes(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 60.0,
+    deadline: float | None = None,
+    threads: int = 1,
+    allow_missing: bool = False,
+) -> list[Any]:
+    """Run ``fn(comm, *args)`` on ``world_size`` gloo processes; results in rank order.
+
+    Args:
+        world_size: number of processes.
+        fn: module-level function ``fn(comm, *args)``; its result must be picklable.
+        timeout: the communicator's (and process group's) timeout, seconds.
+        deadline: overall seconds before the launcher kills every rank
+            (default ``timeout + 60``).
+        threads: torch intra-op threads per rank.
+        allow_missing: a rank that exits without a result gives ``None`` instead of
+            an error (for tests that kill a rank on purpose).
+
+    Raises:
+        ProcessFailedError: a rank raised (its traceback is in the message), died
+            without a result, or the deadline passed.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, fn, args, timeout, threads, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    # Children inherit the environment: keep them from oversubscribing the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    for p in procs:
+        p.start()
+    end = time.monotonic() + (deadline if deadline is not None else timeout + 60.0)
+    got: dict[int, tuple[bool, bytes]] = {}
+    try:
+        while len(got) < world_size:
+            if not results.empty():
+                rank, ok, blob = results.get()
+                got[rank] = (ok, blob)
+                continue
+            dead = [
+                r
+                for r, p in enumerate(procs)
+                if not p.is_alive() and r not in got and not (allow_missing and p.exitcode)
+            ]
+            if allow_missing and all(
+                r in got or (not p.is_alive() and p.exitcode) for r, p in enumerate(procs)
+            ):
+                break
+            if dead and results.empty():
+                time.sleep(0.2)  # a result may still be in flight
+                if results.empty():
+                    r = dead[0]
+                    raise ProcessFailedError(
+                        f"rank {r} died without a result (exit code {procs[r].exitcode})", rank=r
+                    )
+            if time.monotonic() > end:
+                missing = sorted(set(range(world_size)) - set(got))
+                raise ProcessFailedError(f"ranks {missing} did not finish before the deadline")
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = {r: v for r, (ok, v) in got.items() if not ok}
+    if failures:
+        r = min(failures)
+        name, msg, text = torch.load(io.BytesIO(failures[r]), weights_only=False)
+        raise ProcessFailedError(f"rank {r} raised {name}: {msg}\n{text}", rank=r)
+    return [
+        torch.load(io.BytesIO(got[r][1]), weights_only=False) if r in got else None
+        for r in range(world_size)
+    ]

@@ -1,0 +1,160 @@
+"""Property tests of every sparse allreduce algorithm on in-process ranks.
+
+World sizes 1-9 and 16, sizes including primes and N < P, every index pattern
+of ``conftest.PATTERNS``, every dtype. Integer-valued inputs make every sum exact
+in every dtype (|sum| <= 4 * 16 = 64 fits even bfloat16's 8-bit mantissa), so
+the comparison with the dense reference is exact; random-valued float inputs are
+compared with a stated tolerance. Results must be bitwise identical on all ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from inputs import PATTERNS, dense_reference, make_stream
+from sparcml import SparseStream, algorithms, sparse_allgather, sparse_allreduce
+from sparcml.comm import run_ranks
+from sparcml.errors import CommTimeoutError, RankMismatchError
+from sparcml.stream import SUPPORTED_DTYPES
+
+ALGORITHMS = [*algorithms(), "auto"]
+WORLDS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16]
+
+
+def _reduce_all(world, size, pattern, dtype, algorithm, integer=True):  # type: ignore[no-untyped-def]
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = make_stream(pattern, comm.rank, world, size, dtype, integer=integer)
+        return s, sparse_allreduce(s, comm, algorithm=algorithm)
+
+    out = run_ranks(world, fn)
+    inputs = [o[0] for o in out]
+    results = [o[1] for o in out]
+    return inputs, results
+
+
+def _check(inputs, results, exact=True, rtol=0.0):  # type: ignore[no-untyped-def]
+    ref = dense_reference(inputs)
+    first = results[0]
+    for r, res in enumerate(results):
+        assert res.size == ref.numel() and res.dtype == inputs[0].dtype
+        assert res.equal(first), f"rank {r} result differs from rank 0's bits"
+    got = first.to_dense().to(torch.float64)
+    if exact:
+        assert torch.equal(got, ref)
+    else:
+        scale = torch.stack([s.to_dense().abs().to(torch.float64) for s in inputs]).sum(0)
+        assert torch.all((got - ref).abs() <= rtol * scale + 1e-12)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_all_patterns_and_sizes_exact(world: int, algorithm: str) -> None:
+    for size, pattern in itertools.product([1, 3, 13, 97, 1000], PATTERNS):
+        inputs, results = _reduce_all(world, size, pattern, torch.float32, algorithm)
+        _check(inputs, results)
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_dtype_exact(dtype: torch.dtype, algorithm: str) -> None:
+    for world, pattern in itertools.product([2, 5, 8], ["random", "overlap", "dense"]):
+        inputs, results = _reduce_all(world, 211, pattern, dtype, algorithm)
+        _check(inputs, results)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rtol"),
+    [(torch.float64, 1e-14), (torch.float32, 1e-6), (torch.float16, 1e-2), (torch.bfloat16, 5e-2)],
+)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_random_values_within_tolerance(dtype: torch.dtype, rtol: float, algorithm: str) -> None:
+    # Tolerance: |result - exact| <= rtol * sum_i |x_i| per entry (P-1 roundings of
+    # at most one ulp each, with headroom).
+    for world, pattern in itertools.product([3, 7], ["random", "overlap", "dense"]):
+        inputs, results = _reduce_all(world, 500, pattern, dtype, algorithm, integer=False)
+        _check(inputs, results, exact=False, rtol=rtol)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_nan_and_inf_are_carried_through(algorithm: str) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = make_stream("overlap", comm.rank, comm.world_size, 50)
+        x = s.to_dense()
+        if comm.rank == 1:
+            x[3] = float("nan")
+            x[4] = float("inf")
+        return sparse_allreduce(SparseStream.from_dense(x), comm, algorithm=algorithm)
+
+    out = run_ranks(5, fn)
+    for res in out:
+        d = res.to_dense()
+        assert torch.isnan(d[3]) and d[4] == float("inf")
+        assert res.equal(out[0])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 6, 8])
+def test_sparse_allgather_returns_every_stream(world: int) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = make_stream("random", comm.rank, world, 40 + comm.rank)  # sizes differ
+        return s, sparse_allgather(s, comm)
+
+    out = run_ranks(world, fn)
+    for _, gathered in out:
+        assert len(gathered) == world
+        for j in range(world):
+            assert gathered[j].equal(out[j][0])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_mismatched_size_fails_on_every_rank(algorithm: str) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = SparseStream.empty(100 if comm.rank != 2 else 99)
+        try:
+            sparse_allreduce(s, comm, algorithm=algorithm)
+        except RankMismatchError as e:
+            return str(e)
+        return "no error"
+
+    msgs = run_ranks(4, fn)
+    assert all("rank 2: N=99" in m for m in msgs), msgs
+
+
+def test_mismatched_dtype_fails_on_every_rank() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        dtype = torch.float64 if comm.rank == 1 else torch.float32
+        try:
+            sparse_allreduce(SparseStream.empty(10, dtype), comm)
+        except RankMismatchError as e:
+            return str(e)
+        return "no error"
+
+    assert all("rank 1: torch.float64" in m for m in run_ranks(3, fn))
+
+
+def test_rank_that_never_joins_is_named() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 2:
+            return None
+        try:
+            sparse_allreduce(SparseStream.empty(10), comm)
+        except CommTimeoutError as e:
+            return e.peer
+        return "no error"
+
+    assert run_ranks(3, fn, timeout=0.5) == [2, 2, None]
+
+
+def test_unknown_algorithm_and_wrong_type() -> None:
+    with pytest.raises(ValueError, match="unknown allreduce algorithm 'fast'.*ssar_split"):
+        sparse_allreduce(SparseStream.empty(3), algorithm="fast")
+    with pytest.raises(TypeError, match="from_dense"):
+        sparse_allreduce(torch.zeros(3))  # type: ignore[arg-type]
+
+
+def test_world_of_one_needs_no_process_group() -> None:
+    s = SparseStream(torch.tensor([2]), torch.tensor([5.0]), 4)
+    for algorithm in ALGORITHMS:
+        assert torch.equal(sparse_allreduce(s, algorithm=algorithm).to_dense(), s.to_dense())

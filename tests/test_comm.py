@@ -1,0 +1,133 @@
+"""In-process communicator: point-to-point, irregular collectives, failures and timeouts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sparcml.comm import SelfCommunicator, run_ranks
+from sparcml.errors import CommTimeoutError
+
+
+def _bytes(n: int, fill: int) -> torch.Tensor:
+    return torch.full((n,), fill % 256, dtype=torch.uint8)
+
+
+def test_run_ranks_returns_in_rank_order() -> None:
+    assert run_ranks(5, lambda comm: (comm.rank, comm.world_size)) == [(r, 5) for r in range(5)]
+
+
+def test_point_to_point_unknown_sizes_including_zero() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 0:
+            comm.send(_bytes(0, 0), 1)
+            h = comm.isend(_bytes(1000, 7), 1)
+            h.wait()
+            return None
+        a = comm.recv(0)
+        b = comm.irecv(0).wait()
+        return a.numel(), b.numel(), int(b[0])
+
+    assert run_ranks(2, fn)[1] == (0, 1000, 7)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+def test_alltoallv_with_zero_size_parts(world: int) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        # rank r sends (r + j) % 3 bytes of value r*16+j to rank j: some parts are empty
+        parts = [_bytes((comm.rank + j) % 3, comm.rank * 16 + j) for j in range(world)]
+        got = comm.alltoallv(parts)
+        return [(g.numel(), g.tolist()) for g in got]
+
+    out = run_ranks(world, fn)
+    for me in range(world):
+        for j in range(world):
+            n = (j + me) % 3
+            assert out[me][j] == (n, [(j * 16 + me) % 256] * n)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_allgatherv_and_stats(world: int) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        got = comm.allgatherv(_bytes(comm.rank * 3, comm.rank))
+        return [g.tolist() for g in got], comm.stats.snapshot()
+
+    out = run_ranks(world, fn)
+    expect = [[r] * (r * 3) for r in range(world)]
+    total = sum(len(e) for e in expect)
+    for me, (got, stats) in enumerate(out):
+        assert got == [[x % 256 for x in e] for e in expect]
+        # ring: every rank receives every other rank's bytes exactly once
+        assert stats.bytes_recv == total - me * 3
+    assert sum(s.bytes_sent for _, s in out) == sum(s.bytes_recv for _, s in out)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 6])
+@pytest.mark.parametrize("n", [0, 1, 5, 1001])
+def test_dense_allreduce_is_exact_and_identical(world: int, n: int) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(comm.rank)
+        x = torch.randn(n, generator=g)
+        return x, comm.allreduce(x), comm.allreduce(x, op="max")
+
+    out = run_ranks(world, fn)
+    ref = torch.stack([o[0] for o in out]).sum(0)
+    mx = torch.stack([o[0] for o in out]).amax(0) if n else torch.empty(0)
+    for _, s, m in out:
+        assert torch.allclose(s, ref, atol=1e-5)
+        assert torch.equal(s, out[0][1])
+        assert torch.equal(m, mx)
+
+
+def test_allgather_rejects_shape_mismatch() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        return comm.allgather(torch.zeros(2 + comm.rank))
+
+    with pytest.raises(ValueError, match="shapes differ"):
+        run_ranks(2, fn)
+
+
+def test_exception_on_one_rank_is_raised_and_others_do_not_hang() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 2:
+            raise KeyError("boom on rank 2")
+        comm.recv((comm.rank + 1) % comm.world_size)  # would wait forever
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyError, match="boom") as info:
+        run_ranks(4, fn, timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert any("rank 2" in n for n in info.value.__notes__)
+
+
+def test_missing_rank_times_out_with_its_name() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 0:
+            return comm.recv(1)
+        return None  # rank 1 never sends
+
+    with pytest.raises(CommTimeoutError, match="rank 1") as info:
+        run_ranks(2, fn, timeout=0.3)
+    assert info.value.peer == 1
+
+
+def test_invalid_peer_and_payload() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        with pytest.raises(ValueError, match="invalid destination rank 5"):
+            comm.send(_bytes(1, 0), 5)
+        with pytest.raises(TypeError, match="uint8"):
+            comm.send(torch.zeros(2), 1 - comm.rank)
+        return True
+
+    assert run_ranks(2, fn) == [True, True]
+
+
+def test_self_communicator() -> None:
+    comm = SelfCommunicator()
+    x = torch.arange(4.0)
+    assert torch.equal(comm.allreduce(x), x)
+    assert [t.tolist() for t in comm.allgatherv(_bytes(2, 1))] == [[1, 1]]
+    assert comm.alltoallv([_bytes(3, 2)])[0].numel() == 3
+    comm.barrier()

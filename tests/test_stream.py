@@ -1,0 +1,167 @@
+"""SparseStream: representation, dense switch, summation cases, split/concat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparcml import SparseStream, dense_threshold, index_bytes
+from sparcml.stream import SUPPORTED_DTYPES
+
+
+def test_index_bytes_and_threshold_follow_sec_5_1() -> None:
+    assert index_bytes(10) == 2
+    assert index_bytes(65_535) == 2
+    assert index_bytes(65_536) == 4
+    assert index_bytes(2**32) == 8
+    # delta = N * isize / (c + isize)
+    assert dense_threshold(1000, torch.float32) == 1000 * 4 // (2 + 4)
+    assert dense_threshold(1 << 24, torch.float32) == (1 << 24) * 4 // 8
+    assert dense_threshold(1000, torch.float64) == 1000 * 8 // 10
+    assert dense_threshold(1000, torch.float16) == 1000 * 2 // 4
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_roundtrip_dense_sparse(dtype: torch.dtype) -> None:
+    x = torch.zeros(50, dtype=dtype)
+    x[[3, 7, 49]] = torch.tensor([1.0, -2.0, 3.0], dtype=dtype)
+    s = SparseStream.from_dense(x)
+    assert not s.is_dense and s.nnz == 3 and s.size == 50
+    assert s.indices.tolist() == [3, 7, 49]
+    assert s.dtype == dtype and s.device == torch.device("cpu")
+    assert torch.equal(s.to_dense(), x)
+
+
+def test_switches_to_dense_past_delta() -> None:
+    n = 30
+    delta = dense_threshold(n, torch.float32)  # 20
+    s = SparseStream(torch.arange(delta), torch.ones(delta), n)
+    assert not s.is_dense
+    s2 = SparseStream(torch.arange(delta + 1), torch.ones(delta + 1), n)
+    assert s2.is_dense and s2.nnz == n
+    assert s2.to_dense()[: delta + 1].eq(1).all() and s2.to_dense()[delta + 1 :].eq(0).all()
+    assert SparseStream.from_dense(torch.ones(n)).is_dense
+
+
+def test_unsorted_and_duplicates_are_sorted_and_summed() -> None:
+    s = SparseStream(torch.tensor([5, 1, 5, 3, 1]), torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), 10)
+    assert s.indices.tolist() == [1, 3, 5]
+    assert s.values.tolist() == [7.0, 4.0, 4.0]
+
+
+def test_nan_inf_are_kept() -> None:
+    x = torch.tensor([0.0, float("nan"), 0.0, float("inf")])
+    s = SparseStream.from_dense(x)
+    assert s.indices.tolist() == [1, 3]
+    y = (s + s).to_dense()
+    assert torch.isnan(y[1]) and y[3] == float("inf")
+
+
+@pytest.mark.parametrize(
+    ("indices", "values", "size", "error", "match"),
+    [
+        ([0, 10], [1.0, 2.0], 10, ValueError, "index 10 out of range"),
+        ([-1], [1.0], 10, ValueError, "index -1 out of range"),
+        ([0, 1], [1.0], 10, ValueError, "differ in length"),
+        ([0.0], [1.0], 10, TypeError, "integer"),
+        ([0], [1], 10, TypeError, "unsupported value dtype"),
+        ([0], [1.0], -1, ValueError, "non-negative"),
+    ],
+)
+def test_bad_input_is_rejected(indices, values, size, error, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=match):
+        SparseStream(torch.tensor(indices), torch.tensor(values), size)
+
+
+def test_two_dimensional_input_is_rejected() -> None:
+    with pytest.raises(ValueError, match="1-D"):
+        SparseStream(torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2), 4)
+    with pytest.raises(ValueError, match="flatten"):
+        SparseStream.from_dense(torch.zeros(2, 2))
+
+
+def _dense_of(n: int, pairs: dict[int, float]) -> torch.Tensor:
+    x = torch.zeros(n)
+    for i, v in pairs.items():
+        x[i] = v
+    return x
+
+
+def test_sum_sparse_sparse_overlapping_stays_sparse() -> None:
+    a = SparseStream(torch.tensor([1, 4, 7]), torch.tensor([1.0, 2.0, 3.0]), 100)
+    b = SparseStream(torch.tensor([4, 9]), torch.tensor([10.0, 20.0]), 100)
+    c = a + b
+    assert not c.is_dense
+    assert c.indices.tolist() == [1, 4, 7, 9]
+    assert c.values.tolist() == [1.0, 12.0, 3.0, 20.0]
+
+
+def test_sum_sparse_sparse_switches_on_upper_bound() -> None:
+    # |H1| + |H2| > delta switches to dense even though the union is small (sec. 5.1).
+    n = 30
+    delta = dense_threshold(n, torch.float32)
+    idx = torch.arange(delta // 2 + 1)
+    a = SparseStream(idx, torch.ones(idx.numel()), n)
+    c = a + a
+    assert c.is_dense
+    assert torch.equal(c.to_dense(), 2 * a.to_dense())
+
+
+def test_sum_sparse_dense_and_dense_dense_in_place() -> None:
+    n = 8
+    d = SparseStream.dense(torch.arange(n, dtype=torch.float32))
+    s = SparseStream(torch.tensor([0, 5]), torch.tensor([10.0, 10.0]), n)
+    assert torch.equal((s + d).to_dense(), (d + s).to_dense())
+    storage = d.values
+    d.add_(s)
+    assert d.values is storage
+    assert d.to_dense().tolist() == [10.0, 1, 2, 3, 4, 15, 6, 7]
+    d.add_(SparseStream.dense(torch.ones(n)))
+    assert d.values is storage and d.to_dense()[1] == 2.0
+
+
+def test_sum_checks_compatibility() -> None:
+    a = SparseStream.empty(10)
+    with pytest.raises(ValueError, match="sizes 10 and 11"):
+        a + SparseStream.empty(11)
+    with pytest.raises(TypeError, match="dtypes"):
+        a + SparseStream.empty(10, torch.float64)
+
+
+def test_split_and_concat_are_inverse() -> None:
+    g = torch.Generator().manual_seed(0)
+    n = 97
+    idx = torch.randperm(n, generator=g)[:20]
+    s = SparseStream(idx, torch.randn(20, generator=g), n)
+    bounds = [0, 10, 10, 50, 97]
+    parts = s.split(bounds)
+    assert [p.size for p in parts] == [10, 0, 40, 47]
+    assert sum(p.nnz for p in parts) == 20
+    assert all(int(p.indices.max()) < p.size for p in parts if p.nnz)
+    back = SparseStream.concat(parts)
+    assert back.equal(s)
+    dense_parts = SparseStream.dense(s.to_dense()).split(bounds)
+    assert torch.equal(SparseStream.concat(dense_parts).to_dense(), s.to_dense())
+    with pytest.raises(ValueError, match="start at 0"):
+        s.split([1, 97])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        s.split([0, 50, 40, 97])
+
+
+def test_sum_of_many_is_left_to_right() -> None:
+    streams = [
+        SparseStream(torch.tensor([i % 5, 7]), torch.tensor([1.0, 0.5]), 10) for i in range(6)
+    ]
+    total = SparseStream.sum(streams)
+    expected = torch.stack([s.to_dense() for s in streams]).sum(0)
+    assert torch.equal(total.to_dense(), expected)
+    with pytest.raises(ValueError):
+        SparseStream.sum([])
+
+
+def test_equal_is_bitwise() -> None:
+    a = SparseStream(torch.tensor([1]), torch.tensor([float("nan")]), 4)
+    assert a.equal(a.clone())
+    b = SparseStream(torch.tensor([1]), torch.tensor([-0.0]), 4)
+    c = SparseStream(torch.tensor([1]), torch.tensor([0.0]), 4)
+    assert not b.equal(c)

@@ -1,0 +1,115 @@
+"""Wire encoding: round trips, compactness and rejection of malformed buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparcml import SparseStream, WireFormatError
+from sparcml.stream import SUPPORTED_DTYPES
+from sparcml.wire import HEADER_BYTES, decode, encode, encoded_nbytes, pack, unpack
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+@pytest.mark.parametrize("size", [0, 1, 7, 65_535, 65_536, 100_000])
+def test_roundtrip_sparse(dtype: torch.dtype, size: int) -> None:
+    g = torch.Generator().manual_seed(size)
+    k = min(size, 5)
+    idx = torch.randperm(size, generator=g)[:k] if size else torch.empty(0, dtype=torch.int64)
+    s = SparseStream(idx, torch.randn(k, generator=g).to(dtype), size)
+    buf = encode(s)
+    assert buf.dtype == torch.uint8 and buf.numel() == encoded_nbytes(s)
+    if not s.is_dense:
+        c = 2 if size < 65_536 else 4
+        assert buf.numel() == HEADER_BYTES + k * (c + s.values.element_size())
+    assert decode(buf).equal(s)
+
+
+def test_roundtrip_dense_and_special_values() -> None:
+    x = torch.tensor([float("nan"), float("inf"), -0.0, 1.0, 2.0, 3.0])
+    s = SparseStream.dense(x)
+    buf = encode(s)
+    assert buf.numel() == HEADER_BYTES + 6 * 4
+    assert decode(buf).equal(s)
+
+
+def _good() -> torch.Tensor:
+    return encode(SparseStream(torch.tensor([1, 5, 9]), torch.tensor([1.0, 2.0, 3.0]), 10))
+
+
+def _patched(offset: int, value: int) -> torch.Tensor:
+    b = _good().clone()
+    b[offset] = value
+    return b
+
+
+@pytest.mark.parametrize(
+    ("buf", "match"),
+    [
+        (torch.zeros(5, dtype=torch.uint8), "truncated"),
+        (_good()[:-1], "truncated"),
+        (torch.cat([_good(), torch.zeros(1, dtype=torch.uint8)]), "trailing"),
+        (_patched(0, ord("X")), "magic"),
+        (_patched(3, 9), "version"),
+        (_patched(4, 6), "flags"),
+        (_patched(5, 3), "index width"),
+        (_patched(6, 99), "dtype code"),
+        (_patched(8, 9), "out of range"),  # N = 9 but the last index is 9
+        (_patched(16, 200), "nnz"),
+        (_patched(24 + 2, 0), "strictly increasing"),  # second index 5 -> 0
+        (torch.zeros(30, dtype=torch.float32), "uint8"),
+    ],
+)
+def test_malformed_buffers_are_rejected(buf: torch.Tensor, match: str) -> None:
+    with pytest.raises(WireFormatError, match=match):
+        decode(buf)
+
+
+def test_expectations_are_checked() -> None:
+    with pytest.raises(WireFormatError, match="expected 11"):
+        decode(_good(), expect_size=11)
+    with pytest.raises(WireFormatError, match="expected torch.float64"):
+        decode(_good(), expect_dtype=torch.float64)
+
+
+def test_bundles() -> None:
+    a, b = _good(), encode(SparseStream.empty(3))
+    out = unpack(pack([(2, a), (0, b)]), world_size=3)
+    assert [o for o, _ in out] == [2, 0]
+    assert torch.equal(out[0][1], a) and torch.equal(out[1][1], b)
+    with pytest.raises(WireFormatError, match="names rank 2"):
+        unpack(pack([(2, a)]), world_size=2)
+    with pytest.raises(WireFormatError, match="truncated|runs past"):
+        unpack(pack([(0, a)])[:-3], world_size=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=120))
+def test_decoder_never_crashes_on_garbage(data: bytes) -> None:
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    try:
+        s = decode(buf)
+    except WireFormatError:
+        return
+    assert encode(s).numel() == buf.numel()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 60), st.binary(min_size=1, max_size=4))
+def test_decoder_rejects_corrupted_valid_buffers(pos: int, junk: bytes) -> None:
+    buf = _good().clone()
+    pos = pos % buf.numel()
+    for i, byte in enumerate(junk):
+        if pos + i < buf.numel():
+            buf[pos + i] = byte
+    try:
+        s = decode(buf)
+    except WireFormatError:
+        return
+    assert s.size <= 2**64 and encode(s).numel() == buf.numel()
