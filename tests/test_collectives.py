@@ -148,7 +148,7 @@ def test_rank_that_never_joins_is_named() -> None:
 
 
 def test_unknown_algorithm_and_wrong_type() -> None:
-    with pytest.raises(ValueError, match="unknown allreduce algorithm 'fast'.*ssar_split"):
+    with pytest.raises(ValueError, match=r"unknown allreduce algorithm 'fast'.*ssar_split"):
         sparse_allreduce(SparseStream.empty(3), algorithm="fast")
     with pytest.raises(TypeError, match="from_dense"):
         sparse_allreduce(torch.zeros(3))  # type: ignore[arg-type]

@@ -70,7 +70,7 @@ def test_malformed_buffers_are_rejected(buf: torch.Tensor, match: str) -> None:
 def test_expectations_are_checked() -> None:
     with pytest.raises(WireFormatError, match="expected 11"):
         decode(_good(), expect_size=11)
-    with pytest.raises(WireFormatError, match="expected torch.float64"):
+    with pytest.raises(WireFormatError, match=r"expected torch\.float64"):
         decode(_good(), expect_dtype=torch.float64)
 
 
@@ -81,7 +81,7 @@ def test_bundles() -> None:
     assert torch.equal(out[0][1], a) and torch.equal(out[1][1], b)
     with pytest.raises(WireFormatError, match="names rank 2"):
         unpack(pack([(2, a)]), world_size=2)
-    with pytest.raises(WireFormatError, match="truncated|runs past"):
+    with pytest.raises(WireFormatError, match=r"truncated|runs past"):
         unpack(pack([(0, a)])[:-3], world_size=2)
 
 
