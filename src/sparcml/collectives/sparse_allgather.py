@@ -13,7 +13,8 @@ Steps (``P'`` = largest power of two ``<= P``; Appendix A for ``P != P'``):
 
 Cost (``k`` pairs per rank, ``P`` a power of two):
 ``T = log2(P) alpha + (P-1) k beta_s`` — each rank receives the other ``P-1``
-streams exactly once. ``P != P'`` adds ``2 alpha`` and at most ``(P+1) k beta_s``.
+streams exactly once. ``P != P'`` adds ``2 alpha`` and, on the ranks that unfold,
+the ``P k beta_s`` of handing the whole result back.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Cost (``k`` pairs per rank, ``P`` a power of two), with ``L1(P) = log2(P) alpha`
     L1(P) + log2(P) k beta_s  <=  T_ssar_rec_dbl  <=  L1(P) + (P-1) k beta_s
 
 the lower bound when all index sets coincide, the upper when they are disjoint.
-Latency-optimal, best when the reduced result is small.
+``P != P'`` (Appendix A) adds ``2 alpha`` and, on the ranks that unfold, the
+result's ``K <= P k`` pairs. Latency-optimal, best when the reduced result is small.
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""Non-blocking sparse allreduce: work handles, futures, ordering, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparcml import SparseStream, sparse_allreduce
+from sparcml.comm import run_ranks
+from sparcml.errors import RankMismatchError
+
+from inputs import dense_reference, make_stream
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_outstanding_operations_complete_in_order_with_correct_results(world: int) -> None:
+    algos = ["ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "auto"]
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        inputs = [
+            make_stream("overlap", comm.rank, world, 300 + i, seed=i) for i in range(len(algos))
+        ]
+        works = [
+            sparse_allreduce(s, comm, algorithm=a, async_op=True)
+            for s, a in zip(inputs, algos, strict=True)
+        ]
+        # computation overlapping the communication
+        busy = torch.randn(200, 200) @ torch.randn(200, 200)
+        blocking = sparse_allreduce(inputs[0], comm, algorithm="dense")  # queued behind them
+        futures = [w.get_future() for w in works]
+        results = [w.wait(timeout=30) for w in works]
+        assert all(w.is_completed() for w in works)
+        assert all(f.wait().equal(r) for f, r in zip(futures, results, strict=True))
+        return inputs, results, blocking, float(busy.sum())
+
+    out = run_ranks(world, fn)
+    for i in range(len(algos)):
+        ref = dense_reference([o[0][i] for o in out])
+        for o in out:
+            assert torch.equal(o[1][i].to_dense().double(), ref)
+            assert o[1][i].equal(out[0][1][i])
+    ref0 = dense_reference([o[0][0] for o in out])
+    assert all(torch.equal(o[2].to_dense().double(), ref0) for o in out)
+
+
+def test_error_is_raised_by_wait_and_future() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        work = sparse_allreduce(SparseStream.empty(10 + comm.rank), comm, async_op=True)
+        with pytest.raises(RankMismatchError):
+            work.wait()
+        assert isinstance(work.exception(), RankMismatchError)
+        with pytest.raises(RankMismatchError):
+            work.get_future().wait()
+        return True
+
+    assert run_ranks(2, fn) == [True, True]
+
+
+def test_wait_timeout_leaves_operation_running() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 1:
+            import time
+
+            time.sleep(0.5)
+        work = sparse_allreduce(SparseStream.empty(4), comm, async_op=True)
+        if comm.rank == 0:
+            with pytest.raises(TimeoutError):
+                work.wait(timeout=0.05)
+        return work.wait(timeout=10).nnz
+
+    assert run_ranks(2, fn) == [0, 0]
