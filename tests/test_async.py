@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparcml import SparseStream, sparse_allreduce
+from inputs import dense_reference, make_stream
+from sparcml import SparseStream, sparse_allgather, sparse_allreduce
 from sparcml.comm import run_ranks
 from sparcml.errors import RankMismatchError
-
-from inputs import dense_reference, make_stream
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
@@ -69,3 +68,21 @@ def test_wait_timeout_leaves_operation_running() -> None:
         return work.wait(timeout=10).nnz
 
     assert run_ranks(2, fn) == [0, 0]
+
+
+def test_async_allgather_and_split_allgather_inside_the_engine() -> None:
+    # ssar_split_allgather gathers internally: run on the engine, it must not deadlock
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = make_stream("random", comm.rank, comm.world_size, 64)
+        w1 = sparse_allgather(s, comm, async_op=True)
+        w2 = sparse_allreduce(s, comm, algorithm="ssar_split_allgather", async_op=True)
+        gathered = w1.wait(timeout=30)
+        blocking = sparse_allgather(s, comm)
+        return s, gathered, w2.wait(timeout=30), blocking
+
+    out = run_ranks(3, fn)
+    ref = dense_reference([o[0] for o in out])
+    for _, gathered, reduced, blocking in out:
+        assert all(g.equal(o[0]) for g, o in zip(gathered, out, strict=True))
+        assert all(g.equal(o[0]) for g, o in zip(blocking, out, strict=True))
+        assert torch.equal(reduced.to_dense().double(), ref)

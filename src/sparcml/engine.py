@@ -101,6 +101,28 @@ class Engine:
         self._queue.put((fn, work))
         return work
 
+    def in_engine_thread(self) -> bool:
+        """True when called from this engine's own worker thread."""
+        return threading.current_thread() is self._thread
+
+    def run(self, fn: Callable[[], Any], async_op: bool) -> Any:
+        """Run ``fn`` in submission order: a ``Work`` if ``async_op``, else its result.
+
+        Called from the engine's own thread (a collective inside a collective), ``fn``
+        runs inline, since queueing it behind the caller would deadlock.
+        """
+        if self.in_engine_thread():
+            if async_op:
+                work = Work()
+                try:
+                    work._finish(result=fn())
+                except BaseException as e:
+                    work._finish(error=e)
+                return work
+            return fn()
+        work = self.submit(fn)
+        return work if async_op else work.wait()
+
     def shutdown(self) -> None:
         """Finish the queued operations, then stop the thread."""
         if self._thread.is_alive():

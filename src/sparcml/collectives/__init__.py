@@ -5,7 +5,7 @@ Importing this package registers every built-in algorithm.
 
 from __future__ import annotations
 
-from .allreduce import check_consistent, sparse_allreduce
+from .allreduce import check_consistent, choose_algorithm, sparse_allreduce
 from .dense import dense_allreduce
 from .dsar_split_allgather import dsar_split_allgather
 from .registry import algorithms, get_algorithm, register
@@ -16,6 +16,7 @@ from .ssar_split_allgather import ssar_split_allgather
 __all__ = [
     "algorithms",
     "check_consistent",
+    "choose_algorithm",
     "dense_allreduce",
     "dsar_split_allgather",
     "get_algorithm",

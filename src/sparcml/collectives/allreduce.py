@@ -23,7 +23,7 @@ from ..stream import SparseStream
 from ..wire import code_dtype, dtype_code
 from .registry import get_algorithm
 
-__all__ = ["check_consistent", "sparse_allreduce"]
+__all__ = ["check_consistent", "choose_algorithm", "sparse_allreduce"]
 
 log = logging.getLogger("sparcml")
 
@@ -65,14 +65,27 @@ def check_consistent(stream: SparseStream, comm: Communicator) -> list[int]:
     return [r[2] for r in rows]
 
 
+def choose_algorithm(
+    stream: SparseStream, comm: Communicator, cost_model: CostModel | None = None
+) -> str:
+    """The algorithm ``"auto"`` picks for this call (a collective: every rank must call it).
+
+    Checks consistency like :func:`sparse_allreduce` and returns the same name on
+    every rank.
+    """
+    ks = check_consistent(stream, comm)
+    model = cost_model if cost_model is not None else CostModel.load()
+    return model.choose(comm.world_size, stream.size, ks, stream.values.element_size())
+
+
 def _run(
     stream: SparseStream, comm: Communicator, algorithm: str, model: CostModel | None
 ) -> SparseStream:
-    ks = check_consistent(stream, comm)
     if algorithm == "auto":
-        model = model if model is not None else CostModel.load()
-        algorithm = model.choose(comm.world_size, stream.size, ks, stream.values.element_size())
-        log.debug("sparse_allreduce auto chose %s (nnz per rank %s)", algorithm, ks)
+        algorithm = choose_algorithm(stream, comm, model)
+        log.debug("sparse_allreduce auto chose %s", algorithm)
+    else:
+        check_consistent(stream, comm)
     return get_algorithm(algorithm)(stream, comm)
 
 
@@ -142,11 +155,4 @@ def sparse_allreduce(
     if algorithm != "auto":
         get_algorithm(algorithm)  # unknown names fail here, before any communication
 
-    def run() -> SparseStream:
-        return _run(stream, comm, algorithm, cost_model)
-
-    if async_op:
-        return comm.engine.submit(run)
-    if comm.has_engine:
-        return comm.engine.submit(run).wait()
-    return run()
+    return comm.run_ordered(lambda: _run(stream, comm, algorithm, cost_model), async_op)

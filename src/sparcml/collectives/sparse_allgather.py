@@ -22,12 +22,13 @@ from __future__ import annotations
 import torch
 
 from ..comm import Communicator, resolve
+from ..engine import Work
 from ..errors import WireFormatError
 from ..stream import SparseStream
 from ..wire import decode, encode, pack, unpack
 from ._common import largest_power_of_two
 
-__all__ = ["allgather_buffers", "sparse_allgather"]
+__all__ = ["allgather_buffers", "gather_streams", "sparse_allgather"]
 
 
 def allgather_buffers(buf: torch.Tensor, comm: Communicator) -> list[torch.Tensor]:
@@ -69,17 +70,22 @@ def allgather_buffers(buf: torch.Tensor, comm: Communicator) -> list[torch.Tenso
     return [held[r] for r in range(p)]
 
 
-def sparse_allgather(stream: SparseStream, comm: Communicator | None = None) -> list[SparseStream]:
+def sparse_allgather(
+    stream: SparseStream, comm: Communicator | None = None, async_op: bool = False
+) -> list[SparseStream] | Work:
     """Gather every rank's sparse stream on every rank (recursive doubling).
 
     Args:
         stream: this rank's contribution; sizes may differ between ranks, all
             ranks must use the same value dtype.
         comm: the communicator (default: the default process group, or a world of one).
+        async_op: return a :class:`~sparcml.engine.Work` at once and run on the
+            communicator's background engine (in submission order).
 
     Returns:
-        The ``P`` streams in rank order, on ``stream``'s device. The concatenation
-        of disjoint ranges is :meth:`SparseStream.concat` of this list.
+        The ``P`` streams in rank order, on ``stream``'s device (or a ``Work``
+        whose ``wait()`` returns them). The concatenation of disjoint ranges is
+        :meth:`SparseStream.concat` of this list.
 
     Raises:
         WireFormatError: a peer sent a corrupt message or another dtype.
@@ -95,5 +101,10 @@ def sparse_allgather(stream: SparseStream, comm: Communicator | None = None) -> 
     comm = resolve(comm)
     if not isinstance(stream, SparseStream):
         raise TypeError(f"sparse_allgather expects a SparseStream, got {type(stream).__name__}")
+    return comm.run_ordered(lambda: gather_streams(stream, comm), async_op)
+
+
+def gather_streams(stream: SparseStream, comm: Communicator) -> list[SparseStream]:
+    """The blocking allgather itself, for use inside other collectives."""
     bufs = allgather_buffers(encode(stream), comm)
     return [decode(b, expect_dtype=stream.dtype, device=stream.device) for b in bufs]

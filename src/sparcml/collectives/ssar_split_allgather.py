@@ -22,7 +22,7 @@ from ..errors import WireFormatError
 from ..stream import SparseStream
 from ._common import split_and_reduce
 from .registry import register
-from .sparse_allgather import sparse_allgather
+from .sparse_allgather import gather_streams
 
 __all__ = ["ssar_split_allgather"]
 
@@ -44,7 +44,7 @@ def ssar_split_allgather(stream: SparseStream, comm: Communicator | None = None)
     # Steps 1-2: split and reduce.
     mine, bounds = split_and_reduce(stream, comm)
     # Step 3: sparse allgather of the reduced ranges, then concatenation.
-    parts = sparse_allgather(mine, comm)
+    parts = gather_streams(mine, comm)
     for j, part in enumerate(parts):
         if part.size != bounds[j + 1] - bounds[j]:
             raise WireFormatError(

@@ -290,6 +290,16 @@ class Communicator(abc.ABC):
     def has_engine(self) -> bool:
         return self._engine is not None
 
+    def run_ordered(self, fn: Callable[[], Any], async_op: bool = False) -> Any:
+        """Run a collective ``fn`` keeping one order with the outstanding non-blocking ones.
+
+        ``async_op`` returns a :class:`~sparcml.engine.Work`. Blocking calls run
+        inline while no engine exists, else queue behind the outstanding work.
+        """
+        if async_op or self.has_engine:
+            return self.engine.run(fn, async_op)
+        return fn()
+
     def close(self) -> None:
         """Stop the background engine, if any."""
         if self._engine is not None:

@@ -1,0 +1,296 @@
+"""Sparse allreduce micro-benchmark in the style of SparCML's sec. 8.1.
+
+Every rank builds a gradient-like sparse vector (``k = density * N`` entries:
+a share ``overlap`` of them from a "hot" index set common to all ranks, the rest
+uniform random per rank, Gaussian values), then every algorithm reduces it
+``repeats`` times after ``warmup`` untimed runs, over ``experiments`` freshly
+generated data sets (the paper: 5 data sets x 10 runs, 25th/75th percentiles).
+
+Each timed run starts after a barrier; its time is the slowest rank's. Bytes
+are the communicator's count for the call (mean over ranks). Every result is
+checked against a float64 dense allreduce of the same inputs.
+
+Run with :func:`run_benchmark` (spawns local gloo ranks) or ``sparcml bench``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..collectives import algorithms, choose_algorithm, sparse_allreduce
+from ..comm import Communicator
+from ..launch import run_processes
+from ..stream import SparseStream
+
+__all__ = ["BenchConfig", "Row", "format_table", "gradient_like", "run_benchmark"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What to run. ``algorithms`` empty means every registered one plus ``auto``."""
+
+    world_size: int = 4
+    size: int = 1 << 22
+    density: float = 0.01
+    overlap: float = 0.5
+    dtype: str = "float32"
+    algorithms: tuple[str, ...] = ()
+    repeats: int = 5
+    warmup: int = 1
+    experiments: int = 1
+    seed: int = 0
+    timeout: float = 120.0
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world size must be at least 1, got {self.world_size}")
+        if self.size < 1:
+            raise ValueError(f"size N must be at least 1, got {self.size}")
+        if not 0.0 <= self.density <= 1.0:
+            raise ValueError(f"density must lie in [0, 1], got {self.density}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"overlap must lie in [0, 1], got {self.overlap}")
+        if self.repeats < 1 or self.warmup < 0 or self.experiments < 1:
+            raise ValueError("repeats and experiments must be >= 1, warmup >= 0")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        known = set(algorithms()) | {"auto"}
+        unknown = [a for a in self.algorithms if a not in known]
+        if unknown:
+            raise ValueError(f"unknown algorithms {unknown}; known: {sorted(known)}")
+
+    def algorithm_list(self) -> list[str]:
+        names = list(self.algorithms) or [*algorithms(), "auto"]
+        # the dense baseline first: speedups are relative to it
+        return sorted(names, key=lambda a: a != "dense")
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclasses.dataclass
+class Row:
+    """One algorithm's figures (times in seconds, bytes per rank per call)."""
+
+    algorithm: str
+    p25: float
+    p50: float
+    p75: float
+    bytes_sent: float
+    bytes_sent_max: int
+    result_nnz: int
+    result_dense: bool
+    max_rel_error: float
+    correct: bool
+    speedup_vs_dense: float | None = None
+    chose: str | None = None
+
+    @property
+    def algbw_gbps(self) -> float:
+        return 0.0 if self.p50 <= 0 else self.bytes_in / self.p50 / 1e9
+
+    bytes_in: int = 0
+
+
+def gradient_like(
+    size: int,
+    density: float,
+    rank: int,
+    *,
+    overlap: float = 0.5,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> SparseStream:
+    """A rank's sparse "gradient": ``k = density*N`` entries, a share ``overlap`` common.
+
+    The common share comes from a hot set of ``2 * k_common`` indices drawn with
+    a seed all ranks share (heavy-hitter coordinates that many workers select),
+    the rest uniformly at random per rank.
+    """
+    k = round(density * size)
+    k_common = round(overlap * k)
+    shared = torch.Generator().manual_seed(seed * 7_919 + 17)
+    own = torch.Generator().manual_seed(seed * 7_919 + 1_000_003 * (rank + 1))
+    hot = torch.randint(0, size, (2 * k_common,), generator=shared)
+    common = hot[torch.randint(0, max(hot.numel(), 1), (k_common,), generator=own)]
+    rest = torch.randint(0, size, (k - k_common,), generator=own)
+    idx = torch.unique(torch.cat([common, rest]))
+    vals = torch.randn(idx.numel(), generator=own, dtype=torch.float32).to(dtype)
+    return SparseStream(idx, vals, size)
+
+
+def _rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | None:
+    dtype = _DTYPES[cfg.dtype]
+    names = cfg.algorithm_list()
+    times: dict[str, list[float]] = {a: [] for a in names}
+    sent: dict[str, list[int]] = {a: [] for a in names}
+    last: dict[str, dict[str, Any]] = {}
+    chose: str | None = None
+    show = cfg.progress and comm.rank == 0
+    total = cfg.experiments * len(names)
+    step = 0
+    for e in range(cfg.experiments):
+        stream = gradient_like(
+            cfg.size, cfg.density, comm.rank, overlap=cfg.overlap, seed=cfg.seed + e, dtype=dtype
+        )
+        ref = comm.allreduce(stream.to_dense().to(torch.float64))
+        scale = comm.allreduce(stream.to_dense().to(torch.float64).abs())
+        if "auto" in names:
+            chose = choose_algorithm(stream, comm)
+        for name in names:
+            step += 1
+            for _ in range(cfg.warmup):
+                sparse_allreduce(stream, comm, algorithm=name)
+            for _ in range(cfg.repeats):
+                comm.barrier()
+                before = comm.stats.bytes_sent
+                t0 = time.perf_counter()
+                result = sparse_allreduce(stream, comm, algorithm=name)
+                elapsed = time.perf_counter() - t0
+                sent[name].append(comm.stats.bytes_sent - before)
+                slowest = comm.allreduce(torch.tensor([elapsed], dtype=torch.float64), op="max")
+                times[name].append(float(slowest))
+            err = (result.to_dense().to(torch.float64) - ref).abs()
+            rel = float((err / scale.clamp_min(1e-30)).max()) if err.numel() else 0.0
+            tol = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 4e-2}[cfg.dtype]
+            ok = bool(comm.allreduce(torch.tensor([rel <= tol], dtype=torch.int32), op="min"))
+            prev = last.get(name, {"correct": True, "err": 0.0})
+            last[name] = {
+                "nnz": result.count_nonzero(),
+                "dense": result.is_dense,
+                "err": max(rel, prev["err"]),
+                "correct": ok and prev["correct"],
+            }
+            if show:
+                med = statistics.median(times[name][-cfg.repeats :])
+                print(
+                    f"  [{step}/{total}] {name:<24} {med * 1e3:9.2f} ms  {'ok' if ok else 'WRONG'}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    mean_sent = {
+        a: comm.allreduce(torch.tensor([statistics.fmean(sent[a])], dtype=torch.float64))
+        / comm.world_size
+        for a in names
+    }
+    max_sent = {
+        a: comm.allreduce(torch.tensor([max(sent[a])], dtype=torch.int64), op="max") for a in names
+    }
+    if comm.rank != 0:
+        return None
+    rows = []
+    isize = torch.empty((), dtype=dtype).element_size()
+    for a in names:
+        q = statistics.quantiles(times[a], n=4) if len(times[a]) > 1 else [times[a][0]] * 3
+        rows.append(
+            dataclasses.asdict(
+                Row(
+                    algorithm=a,
+                    p25=q[0],
+                    p50=statistics.median(times[a]),
+                    p75=q[2],
+                    bytes_sent=float(mean_sent[a]),
+                    bytes_sent_max=int(max_sent[a]),
+                    result_nnz=int(last[a]["nnz"]),
+                    result_dense=bool(last[a]["dense"]),
+                    max_rel_error=float(last[a]["err"]),
+                    correct=bool(last[a]["correct"]),
+                    chose=chose if a == "auto" else None,
+                    bytes_in=cfg.size * isize,
+                )
+            )
+        )
+    dense = next((r for r in rows if r["algorithm"] == "dense"), None)
+    for r in rows:
+        r["speedup_vs_dense"] = dense["p50"] / r["p50"] if dense and r["p50"] > 0 else None
+    return rows
+
+
+def run_benchmark(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Spawn ``cfg.world_size`` gloo ranks on loopback and run the benchmark; rank 0's rows."""
+    cfg.validate()
+    out = run_processes(
+        cfg.world_size, _rank_main, cfg, timeout=cfg.timeout, deadline=cfg.timeout * 20
+    )
+    rows = out[0]
+    assert rows is not None
+    return rows
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine and software a figure was measured on."""
+    import os
+
+    return {
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transport": "torch.distributed gloo, TCP loopback, one process per rank",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def format_table(rows: Sequence[dict[str, Any]], cfg: BenchConfig) -> str:
+    """The human-readable table the CLI prints."""
+    head = (
+        f"P={cfg.world_size}  N={cfg.size:,}  density={cfg.density:g}  overlap={cfg.overlap:g}  "
+        f"dtype={cfg.dtype}  runs={cfg.experiments}x{cfg.repeats} (+{cfg.warmup} warm-up)"
+    )
+    cols = (
+        f"{'algorithm':<24} {'p50 ms':>9} {'p25-p75 ms':>17} {'MB sent/rank':>13} "
+        f"{'result nnz':>11} {'max rel err':>11} {'check':>6} {'vs dense':>9}"
+    )
+    lines = [head, cols, "-" * len(cols)]
+    for r in rows:
+        name = r["algorithm"] + (f" ({r['chose']})" if r.get("chose") else "")
+        speed = f"{r['speedup_vs_dense']:.2f}x" if r.get("speedup_vs_dense") else "-"
+        nnz = f"{r['result_nnz']:,}" + (" D" if r["result_dense"] else "")
+        lines.append(
+            f"{name:<24.24} {r['p50'] * 1e3:9.2f} "
+            f"{r['p25'] * 1e3:8.2f}-{r['p75'] * 1e3:<8.2f} "
+            f"{r['bytes_sent'] / 1e6:13.3f} {nnz:>11} {r['max_rel_error']:11.1e} "
+            f"{'ok' if r['correct'] else 'WRONG':>6} {speed:>9}"
+        )
+    lines.append("(D: dense result; time = slowest rank, after a barrier; bytes = payload)")
+    return "\n".join(lines)
+
+
+def write_outputs(
+    rows: Sequence[dict[str, Any]],
+    cfg: BenchConfig,
+    json_path: str | None = None,
+    csv_path: str | None = None,
+) -> None:
+    """Save the rows with the configuration and the machine next to them."""
+    if json_path:
+        doc = {"config": dataclasses.asdict(cfg), "machine": machine_info(), "rows": list(rows)}
+        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
+    if csv_path:
+        import csv
+
+        fields = list(rows[0].keys()) if rows else []
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["world_size", "size", "density", *fields])
+            w.writeheader()
+            for r in rows:
+                w.writerow(
+                    {"world_size": cfg.world_size, "size": cfg.size, "density": cfg.density, **r}
+                )

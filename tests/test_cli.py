@@ -1,0 +1,55 @@
+"""The command line: the demo end to end on spawned ranks, and argument errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparcml import algorithms
+from sparcml.cli import main
+
+
+@pytest.mark.spawn
+def test_demo_runs_every_algorithm_and_checks_results(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out_json = tmp_path / "r.json"
+    rc = main(
+        ["bench", "-P", "3", "-N", "50K", "-d", "0.02", "--repeats", "2", "--json", str(out_json)]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0
+    for name in [*algorithms(), "auto"]:
+        assert name[:20] in text
+    assert "WRONG" not in text
+    doc = json.loads(out_json.read_text())
+    assert doc["config"]["world_size"] == 3 and doc["machine"]["torch"]
+    assert {r["algorithm"] for r in doc["rows"]} == {*algorithms(), "auto"}
+    assert all(r["correct"] for r in doc["rows"])
+    dense = next(r for r in doc["rows"] if r["algorithm"] == "dense")
+    assert dense["speedup_vs_dense"] == pytest.approx(1.0)
+    # the sparse algorithms move far fewer bytes than the dense allreduce at 2% density
+    rd = next(r for r in doc["rows"] if r["algorithm"] == "ssar_recursive_double")
+    assert rd["bytes_sent"] < dense["bytes_sent"] / 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["demo", "-d", "1.5"], "must lie in [0, 1]"),
+        (["demo", "-P", "0"], "must be at least 1"),
+        (["demo", "-N", "lots"], "not a size"),
+        (["demo", "-a", "fastest"], "unknown algorithms"),
+    ],
+)
+def test_bad_arguments_give_clear_errors(capsys, argv, needle) -> None:  # type: ignore[no-untyped-def]
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_algorithms_lists_the_registry(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["algorithms"]) == 0
+    assert capsys.readouterr().out.split() == [*algorithms(), "auto"]
