@@ -71,3 +71,25 @@ def absent_rank(comm, absent, seconds):  # type: ignore[no-untyped-def]
     except CommError as e:
         return type(e).__name__, e.peer, time.monotonic() - t0
     return "no error"
+
+
+def groups_and_default(comm):  # type: ignore[no-untyped-def]
+    """A sub-group of ranks 1..P-1, a dedicated group, and the default communicator."""
+    import torch.distributed as dist
+
+    from sparcml.comm import TorchDistCommunicator
+
+    world = comm.world_size
+    members = list(range(1, world))
+    sub = dist.new_group(ranks=members)  # every rank takes part in creating it
+    own = TorchDistCommunicator.dedicated(timeout=30)
+    s = make_stream("overlap", comm.rank, world, 301)
+    out = {"input": encode(s)}
+    out["default"] = encode(sparse_allreduce(s, algorithm="ssar_split_allgather"))
+    out["dedicated"] = encode(sparse_allreduce(s, own, algorithm="ssar_recursive_double"))
+    if comm.rank in members:
+        sc = TorchDistCommunicator(group=sub, timeout=30)
+        assert sc.rank == comm.rank - 1 and sc.world_size == world - 1
+        out["sub"] = encode(sparse_allreduce(s, sc, algorithm="ssar_recursive_double"))
+    own.close()
+    return out

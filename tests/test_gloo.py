@@ -58,3 +58,17 @@ def test_absent_rank_times_out_with_its_name() -> None:
         name, peer, elapsed = out[r]
         assert (name, peer) in {("CommTimeoutError", 2), ("PeerFailedError", 2)}, out[r]
         assert elapsed < 8
+
+
+def test_subgroup_dedicated_group_and_default_communicator() -> None:
+    out = run_processes(4, gloo_workers.groups_and_default, timeout=30)
+    inputs = [decode(o["input"]) for o in out]
+    ref_all = dense_reference(inputs)
+    ref_sub = dense_reference(inputs[1:])
+    for o in out:
+        assert torch.equal(decode(o["default"]).to_dense().double(), ref_all)
+        assert torch.equal(decode(o["dedicated"]).to_dense().double(), ref_all)
+    for o in out[1:]:
+        assert torch.equal(o["sub"], out[1]["sub"])
+        assert torch.equal(decode(o["sub"]).to_dense().double(), ref_sub)
+    assert "sub" not in out[0]

@@ -88,6 +88,35 @@ class TorchDistCommunicator(Communicator):
         self.device = torch.device(device)
         self._td = datetime.timedelta(seconds=self.timeout)
 
+    @classmethod
+    def dedicated(
+        cls,
+        ranks: list[int] | None = None,
+        backend: str | None = None,
+        timeout: float = 300.0,
+    ) -> TorchDistCommunicator:
+        """A communicator on a new process group of its own (a collective call).
+
+        sparcml's background engine then never shares a group with the user's
+        own collectives, which may run at the same time. Every rank of the
+        default group must call this, in the same order.
+
+        Args:
+            ranks: global ranks of the new group (default: all).
+            backend: ``gloo`` or ``nccl`` (default: the default group's backend).
+            timeout: seconds to wait for a peer.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised")
+        group = dist.new_group(
+            ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout)
+        )
+        if ranks is not None and dist.get_rank() not in ranks:
+            raise ValueError(
+                f"rank {dist.get_rank()} is not in {ranks}: only members get a communicator"
+            )
+        return cls(group=group, timeout=timeout)
+
     def _global(self, group_rank: int) -> int:
         if self.group is dist.group.WORLD:
             return group_rank
