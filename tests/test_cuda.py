@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inputs import make_stream
 from sparcml import SparseStream, algorithms, sparse_allreduce
 from sparcml.comm import run_ranks
 from sparcml.wire import decode, encode
-
-from inputs import make_stream
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
