@@ -1,0 +1,351 @@
+"""The compressor contract, the registry and composition.
+
+Contract (DESIGN.md): ``compress(t) -> (payload, ctx)``; only the payload (a 1-D
+uint8 tensor) travels, ``ctx`` stays local; ``decompress(payload, ctx)`` gives a
+tensor of ``t``'s shape and dtype. A receiver decompresses a peer's payload with
+its *own* ctx (same shape on every rank): every payload therefore describes its
+own length, starting with a 16-byte header::
+
+    magic b"SpQ" | version | operator code | flags | 2 reserved | n (uint64)
+
+Two families:
+
+* :class:`Selector` — picks entries (``select(t) -> SparseStream``); payload: the
+  header, then the stream's wire encoding (:mod:`sparcml.wire`).
+* :class:`Quantizer` — lowers the precision of every value
+  (``quantize(values) -> payload``, ``dequantize(payload, dtype, device)``).
+
+``Composed(selector, quantizer)`` selects, then quantizes the selected values
+(``get("topk+natural", density=0.01)``): header, nnz, the indices with ``c``
+bytes each, then the quantizer's payload of the values.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import inspect
+import struct
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import WireFormatError
+from ..stream import SUPPORTED_DTYPES, SparseStream, index_bytes
+
+__all__ = [
+    "Composed",
+    "Compressor",
+    "Context",
+    "Quantizer",
+    "Selector",
+    "available",
+    "get",
+    "register",
+]
+
+_MAGIC = b"SpQ"
+_VERSION = 1
+_HEADER = struct.Struct("<3sBBBHQ")
+HEADER_BYTES = _HEADER.size  # 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What stays local: the original shape, dtype and device."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Context:
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def make_header(
+    code: int, n: int, flags: int = 0, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The 16-byte payload header as a uint8 tensor."""
+    raw = _HEADER.pack(_MAGIC, _VERSION, code, flags, 0, n)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
+def read_header(payload: torch.Tensor, code: int, what: str) -> tuple[int, int, torch.Tensor]:
+    """Check a payload header; return ``(n, flags, body)``.
+
+    Raises:
+        WireFormatError: not a payload of operator ``what``.
+    """
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise WireFormatError(f"{what}: a payload must be a 1-D uint8 tensor")
+    if payload.numel() < HEADER_BYTES:
+        raise WireFormatError(f"{what}: truncated payload ({payload.numel()} bytes)")
+    magic, version, got, flags, reserved, n = _HEADER.unpack(bytes(payload[:HEADER_BYTES].tolist()))
+    if magic != _MAGIC or version != _VERSION or reserved:
+        raise WireFormatError(f"{what}: not a compressed payload of this version")
+    if got != code:
+        raise WireFormatError(f"{what}: payload was produced by operator code {got}, not {code}")
+    return n, flags, payload[HEADER_BYTES:]
+
+
+def check_input(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """Validate a tensor handed to an operator; return it flattened."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{what} compresses float32, float16, bfloat16 or float64 tensors, got {tensor.dtype}"
+        )
+    return tensor.detach().reshape(-1)
+
+
+def check_finite(values: torch.Tensor, what: str) -> None:
+    """Quantizers cannot represent NaN/Inf: refuse them instead of corrupting the result."""
+    if values.numel() and not bool(torch.isfinite(values).all()):
+        bad = int((~torch.isfinite(values)).nonzero()[0])
+        raise ValueError(
+            f"{what}: non-finite value {values[bad].item()} at flat index {bad}; quantizers "
+            "need finite input (check the gradients, or pass check_finite=False to map "
+            "them as documented)"
+        )
+
+
+class Compressor(abc.ABC):
+    """Base of every operator. ``summable``: payloads may be added without decompressing."""
+
+    name: ClassVar[str] = ""
+    code: ClassVar[int] = 0
+    summable: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
+        """``(payload, ctx)``: the payload travels, ``ctx`` stays local."""
+
+    @abc.abstractmethod
+    def decompress(self, payload: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """The (approximate) tensor, with ``ctx``'s shape, dtype and device."""
+
+    @staticmethod
+    def payload_nbytes(payload: torch.Tensor) -> int:
+        """Bytes on the wire."""
+        return payload.numel()
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({params})"
+
+    def params(self) -> dict[str, Any]:
+        """The hyperparameters this operator was built with."""
+        sig = inspect.signature(type(self).__init__)
+        return {k: getattr(self, k) for k in sig.parameters if k != "self" and hasattr(self, k)}
+
+
+class Quantizer(Compressor):
+    """Lowers the precision of every value; any selector may be followed by one."""
+
+    @abc.abstractmethod
+    def quantize(self, values: torch.Tensor) -> torch.Tensor:
+        """Payload (header included) of a 1-D float tensor."""
+
+    @abc.abstractmethod
+    def dequantize(
+        self, payload: torch.Tensor, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The 1-D values a payload holds."""
+
+    @abc.abstractmethod
+    def expected_nbytes(self, n: int) -> int:
+        """Payload size for ``n`` values (the format's formula)."""
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
+        ctx = Context.of(tensor)
+        return self.quantize(check_input(tensor, self.name)), ctx
+
+    def decompress(self, payload: torch.Tensor, ctx: Context) -> torch.Tensor:
+        values = self.dequantize(payload, ctx.dtype, ctx.device)
+        if values.numel() != ctx.numel:
+            raise WireFormatError(
+                f"{self.name}: payload holds {values.numel()} values, the local tensor has "
+                f"{ctx.numel}"
+            )
+        return values.reshape(ctx.shape)
+
+
+class Selector(Compressor):
+    """Picks entries of a tensor: ``select(t)`` is a :class:`SparseStream` of ``t.numel()``."""
+
+    code = 6
+
+    @abc.abstractmethod
+    def select(self, tensor: torch.Tensor) -> SparseStream:
+        """The selected entries, exact values, as a sparse stream over the flattened tensor."""
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
+        from ..wire import encode
+
+        ctx = Context.of(tensor)
+        stream = self.select(tensor)
+        return torch.cat(
+            [make_header(self.code, stream.size, device=stream.device), encode(stream)]
+        ), ctx
+
+    def decompress(self, payload: torch.Tensor, ctx: Context) -> torch.Tensor:
+        from ..wire import decode
+
+        _n, _, body = read_header(payload, self.code, self.name)
+        stream = decode(body, expect_size=ctx.numel, expect_dtype=ctx.dtype, device=ctx.device)
+        return stream.to_dense().reshape(ctx.shape)
+
+
+class Composed(Compressor):
+    """A selector followed by a value quantizer (paper 004 sec. 3.3, Thm 3; paper 000 Alg. 1)."""
+
+    code = 7
+
+    def __init__(self, selector: Selector, quantizer: Quantizer) -> None:
+        if not isinstance(selector, Selector) or not isinstance(quantizer, Quantizer):
+            raise TypeError("compose a Selector with a Quantizer, e.g. get('topk+natural', ...)")
+        self.selector = selector
+        self.quantizer = quantizer
+        self.name = f"{selector.name}+{quantizer.name}"  # type: ignore[misc]
+
+    def params(self) -> dict[str, Any]:
+        return {**self.selector.params(), **self.quantizer.params()}
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
+        ctx = Context.of(tensor)
+        stream = self.selector.select(tensor)
+        return self.encode_stream(stream), ctx
+
+    def encode_stream(self, stream: SparseStream) -> torch.Tensor:
+        """Payload of an already selected stream: indices, then quantized values."""
+        device = stream.device
+        n = stream.size
+        if stream.is_dense:
+            parts = [make_header(self.code, n, flags=1, device=device)]
+        else:
+            c = index_bytes(n)
+            nnz = torch.tensor([stream.nnz], dtype=torch.int64).view(torch.uint8).to(device)
+            idx = stream.indices.view(torch.uint8).reshape(-1, 8)[:, :c].reshape(-1)
+            parts = [make_header(self.code, n, device=device), nnz, idx]
+        parts.append(self.quantizer.quantize(stream.values))
+        return torch.cat(parts)
+
+    def decode_stream(
+        self, payload: torch.Tensor, dtype: torch.dtype, device: torch.device
+    ) -> SparseStream:
+        """The stream a payload describes, with dequantized values."""
+        n, flags, body = read_header(payload, self.code, self.name)
+        if flags & 1:
+            values = self.quantizer.dequantize(body, dtype, device)
+            if values.numel() != n:
+                raise WireFormatError(f"{self.name}: dense payload holds {values.numel()} of {n}")
+            return SparseStream.dense(values)
+        if body.numel() < 8:
+            raise WireFormatError(f"{self.name}: truncated payload")
+        nnz = int(body[:8].cpu().clone().view(torch.int64))
+        c = index_bytes(n)
+        if nnz < 0 or nnz > n or body.numel() < 8 + nnz * c:
+            raise WireFormatError(f"{self.name}: malformed payload (nnz={nnz}, n={n})")
+        raw = body[8 : 8 + nnz * c].to(device).reshape(nnz, c)
+        raw = torch.cat([raw, torch.zeros(nnz, 8 - c, dtype=torch.uint8, device=device)], dim=1)
+        indices = raw.contiguous().view(torch.int64).reshape(-1)
+        values = self.quantizer.dequantize(body[8 + nnz * c :], dtype, device)
+        if values.numel() != nnz:
+            raise WireFormatError(f"{self.name}: {values.numel()} values for {nnz} indices")
+        return SparseStream(indices, values, n)
+
+    def decompress(self, payload: torch.Tensor, ctx: Context) -> torch.Tensor:
+        stream = self.decode_stream(payload, ctx.dtype, ctx.device)
+        if stream.size != ctx.numel:
+            raise WireFormatError(f"{self.name}: payload of size {stream.size}, local {ctx.numel}")
+        return stream.to_dense().reshape(ctx.shape)
+
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+
+
+def register(name: str) -> Callable[[type[Compressor]], type[Compressor]]:
+    """Class decorator: make an operator available to :func:`get` under ``name``."""
+
+    def deco(cls: type[Compressor]) -> type[Compressor]:
+        if name in _REGISTRY:
+            raise ValueError(f"a compressor named {name!r} is already registered")
+        cls.name = name  # type: ignore[misc]
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def available() -> dict[str, str]:
+    """Registered operator names and their kind (selector / quantizer / operator)."""
+    out = {}
+    for name, cls in sorted(_REGISTRY.items()):
+        kind = (
+            "selector"
+            if issubclass(cls, Selector)
+            else "quantizer"
+            if issubclass(cls, Quantizer)
+            else "operator"
+        )
+        out[name] = kind
+    return out
+
+
+def _build(name: str, params: dict[str, Any], used: set[str]) -> Compressor:
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown compressor {name!r}; available: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+    sig = inspect.signature(cls.__init__)
+    mine = {k: v for k, v in params.items() if k in sig.parameters and k != "self"}
+    used.update(mine)
+    return cls(**mine)
+
+
+def get(name: str, **params: Any) -> Compressor:
+    """Build an operator by name; ``"selector+quantizer"`` composes two.
+
+    Args:
+        name: a registered name (see :func:`available`) or ``"a+b"``.
+        **params: hyperparameters; each goes to the operator whose constructor names it.
+
+    Raises:
+        ValueError: unknown name, a parameter no operator takes, or an invalid value.
+
+    Example:
+        >>> op = get("topk+natural", density=0.01)
+        >>> payload, ctx = op.compress(torch.randn(1000))
+        >>> op.decompress(payload, ctx).count_nonzero().item() <= 10
+        True
+    """
+    used: set[str] = set()
+    parts = [p.strip() for p in name.split("+")]
+    if len(parts) == 1:
+        op = _build(parts[0], params, used)
+    elif len(parts) == 2:
+        sel = _build(parts[0], params, used)
+        quant = _build(parts[1], params, used)
+        if not isinstance(sel, Selector):
+            raise ValueError(f"{parts[0]!r} is not a selector; compose as 'selector+quantizer'")
+        if not isinstance(quant, Quantizer):
+            raise ValueError(f"{parts[1]!r} is not a value quantizer")
+        op = Composed(sel, quant)
+    else:
+        raise ValueError(f"compose at most one selector and one quantizer, got {name!r}")
+    unknown = sorted(set(params) - used)
+    if unknown:
+        raise ValueError(f"{name}: unknown parameter(s) {', '.join(unknown)}")
+    return op

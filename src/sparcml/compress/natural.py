@@ -1,0 +1,170 @@
+"""Natural compression C_nat (paper 004, sec. 3 and appendix A).
+
+C_nat rounds ``x != 0`` with ``2^a <= |x| < 2^(a+1)`` to ``sign(x) 2^a`` with
+probability ``(2^(a+1) - |x|) / 2^a`` and to ``sign(x) 2^(a+1)`` otherwise:
+unbiased, with variance factor ``omega = 1/8`` (Thm 1:
+``E[C(x)^2] <= 9/8 x^2``). On float32 bits (sec. 3.2) this is: drop the mantissa
+``m`` and add one to the exponent with probability ``m / 2^23`` — a comparison
+of ``m`` with a random 23-bit integer. Subnormals round between 0 and
+``2^-126`` the same way (unbiased); float16/bfloat16/float64 input goes through
+float32.
+
+Wire formats:
+
+* ``format=9`` (sec. 3.2): sign + the 8-bit float32 exponent: ``n`` exponent
+  bytes, then the signs as a bit plane: ``ceil(9n/8)`` bytes.
+* ``format=8`` (appendix A): one byte per value, ``sign<<7 | zero<<6 | e - e_min``,
+  exponents clipped to ``[e_min, e_min + 63]`` (6 bits; default e_min = -50).
+  Below ``2^e_min`` values round stochastically between 0 and ``2^e_min``
+  (unbiased); above ``2^(e_min+63)`` they are clipped (biased; counted in
+  ``clipped``).
+
+``deterministic=True`` rounds to the nearer power of two instead (the paper's
+"without stochastic rounding" reference; biased, no random numbers).
+
+Natural-compressed values are powers of two: a sum of them is an integer sum of
+shifted ones, which is what an integer-only aggregator exploits (``summable``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import WireFormatError
+from .base import Quantizer, check_finite, make_header, read_header, register
+from .packing import pack_bits, unpack_bits
+
+__all__ = ["NaturalCompression", "natural_round"]
+
+_MANT = (1 << 23) - 1
+
+
+def natural_round(
+    values: torch.Tensor, generator: torch.Generator | None, deterministic: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """C_nat of float32 ``values``: ``(sign bit, biased float32 exponent)`` as int32.
+
+    Exponent 0 means the value rounded to zero.
+    """
+    bits = values.contiguous().view(torch.int32)
+    sign = (bits >> 31) & 1
+    exp = (bits >> 23) & 0xFF
+    mant = bits & _MANT
+    if deterministic:
+        up = mant >= (1 << 22)
+    else:
+        r = torch.randint(
+            0, 1 << 23, values.shape, generator=generator, device=values.device, dtype=torch.int32
+        )
+        up = r < mant
+    exp = exp + up.to(torch.int32)
+    return sign, exp.clamp_(max=254)
+
+
+@register("natural")
+class NaturalCompression(Quantizer):
+    """Natural compression: stochastic rounding to a power of two, 9 or 8 bits per value.
+
+    Args:
+        format: 9 (sign + float32 exponent) or 8 (appendix A's clipped exponent).
+        deterministic: round to the nearer power of two (biased) instead of stochastically.
+        e_min: smallest exponent of the 8-bit format (``2^e_min`` .. ``2^(e_min+63)``).
+        seed: seed of the random generator (None: nondeterministic).
+        check_finite: refuse NaN/Inf input (else NaN/Inf become the largest magnitude).
+    """
+
+    summable = True
+
+    def __init__(
+        self,
+        format: int = 9,
+        deterministic: bool = False,
+        e_min: int = -50,
+        seed: int | None = 0,
+        check_finite: bool = True,
+    ) -> None:
+        if format not in (8, 9):
+            raise ValueError(f"natural: format must be 9 or 8 bits per value, got {format}")
+        if not -126 <= e_min <= 127 - 63:
+            raise ValueError(f"natural: e_min must lie in [-126, 64], got {e_min}")
+        self.format, self.deterministic, self.e_min, self.seed = format, deterministic, e_min, seed
+        self.check_finite = check_finite
+        self.clipped = 0
+        self._gen: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        g = self._gen.get(device)
+        if g is None:
+            g = torch.Generator(device=device).manual_seed(self.seed)
+            self._gen[device] = g
+        return g
+
+    def expected_nbytes(self, n: int) -> int:
+        return 16 + (n if self.format == 8 else n + (n + 7) // 8)
+
+    def quantize(self, values: torch.Tensor) -> torch.Tensor:
+        if self.check_finite:
+            check_finite(values, "natural")
+        n = values.numel()
+        v = values.to(torch.float32)
+        gen = None if self.deterministic else self._generator(v.device)
+        if self.format == 9:
+            sign, exp = natural_round(v, gen, self.deterministic)
+            body = [exp.to(torch.uint8), pack_bits(sign, 1)]
+        else:
+            body = [self._encode8(v, gen)]
+        return torch.cat([make_header(2 if self.format == 9 else 3, n, device=v.device), *body])
+
+    def _encode8(self, v: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        lo = 2.0**self.e_min
+        hi_e = self.e_min + 63
+        mag = v.abs()
+        sign = (v < 0).to(torch.int32)
+        # Below 2^e_min: 0 or 2^e_min with probability |x| / 2^e_min (unbiased).
+        small = mag < lo
+        if self.deterministic:
+            small_up = mag >= lo / 2
+        else:
+            small_up = torch.rand(v.shape, generator=gen, device=v.device) * lo < mag
+        _, exp = natural_round(v, gen, self.deterministic)
+        e = exp - 127
+        over = e > hi_e
+        self.clipped += int(over.sum())
+        e = e.clamp(self.e_min, hi_e)
+        zero = small & ~small_up
+        e = torch.where(small, torch.full_like(e, self.e_min), e)
+        code = (sign << 7) | (zero.to(torch.int32) << 6) | (e - self.e_min)
+        return code.to(torch.uint8)
+
+    def dequantize(
+        self, payload: torch.Tensor, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        code = 2 if self.format == 9 else 3
+        n, _, body = read_header(payload, code, f"natural ({self.format}-bit)")
+        body = body.to(device)
+        if self.format == 9:
+            if body.numel() != n + (n + 7) // 8:
+                raise WireFormatError(f"natural: payload of {body.numel()} bytes for {n} values")
+            exp = body[:n].to(torch.int32)
+            sign = unpack_bits(body[n:], n, 1)
+            bits = (sign << 31) | (exp << 23)
+            return bits.view(torch.float32).to(dtype)
+        if body.numel() != n:
+            raise WireFormatError(f"natural: payload of {body.numel()} bytes for {n} values")
+        c = body.to(torch.int32)
+        e = (c & 63) + self.e_min
+        out = torch.ldexp(torch.ones(n, device=device), e.float())
+        out = torch.where(((c >> 6) & 1).bool(), torch.zeros_like(out), out)
+        out = torch.where(((c >> 7) & 1).bool(), -out, out)
+        return out.to(dtype)
+
+    def to_integers(self, payload: torch.Tensor) -> torch.Tensor:
+        """An 8-bit payload's values as int64 multiples of ``2^e_min`` (for integer sums)."""
+        _, _, body = read_header(payload, 3, "natural (8-bit)")
+        c = body.to(torch.int64)
+        mag = torch.where(
+            ((c >> 6) & 1).bool(), torch.zeros_like(c), torch.ones_like(c) << (c & 63)
+        )
+        return torch.where(((c >> 7) & 1).bool(), -mag, mag)

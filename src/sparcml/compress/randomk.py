@@ -1,0 +1,49 @@
+"""Random-k: ``k`` entries drawn uniformly without replacement, seeded so ranks can agree."""
+
+from __future__ import annotations
+
+import torch
+
+from ..stream import SparseStream
+from ._selection import KSpec, stream_of
+from .base import Selector, check_input, register
+
+__all__ = ["RandomK"]
+
+
+@register("randomk")
+class RandomK(Selector):
+    """``k`` uniformly random entries; call ``t`` of an instance uses seed ``(seed, t)``.
+
+    Ranks that build the operator with the same ``seed`` and call it in step pick
+    the same indices (then the sparse sum does not fill in).
+
+    Args:
+        k / density: how many entries (exactly one).
+        seed: base seed shared by the ranks that must agree.
+        scale: multiply the kept values by ``n/k`` (the unbiased random-k); off by
+            default, the usual choice with error feedback.
+    """
+
+    def __init__(
+        self,
+        k: int | None = None,
+        density: float | None = None,
+        seed: int = 0,
+        scale: bool = False,
+    ) -> None:
+        self.spec = KSpec(k, density, "randomk")
+        self.k, self.density, self.seed, self.scale = k, density, seed, scale
+        self.calls = 0
+
+    def select(self, tensor: torch.Tensor) -> SparseStream:
+        x = check_input(tensor, self.name)
+        n = x.numel()
+        k = self.spec.of(n)
+        g = torch.Generator(device="cpu").manual_seed(hash((self.seed, self.calls)) & (2**63 - 1))
+        self.calls += 1
+        idx = torch.randperm(n, generator=g)[:k].to(x.device)
+        s = stream_of(x, idx)
+        if self.scale and k:
+            return SparseStream._trusted(s.indices, s.values * (n / k), n)
+        return s
