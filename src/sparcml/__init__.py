@@ -13,7 +13,7 @@ call reduces across every rank.
 
 from __future__ import annotations
 
-from . import comm
+from . import comm, compress
 from .collectives import (
     algorithms,
     dsar_split_allgather,
@@ -32,7 +32,9 @@ from .errors import (
     SparcmlError,
     WireFormatError,
 )
+from .feedback import ErrorFeedback
 from .stream import SparseStream, dense_threshold, index_bytes
+from .topk_sgd import topk_sgd_step
 
 __version__ = "0.1.0"
 
@@ -40,6 +42,7 @@ __all__ = [
     "CommError",
     "CommTimeoutError",
     "CostModel",
+    "ErrorFeedback",
     "PeerFailedError",
     "RankMismatchError",
     "SparcmlError",
@@ -48,6 +51,7 @@ __all__ = [
     "Work",
     "algorithms",
     "comm",
+    "compress",
     "dense_threshold",
     "dsar_split_allgather",
     "expected_fill_in",
@@ -56,4 +60,5 @@ __all__ = [
     "sparse_allreduce",
     "ssar_recursive_double",
     "ssar_split_allgather",
+    "topk_sgd_step",
 ]

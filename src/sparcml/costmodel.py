@@ -53,8 +53,8 @@ def expected_fill_in(size: int, ks: Sequence[int]) -> float:
     """Expected nnz of the sum of sets of ``ks[i]`` uniform random indices (Appendix B.1).
 
     Example:
-        >>> round(expected_fill_in(512, [64] * 8))
-        350
+        >>> round(expected_fill_in(512, [64] * 8))  # 512 (1 - (7/8)^8)
+        336
     """
     if size <= 0:
         return 0.0

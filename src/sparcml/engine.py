@@ -27,9 +27,11 @@ class Work:
     """Handle of a non-blocking collective, shaped like ``torch.distributed``'s Work.
 
     Example:
-        >>> work = sparse_allreduce(stream, async_op=True)   # doctest: +SKIP
-        >>> ...  # compute while it runs
-        >>> result = work.wait()                              # doctest: +SKIP
+        >>> stream = SparseStream(torch.tensor([1]), torch.tensor([2.0]), 4)
+        >>> work = sparcml.sparse_allreduce(stream, async_op=True)
+        >>> busy = torch.ones(8).sum()  # compute while it runs
+        >>> work.wait().to_dense().tolist()
+        [0.0, 2.0, 0.0, 0.0]
     """
 
     def __init__(self) -> None:

@@ -6,7 +6,7 @@ import torch
 
 from ..comm import Communicator
 from ..stream import SparseStream
-from ..wire import decode, encode
+from .codec import EXACT, StreamCodec
 
 __all__ = [
     "decode_or_empty",
@@ -33,23 +33,29 @@ def partition_boundaries(size: int, parts: int) -> list[int]:
     return [j * size // parts for j in range(parts + 1)]
 
 
-def encode_or_empty(stream: SparseStream) -> torch.Tensor:
-    """The wire encoding, or a zero-length payload for a sparse stream with no entries."""
+def encode_or_empty(stream: SparseStream, codec: StreamCodec = EXACT) -> torch.Tensor:
+    """The message for ``stream``, or a zero-length payload for a sparse stream with no entries."""
     if not stream.is_dense and stream.nnz == 0:
         return torch.empty(0, dtype=torch.uint8, device=stream.device)
-    return encode(stream)
+    return codec.encode(stream)
 
 
 def decode_or_empty(
-    buf: torch.Tensor, size: int, dtype: torch.dtype, device: torch.device
+    buf: torch.Tensor,
+    size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    codec: StreamCodec = EXACT,
 ) -> SparseStream:
     """Inverse of :func:`encode_or_empty`, checking size and dtype."""
     if buf.numel() == 0:
         return SparseStream.empty(size, dtype, device)
-    return decode(buf, expect_size=size, expect_dtype=dtype, device=device)
+    return codec.decode(buf, size, dtype, device)
 
 
-def split_and_reduce(stream: SparseStream, comm: Communicator) -> tuple[SparseStream, list[int]]:
+def split_and_reduce(
+    stream: SparseStream, comm: Communicator, codec: StreamCodec = EXACT
+) -> tuple[SparseStream, list[int]]:
     """The split phase of the split-allgather algorithms (paper 000, sec. 5.3.2).
 
     1. Split the local stream into ``P`` index ranges (:func:`partition_boundaries`).
@@ -68,7 +74,7 @@ def split_and_reduce(stream: SparseStream, comm: Communicator) -> tuple[SparseSt
     payloads = [
         torch.empty(0, dtype=torch.uint8, device=stream.device)
         if j == me
-        else encode_or_empty(piece)
+        else encode_or_empty(piece, codec)
         for j, piece in enumerate(pieces)
     ]
     received = comm.alltoallv(payloads)

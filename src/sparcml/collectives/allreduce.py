@@ -16,11 +16,13 @@ from typing import Literal, overload
 import torch
 
 from ..comm import Communicator, resolve
-from ..costmodel import CostModel
+from ..compress.base import Quantizer
+from ..costmodel import AUTO_CANDIDATES, CostModel
 from ..engine import Work
 from ..errors import RankMismatchError
 from ..stream import SparseStream
 from ..wire import code_dtype, dtype_code
+from .codec import StreamCodec
 from .registry import get_algorithm
 
 __all__ = ["check_consistent", "choose_algorithm", "sparse_allreduce"]
@@ -66,27 +68,35 @@ def check_consistent(stream: SparseStream, comm: Communicator) -> list[int]:
 
 
 def choose_algorithm(
-    stream: SparseStream, comm: Communicator, cost_model: CostModel | None = None
+    stream: SparseStream,
+    comm: Communicator,
+    cost_model: CostModel | None = None,
+    exclude_dense: bool = False,
 ) -> str:
     """The algorithm ``"auto"`` picks for this call (a collective: every rank must call it).
 
     Checks consistency like :func:`sparse_allreduce` and returns the same name on
-    every rank.
+    every rank. ``exclude_dense`` leaves out the dense allreduce (it cannot quantize).
     """
     ks = check_consistent(stream, comm)
     model = cost_model if cost_model is not None else CostModel.load()
-    return model.choose(comm.world_size, stream.size, ks, stream.values.element_size())
+    candidates = [a for a in AUTO_CANDIDATES if not (exclude_dense and a == "dense")]
+    return model.choose(comm.world_size, stream.size, ks, stream.values.element_size(), candidates)
 
 
 def _run(
-    stream: SparseStream, comm: Communicator, algorithm: str, model: CostModel | None
+    stream: SparseStream,
+    comm: Communicator,
+    algorithm: str,
+    model: CostModel | None,
+    codec: StreamCodec,
 ) -> SparseStream:
     if algorithm == "auto":
-        algorithm = choose_algorithm(stream, comm, model)
+        algorithm = choose_algorithm(stream, comm, model, exclude_dense=codec.lossy)
         log.debug("sparse_allreduce auto chose %s", algorithm)
     else:
         check_consistent(stream, comm)
-    return get_algorithm(algorithm)(stream, comm)
+    return get_algorithm(algorithm)(stream, comm, codec)
 
 
 @overload
@@ -96,6 +106,8 @@ def sparse_allreduce(
     algorithm: str = ...,
     async_op: Literal[False] = ...,
     *,
+    quantizer: Quantizer | str | None = ...,
+    quantize: str = ...,
     cost_model: CostModel | None = ...,
 ) -> SparseStream: ...
 
@@ -107,6 +119,8 @@ def sparse_allreduce(
     algorithm: str = ...,
     async_op: Literal[True] = ...,
     *,
+    quantizer: Quantizer | str | None = ...,
+    quantize: str = ...,
     cost_model: CostModel | None = ...,
 ) -> Work: ...
 
@@ -117,6 +131,8 @@ def sparse_allreduce(
     algorithm: str = "auto",
     async_op: bool = False,
     *,
+    quantizer: Quantizer | str | None = None,
+    quantize: str = "dense",
     cost_model: CostModel | None = None,
 ) -> SparseStream | Work:
     """Sum of every rank's sparse stream, bitwise identical on every rank.
@@ -131,6 +147,12 @@ def sparse_allreduce(
             ``"auto"``: the fastest under the cost model for the observed nnz.
         async_op: return a :class:`~sparcml.engine.Work` at once; the operation runs
             on the communicator's background engine, in submission order.
+        quantizer: a value quantizer (``sparcml.compress.get("qsgd", bits=4)`` or a
+            name such as ``"qsgd"``) for the messages' values; see
+            :mod:`sparcml.collectives.codec`. Every rank dequantizes the same bytes,
+            so results stay bitwise identical.
+        quantize: ``"dense"`` (SparCML sec. 6: only messages carrying dense streams,
+            e.g. DSAR's second phase) or ``"all"`` (the sparse phases too).
         cost_model: the model ``auto`` uses (default: stored calibration or defaults).
 
     Returns:
@@ -154,5 +176,15 @@ def sparse_allreduce(
         )
     if algorithm != "auto":
         get_algorithm(algorithm)  # unknown names fail here, before any communication
+    if isinstance(quantizer, str):
+        from ..compress import get
 
-    return comm.run_ordered(lambda: _run(stream, comm, algorithm, cost_model), async_op)
+        quantizer = get(quantizer)  # type: ignore[assignment]
+    codec = StreamCodec(quantizer, quantize)  # type: ignore[arg-type]
+    if codec.lossy and algorithm == "dense":
+        raise ValueError(
+            "the dense algorithm cannot quantize; use algorithm='dsar_split_allgather' "
+            "(SparCML sec. 6 quantizes its dense phase) or no quantizer"
+        )
+
+    return comm.run_ordered(lambda: _run(stream, comm, algorithm, cost_model, codec), async_op)

@@ -8,13 +8,26 @@ from __future__ import annotations
 
 from ..comm import Communicator, resolve
 from ..stream import SparseStream
+from .codec import EXACT, StreamCodec
 from .registry import register
 
 __all__ = ["dense_allreduce"]
 
 
 @register("dense")
-def dense_allreduce(stream: SparseStream, comm: Communicator | None = None) -> SparseStream:
-    """Sum of every rank's ``stream`` by a dense allreduce; the result is a dense stream."""
+def dense_allreduce(
+    stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
+) -> SparseStream:
+    """Sum of every rank's ``stream`` by a dense allreduce; the result is a dense stream.
+
+    Raises:
+        ValueError: with a quantizer (the backend's allreduce sums full-precision
+            words; use ``dsar_split_allgather`` to quantize the dense phase).
+    """
+    if codec.lossy:
+        raise ValueError(
+            "the dense algorithm cannot quantize; use algorithm='dsar_split_allgather' "
+            "(SparCML sec. 6 quantizes its dense phase) or no quantizer"
+        )
     comm = resolve(comm)
     return SparseStream.dense(comm.allreduce(stream.to_dense()))

@@ -26,18 +26,23 @@ import torch
 from ..comm import Communicator, resolve
 from ..stream import SparseStream
 from ._common import split_and_reduce
+from .codec import EXACT, StreamCodec
 from .registry import register
 
 __all__ = ["dsar_split_allgather"]
 
 
 @register("dsar_split_allgather")
-def dsar_split_allgather(stream: SparseStream, comm: Communicator | None = None) -> SparseStream:
+def dsar_split_allgather(
+    stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
+) -> SparseStream:
     """Sum of every rank's ``stream`` by sparse split and dense allgather; same bits everywhere.
 
     Args:
         stream: this rank's vector (same size and dtype on every rank).
         comm: the communicator (default: the default process group, or a world of one).
+        codec: with a quantizer, phase 3 sends each reduced range quantized (SparCML
+            sec. 6) and every rank, the owner included, uses the dequantized ranges.
 
     Returns:
         The sum as a dense stream, on ``stream``'s device.
@@ -47,8 +52,16 @@ def dsar_split_allgather(stream: SparseStream, comm: Communicator | None = None)
     if p == 1:
         return SparseStream.dense(stream.to_dense().clone())
     # Steps 1-2: sparse split, reduce, switch to dense.
-    mine, bounds = split_and_reduce(stream, comm)
+    mine, bounds = split_and_reduce(stream, comm, codec)
     widths = [bounds[j + 1] - bounds[j] for j in range(p)]
+    if codec.lossy:
+        # Step 3, quantized: allgather of variable-size payloads, all decoded alike.
+        payloads = comm.allgatherv(codec.encode_dense(mine.to_dense()))
+        ranges = [
+            codec.decode_dense(buf, w, stream.dtype, stream.device)
+            for buf, w in zip(payloads, widths, strict=True)
+        ]
+        return SparseStream.dense(torch.cat(ranges))
     width = max(widths)
     padded = torch.zeros(width, dtype=stream.dtype, device=stream.device)
     padded[: widths[comm.rank]] = mine.to_dense()

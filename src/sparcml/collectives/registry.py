@@ -1,6 +1,6 @@
 """Name -> algorithm registry of the sparse allreduce (``algorithm=`` of :func:`sparse_allreduce`).
 
-An algorithm is ``fn(stream, comm) -> SparseStream`` written SPMD style against
+An algorithm is ``fn(stream, comm, codec) -> SparseStream`` written SPMD style against
 the :class:`~sparcml.comm.Communicator` interface. New algorithms register
 themselves with ``@register("name")``; nothing else needs to change.
 """
@@ -11,12 +11,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
     from ..stream import SparseStream
 
 __all__ = ["Algorithm", "algorithms", "get_algorithm", "register"]
 
-Algorithm = Callable[["SparseStream", "Communicator"], "SparseStream"]
+Algorithm = Callable[..., "SparseStream"]
 F = TypeVar("F", bound=Callable[..., "SparseStream"])
 
 _REGISTRY: dict[str, Algorithm] = {}

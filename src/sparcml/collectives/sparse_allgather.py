@@ -25,8 +25,9 @@ from ..comm import Communicator, resolve
 from ..engine import Work
 from ..errors import WireFormatError
 from ..stream import SparseStream
-from ..wire import decode, encode, pack, unpack
+from ..wire import pack, unpack
 from ._common import largest_power_of_two
+from .codec import EXACT, StreamCodec
 
 __all__ = ["allgather_buffers", "gather_streams", "sparse_allgather"]
 
@@ -104,7 +105,13 @@ def sparse_allgather(
     return comm.run_ordered(lambda: gather_streams(stream, comm), async_op)
 
 
-def gather_streams(stream: SparseStream, comm: Communicator) -> list[SparseStream]:
-    """The blocking allgather itself, for use inside other collectives."""
-    bufs = allgather_buffers(encode(stream), comm)
-    return [decode(b, expect_dtype=stream.dtype, device=stream.device) for b in bufs]
+def gather_streams(
+    stream: SparseStream, comm: Communicator, codec: StreamCodec = EXACT
+) -> list[SparseStream]:
+    """The blocking allgather itself, for use inside other collectives.
+
+    Every stream, this rank's own included, is decoded from the gathered bytes,
+    so a lossy codec leaves every rank with the same values.
+    """
+    bufs = allgather_buffers(codec.encode(stream), comm)
+    return [codec.decode(b, None, stream.dtype, stream.device) for b in bufs]

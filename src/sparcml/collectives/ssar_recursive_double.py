@@ -21,20 +21,24 @@ from __future__ import annotations
 
 from ..comm import Communicator, resolve
 from ..stream import SparseStream
-from ..wire import decode, encode
 from ._common import largest_power_of_two
+from .codec import EXACT, StreamCodec
 from .registry import register
 
 __all__ = ["ssar_recursive_double"]
 
 
 @register("ssar_recursive_double")
-def ssar_recursive_double(stream: SparseStream, comm: Communicator | None = None) -> SparseStream:
+def ssar_recursive_double(
+    stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
+) -> SparseStream:
     """Sum of every rank's ``stream`` by recursive doubling; same bits on every rank.
 
     Args:
         stream: this rank's vector (same size and dtype on every rank).
         comm: the communicator (default: the default process group, or a world of one).
+        codec: how messages are encoded (exact by default). With a lossy codec each
+            partner adds the decoded copy of its own message, so both hold the same bits.
 
     Returns:
         The sum, on ``stream``'s device.
@@ -46,13 +50,11 @@ def ssar_recursive_double(stream: SparseStream, comm: Communicator | None = None
     p2 = largest_power_of_two(p)
 
     def receive(src: int) -> SparseStream:
-        return decode(
-            comm.recv(src), expect_size=stream.size, expect_dtype=stream.dtype, device=stream.device
-        )
+        return codec.decode(comm.recv(src), stream.size, stream.dtype, stream.device)
 
     # Step 0: fold.
     if me >= p2:
-        comm.send(encode(stream), me - p2)
+        comm.send(codec.encode(stream), me - p2)
         return receive(me - p2)
     acc = stream
     if me < p - p2:
@@ -61,15 +63,12 @@ def ssar_recursive_double(stream: SparseStream, comm: Communicator | None = None
     mask = 1
     while mask < p2:
         partner = me ^ mask
-        other = decode(
-            comm.sendrecv(encode(acc), partner),
-            expect_size=stream.size,
-            expect_dtype=stream.dtype,
-            device=stream.device,
-        )
+        buf = codec.encode(acc)
+        other = codec.decode(comm.sendrecv(buf, partner), stream.size, stream.dtype, stream.device)
+        acc = codec.roundtrip(acc, buf)
         acc = other + acc if partner < me else acc + other
         mask <<= 1
-    # Step 2: unfold.
+    # Step 2: unfold (the final result travels exactly).
     if me < p - p2:
-        comm.send(encode(acc), me + p2)
+        comm.send(codec.encode_exact(acc), me + p2)
     return acc if acc is not stream else stream.clone()

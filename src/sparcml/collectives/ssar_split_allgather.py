@@ -21,6 +21,7 @@ from ..comm import Communicator, resolve
 from ..errors import WireFormatError
 from ..stream import SparseStream
 from ._common import split_and_reduce
+from .codec import EXACT, StreamCodec
 from .registry import register
 from .sparse_allgather import gather_streams
 
@@ -28,12 +29,15 @@ __all__ = ["ssar_split_allgather"]
 
 
 @register("ssar_split_allgather")
-def ssar_split_allgather(stream: SparseStream, comm: Communicator | None = None) -> SparseStream:
+def ssar_split_allgather(
+    stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
+) -> SparseStream:
     """Sum of every rank's ``stream`` by split and sparse allgather; same bits on every rank.
 
     Args:
         stream: this rank's vector (same size and dtype on every rank).
         comm: the communicator (default: the default process group, or a world of one).
+        codec: how messages are encoded (exact by default; see :mod:`.codec`).
 
     Returns:
         The sum, on ``stream``'s device.
@@ -42,9 +46,9 @@ def ssar_split_allgather(stream: SparseStream, comm: Communicator | None = None)
     if comm.world_size == 1:
         return stream.clone()
     # Steps 1-2: split and reduce.
-    mine, bounds = split_and_reduce(stream, comm)
+    mine, bounds = split_and_reduce(stream, comm, codec)
     # Step 3: sparse allgather of the reduced ranges, then concatenation.
-    parts = gather_streams(mine, comm)
+    parts = gather_streams(mine, comm, codec)
     for j, part in enumerate(parts):
         if part.size != bounds[j + 1] - bounds[j]:
             raise WireFormatError(

@@ -49,6 +49,7 @@ _MAGIC = b"SpQ"
 _VERSION = 1
 _HEADER = struct.Struct("<3sBBBHQ")
 HEADER_BYTES = _HEADER.size  # 16
+QUANTIZED_STREAM_CODE = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +210,7 @@ class Selector(Compressor):
 class Composed(Compressor):
     """A selector followed by a value quantizer (paper 004 sec. 3.3, Thm 3; paper 000 Alg. 1)."""
 
-    code = 7
+    code = QUANTIZED_STREAM_CODE
 
     def __init__(self, selector: Selector, quantizer: Quantizer) -> None:
         if not isinstance(selector, Selector) or not isinstance(quantizer, Quantizer):
@@ -228,47 +229,67 @@ class Composed(Compressor):
 
     def encode_stream(self, stream: SparseStream) -> torch.Tensor:
         """Payload of an already selected stream: indices, then quantized values."""
-        device = stream.device
-        n = stream.size
-        if stream.is_dense:
-            parts = [make_header(self.code, n, flags=1, device=device)]
-        else:
-            c = index_bytes(n)
-            nnz = torch.tensor([stream.nnz], dtype=torch.int64).view(torch.uint8).to(device)
-            idx = stream.indices.view(torch.uint8).reshape(-1, 8)[:, :c].reshape(-1)
-            parts = [make_header(self.code, n, device=device), nnz, idx]
-        parts.append(self.quantizer.quantize(stream.values))
-        return torch.cat(parts)
+        return encode_quantized_stream(stream, self.quantizer)
 
     def decode_stream(
         self, payload: torch.Tensor, dtype: torch.dtype, device: torch.device
     ) -> SparseStream:
         """The stream a payload describes, with dequantized values."""
-        n, flags, body = read_header(payload, self.code, self.name)
-        if flags & 1:
-            values = self.quantizer.dequantize(body, dtype, device)
-            if values.numel() != n:
-                raise WireFormatError(f"{self.name}: dense payload holds {values.numel()} of {n}")
-            return SparseStream.dense(values)
-        if body.numel() < 8:
-            raise WireFormatError(f"{self.name}: truncated payload")
-        nnz = int(body[:8].cpu().clone().view(torch.int64))
-        c = index_bytes(n)
-        if nnz < 0 or nnz > n or body.numel() < 8 + nnz * c:
-            raise WireFormatError(f"{self.name}: malformed payload (nnz={nnz}, n={n})")
-        raw = body[8 : 8 + nnz * c].to(device).reshape(nnz, c)
-        raw = torch.cat([raw, torch.zeros(nnz, 8 - c, dtype=torch.uint8, device=device)], dim=1)
-        indices = raw.contiguous().view(torch.int64).reshape(-1)
-        values = self.quantizer.dequantize(body[8 + nnz * c :], dtype, device)
-        if values.numel() != nnz:
-            raise WireFormatError(f"{self.name}: {values.numel()} values for {nnz} indices")
-        return SparseStream(indices, values, n)
+        return decode_quantized_stream(payload, self.quantizer, dtype, device)
 
     def decompress(self, payload: torch.Tensor, ctx: Context) -> torch.Tensor:
         stream = self.decode_stream(payload, ctx.dtype, ctx.device)
         if stream.size != ctx.numel:
             raise WireFormatError(f"{self.name}: payload of size {stream.size}, local {ctx.numel}")
         return stream.to_dense().reshape(ctx.shape)
+
+
+def encode_quantized_stream(stream: SparseStream, quantizer: Quantizer) -> torch.Tensor:
+    """A sparse stream with quantized values: header, nnz, ``c``-byte indices, values payload.
+
+    A dense stream is sent as the header (flag 1) and the quantized vector.
+    """
+    device = stream.device
+    n = stream.size
+    if stream.is_dense:
+        parts = [make_header(QUANTIZED_STREAM_CODE, n, flags=1, device=device)]
+    else:
+        c = index_bytes(n)
+        nnz = torch.tensor([stream.nnz], dtype=torch.int64).view(torch.uint8).to(device)
+        idx = stream.indices.view(torch.uint8).reshape(-1, 8)[:, :c].reshape(-1)
+        parts = [make_header(QUANTIZED_STREAM_CODE, n, device=device), nnz, idx]
+    parts.append(quantizer.quantize(stream.values))
+    return torch.cat(parts)
+
+
+def decode_quantized_stream(
+    payload: torch.Tensor, quantizer: Quantizer, dtype: torch.dtype, device: torch.device
+) -> SparseStream:
+    """Inverse of :func:`encode_quantized_stream` (values dequantized).
+
+    Raises:
+        WireFormatError: malformed payload.
+    """
+    what = f"stream with {quantizer.name} values"
+    n, flags, body = read_header(payload, QUANTIZED_STREAM_CODE, what)
+    if flags & 1:
+        values = quantizer.dequantize(body, dtype, device)
+        if values.numel() != n:
+            raise WireFormatError(f"{what}: dense payload holds {values.numel()} of {n} values")
+        return SparseStream.dense(values)
+    if body.numel() < 8:
+        raise WireFormatError(f"{what}: truncated payload")
+    nnz = int(body[:8].cpu().clone().view(torch.int64))
+    c = index_bytes(n)
+    if nnz < 0 or nnz > n or body.numel() < 8 + nnz * c:
+        raise WireFormatError(f"{what}: malformed payload (nnz={nnz}, n={n})")
+    raw = body[8 : 8 + nnz * c].to(device).reshape(nnz, c)
+    raw = torch.cat([raw, torch.zeros(nnz, 8 - c, dtype=torch.uint8, device=device)], dim=1)
+    indices = raw.contiguous().view(torch.int64).reshape(-1)
+    values = quantizer.dequantize(body[8 + nnz * c :], dtype, device)
+    if values.numel() != nnz:
+        raise WireFormatError(f"{what}: {values.numel()} values for {nnz} indices")
+    return SparseStream(indices, values, n)
 
 
 _REGISTRY: dict[str, type[Compressor]] = {}
