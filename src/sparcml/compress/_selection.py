@@ -7,8 +7,9 @@ import math
 import torch
 
 from ..stream import SparseStream
+from ._kernels import chunks
 
-__all__ = ["KSpec", "magnitude", "stream_of"]
+__all__ = ["KSpec", "count_above", "magnitude", "max_magnitude", "select_above", "stream_of"]
 
 
 class KSpec:
@@ -49,3 +50,42 @@ def stream_of(x: torch.Tensor, idx: torch.Tensor) -> SparseStream:
     """The entries ``idx`` (any order, unique) of the flat tensor ``x``."""
     idx = torch.sort(idx).values
     return SparseStream._trusted(idx, x[idx], x.numel())
+
+
+def max_magnitude(x: torch.Tensor) -> float:
+    """``max |x|`` in one pass without a temporary (NaN if any entry is NaN)."""
+    if x.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(x)
+    return (
+        max(-float(lo), float(hi)) if not (bool(lo.isnan()) or bool(hi.isnan())) else float("nan")
+    )
+
+
+def _above(chunk: torch.Tensor, t: float, strict: bool, nan: bool = True) -> torch.Tensor:
+    if not nan:  # the caller knows there is no NaN: the plain comparison is one op less
+        return chunk.abs() > t if strict else chunk.abs() >= t
+    # NaN fails every comparison, so the negated test keeps it: NaN counts as +inf.
+    return ~(chunk.abs() <= t) if strict else ~(chunk.abs() < t)
+
+
+def count_above(x: torch.Tensor, t: float, strict: bool = True) -> int:
+    """How many entries have ``|x| > t`` (``>=`` if not ``strict``); NaN counts. Chunked."""
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    for lo, hi in chunks(x.numel(), x.device):
+        total += _above(x[lo:hi], t, strict).sum()
+    return int(total)
+
+
+def select_above(x: torch.Tensor, t: float, strict: bool = True, nan: bool = True) -> torch.Tensor:
+    """Sorted int64 positions with ``|x| > t`` (``>=`` if not ``strict``); NaN included.
+
+    ``nan=False`` promises that ``x`` holds no NaN (a faster test).
+    """
+    parts = [
+        _above(x[lo:hi], t, strict, nan).nonzero().flatten() + lo
+        for lo, hi in chunks(x.numel(), x.device)
+    ]
+    if not parts:
+        return torch.empty(0, dtype=torch.int64, device=x.device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import WireFormatError
+from ._kernels import chunks, exact_bernoulli
 from .base import Quantizer, check_finite, make_header, read_header, register
-from .packing import pack_bits, unpack_bits
+from .packing import pack_bools, unpack_bits
 
 __all__ = ["NaturalCompression", "natural_round"]
 
@@ -41,24 +42,22 @@ _MANT = (1 << 23) - 1
 
 def natural_round(
     values: torch.Tensor, generator: torch.Generator | None, deterministic: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """C_nat of float32 ``values``: ``(sign bit, biased float32 exponent)`` as int32.
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """C_nat of float32 ``values``: ``(negative, biased float32 exponent, finite)``.
 
-    Exponent 0 means the value rounded to zero.
+    Exponent 0 means the value rounded to zero; ``finite`` is False if any input
+    was NaN or Inf (exponent 255).
     """
     bits = values.contiguous().view(torch.int32)
-    sign = (bits >> 31) & 1
     exp = (bits >> 23) & 0xFF
+    finite = int(exp.max()) < 255 if exp.numel() else True
     mant = bits & _MANT
+    # P(up) = m / 2^23 exactly, or round to the nearer power of two
     if deterministic:
-        up = mant >= (1 << 22)
+        exp += mant >> 22
     else:
-        r = torch.randint(
-            0, 1 << 23, values.shape, generator=generator, device=values.device, dtype=torch.int32
-        )
-        up = r < mant
-    exp = exp + up.to(torch.int32)
-    return sign, exp.clamp_(max=254)
+        exp += exact_bernoulli(mant, 23, generator)
+    return bits < 0, exp.clamp_(max=254), finite
 
 
 @register("natural")
@@ -105,30 +104,40 @@ class NaturalCompression(Quantizer):
         return 16 + (n if self.format == 8 else n + (n + 7) // 8)
 
     def quantize(self, values: torch.Tensor) -> torch.Tensor:
-        if self.check_finite:
-            check_finite(values, "natural")
         n = values.numel()
-        v = values.to(torch.float32)
+        v = values.to(torch.float32).contiguous()
         gen = None if self.deterministic else self._generator(v.device)
+        code = 2 if self.format == 9 else 3
+        header = make_header(code, n, device=v.device)
         if self.format == 9:
-            sign, exp = natural_round(v, gen, self.deterministic)
-            body = [exp.to(torch.uint8), pack_bits(sign, 1)]
+            out = torch.empty(n + (n + 7) // 8, dtype=torch.uint8, device=v.device)
+            exps, plane = out[:n], out[n:]
         else:
-            body = [self._encode8(v, gen)]
-        return torch.cat([make_header(2 if self.format == 9 else 3, n, device=v.device), *body])
+            out = torch.empty(n, dtype=torch.uint8, device=v.device)
+        for lo, hi in chunks(n, v.device):
+            if self.format == 9:
+                sign, exp, finite = natural_round(v[lo:hi], gen, self.deterministic)
+                exps[lo:hi] = exp
+                plane[lo // 8 : (hi + 7) // 8] = pack_bools(sign)
+            else:
+                codes, finite = self._encode8(v[lo:hi], gen)
+                out[lo:hi] = codes
+            if not finite and self.check_finite:
+                check_finite(v, "natural")
+        return torch.cat([header, out])
 
-    def _encode8(self, v: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    def _encode8(self, v: torch.Tensor, gen: torch.Generator | None) -> tuple[torch.Tensor, bool]:
         lo = 2.0**self.e_min
         hi_e = self.e_min + 63
         mag = v.abs()
-        sign = (v < 0).to(torch.int32)
         # Below 2^e_min: 0 or 2^e_min with probability |x| / 2^e_min (unbiased).
         small = mag < lo
         if self.deterministic:
             small_up = mag >= lo / 2
         else:
             small_up = torch.rand(v.shape, generator=gen, device=v.device) * lo < mag
-        _, exp = natural_round(v, gen, self.deterministic)
+        negative, exp, finite = natural_round(v, gen, self.deterministic)
+        sign = negative.to(torch.int32)
         e = exp - 127
         over = e > hi_e
         self.clipped += int(over.sum())
@@ -136,7 +145,7 @@ class NaturalCompression(Quantizer):
         zero = small & ~small_up
         e = torch.where(small, torch.full_like(e, self.e_min), e)
         code = (sign << 7) | (zero.to(torch.int32) << 6) | (e - self.e_min)
-        return code.to(torch.uint8)
+        return code.to(torch.uint8), finite
 
     def dequantize(
         self, payload: torch.Tensor, dtype: torch.dtype, device: torch.device

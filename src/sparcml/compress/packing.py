@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_bits", "packed_nbytes", "unpack_bits"]
+__all__ = ["pack_bits", "pack_bools", "packed_nbytes", "unpack_bits"]
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -26,7 +26,27 @@ def packed_nbytes(n: int, bits: int) -> int:
     return (n if bits > 8 else 0) + planes * ((n + 7) // 8)
 
 
+_SPREAD = 0x0102040810204080  # gathers the low bit of 8 bytes into the top byte
+
+
+def pack_bools(flags: torch.Tensor) -> torch.Tensor:
+    """Pack booleans (or 0/1 bytes) 8 per byte, first flag in the lowest bit.
+
+    Multiplying the 8 bytes, read as one little-endian int64, by ``_SPREAD`` moves
+    byte ``j``'s low bit to bit ``56 + j``: four tensor operations per 8 flags.
+    """
+    n = flags.numel()
+    f = flags.reshape(-1).to(torch.uint8)
+    pad = (-n) % 8
+    if pad:
+        f = torch.cat([f, torch.zeros(pad, dtype=torch.uint8, device=f.device)])
+    words = f.view(torch.int64)
+    return ((words * _SPREAD) >> 56).to(torch.uint8)  # the low byte, sign extension dropped
+
+
 def _pack_sub_byte(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 1:
+        return pack_bools(codes)
     per = 8 // bits
     n = codes.numel()
     pad = (-n) % per

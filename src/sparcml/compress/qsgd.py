@@ -16,9 +16,12 @@ of codes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import WireFormatError
+from ._kernels import chunks, exact_bernoulli
 from .base import Quantizer, check_finite, make_header, read_header, register
 from .packing import pack_bits, packed_nbytes, unpack_bits
 
@@ -69,28 +72,41 @@ class QSGD(Quantizer):
         return 16 + 4 * (-(-n // self.bucket)) + packed_nbytes(n, self.bits)
 
     def quantize(self, values: torch.Tensor) -> torch.Tensor:
-        if self.check_finite:
-            check_finite(values, "qsgd")
-        n, b, s = values.numel(), self.bucket, self.levels
-        v = values.float()
-        pad = (-n) % b
-        if pad:
-            v = torch.cat([v, torch.zeros(pad, dtype=v.dtype, device=v.device)])
-        v = v.reshape(-1, b)
-        # Step 1: one scale per bucket
-        scale = v.norm(dim=1) if self.norm == "l2" else v.abs().amax(dim=1)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        # Step 2: stochastic rounding to s levels
-        u = torch.rand(v.shape, generator=self._generator(v.device), device=v.device)
-        level = torch.floor(v.abs() / safe.unsqueeze(1) * s + u).clamp_(max=s)
-        # Step 3: sign and level codes, packed
-        codes = (level.to(torch.int32) | ((v < 0).to(torch.int32) << (self.bits - 1))).reshape(-1)
+        n, b, s, bits = values.numel(), self.bucket, self.levels, self.bits
+        v = values.to(torch.float32).contiguous()
+        nb = -(-n // b)
+        scales = torch.empty(nb, dtype=torch.float32, device=v.device)
+        codes = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=v.device)
+        gen = self._generator(v.device)
+        per_byte = 8 // bits
+        multiple = math.lcm(b, 8)
+        for lo, hi in chunks(n, v.device, multiple):
+            chunk = v[lo:hi]
+            pad = (-(hi - lo)) % b
+            if pad:
+                chunk = torch.cat([chunk, torch.zeros(pad, dtype=chunk.dtype, device=v.device)])
+            vb = chunk.view(-1, b)
+            # Step 1: one scale per bucket
+            scale = torch.linalg.vector_norm(vb, dim=1) if self.norm == "l2" else vb.abs().amax(1)
+            scales[lo // b : lo // b + scale.numel()] = scale
+            # Step 2: level = floor(s|v|/scale) + Bernoulli(fraction), unbiased
+            # (s|v|/scale < 128, so s|v|/scale * 2^23 fits an int32: whole part and
+            # 23-bit fraction in one conversion)
+            inv = (s * float(1 << 23)) / torch.where(scale > 0, scale, torch.ones_like(scale))
+            fixed = (vb.abs() * inv.unsqueeze(1)).to(torch.int32)
+            level = exact_bernoulli(fixed & 0x7FFFFF, 23, gen)
+            level += fixed >> 23
+            level.clamp_(max=s)
+            # Step 3: sign and level codes, packed
+            sign = (vb.view(torch.int32) >> 31) & (1 << (bits - 1))
+            code = (level | sign).view(-1)[: hi - lo]
+            codes[lo // per_byte : lo // per_byte + packed_nbytes(hi - lo, bits)] = pack_bits(
+                code, bits
+            )
+        if self.check_finite and nb and not bool(torch.isfinite(scales).all()):
+            check_finite(v, "qsgd")
         return torch.cat(
-            [
-                make_header(1, n, flags=self.bits, device=v.device),
-                scale.view(torch.uint8),
-                pack_bits(codes[:n], self.bits),
-            ]
+            [make_header(1, n, flags=bits, device=v.device), scales.view(torch.uint8), codes]
         )
 
     def dequantize(

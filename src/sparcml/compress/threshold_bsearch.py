@@ -19,35 +19,58 @@ by a search is reused for the next ``interval - 1`` calls.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..stream import SparseStream
-from ._selection import KSpec, magnitude
+from ._selection import KSpec, max_magnitude, select_above
 from .base import Selector, check_input, register
 
 __all__ = ["SampledThresholdBinarySearch", "ThresholdBinarySearch", "bsearch_threshold"]
 
 
-def bsearch_threshold(mag: torch.Tensor, k: int, eps: float, max_steps: int = 64) -> float:
-    """A threshold ``t`` with ``k <= count(mag > t) <= 2k`` where the data allows (Alg. 3)."""
-    top = float(mag.max())
-    if top == float("inf"):
-        finite = mag[torch.isfinite(mag)]
-        top = float(finite.max()) if finite.numel() else 0.0
+def bsearch_threshold(
+    x: torch.Tensor, k: int, eps: float, max_steps: int = 64
+) -> tuple[float, torch.Tensor]:
+    """Alg. 3: a threshold ``t`` with ``k <= count(|x| > t) <= 2k`` where the data allows.
+
+    Returns ``t`` and the sorted positions with ``|x| > t`` (NaN included). The
+    thresholds and counts are exactly Alg. 3's; once a step has raised the left
+    border ``l``, only the entries above ``l`` can matter, so they are kept aside
+    and later counts (and the final selection) look at them alone.
+    """
+    top = max_magnitude(x)
+    has_nan = top != top
+    if not math.isfinite(top):  # NaN or Inf present: search among the finite magnitudes
+        finite = x[torch.isfinite(x)]
+        top = max_magnitude(finite) if finite.numel() else 0.0
     lo, hi = 0.0, top
     tol = eps * top
+    cand_idx: torch.Tensor | None = None  # positions above lo, once narrowed
+    cand_mag = torch.empty(0)
     for _ in range(max_steps):
         if hi - lo <= tol:
-            return lo
+            break
         mid = 0.5 * (lo + hi)
-        count = int((mag > mid).sum())
+        if cand_idx is None:
+            above_idx = select_above(x, mid, nan=has_nan)
+            count = above_idx.numel()
+        else:
+            keep = ~(cand_mag <= mid)
+            count = int(keep.sum())
         if count < k:
             hi = mid
-        elif count > 2 * k:
-            lo = mid
+            continue
+        if cand_idx is not None:
+            above_idx, cand_mag = cand_idx[keep], cand_mag[keep]
         else:
-            return mid
-    return lo
+            cand_mag = x[above_idx].abs()
+        if count > 2 * k:
+            lo, cand_idx = mid, above_idx
+        else:
+            return mid, above_idx
+    return lo, cand_idx if cand_idx is not None else select_above(x, lo, nan=has_nan)
 
 
 @register("threshold_bsearch")
@@ -83,12 +106,12 @@ class ThresholdBinarySearch(Selector):
         k = self.spec.of(x.numel())
         if k == 0:
             return SparseStream.empty(x.numel(), x.dtype, x.device)
-        mag = magnitude(x)
         if self.threshold is None or self.calls % self.interval == 0:
-            self.threshold = bsearch_threshold(mag, k, self.eps)
+            self.threshold, idx = bsearch_threshold(x, k, self.eps)
             self.searches += 1
+        else:
+            idx = select_above(x, self.threshold)
         self.calls += 1
-        idx = (mag > self.threshold).nonzero().flatten()
         return SparseStream._trusted(idx, x[idx], x.numel())
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..stream import SparseStream
-from ._selection import KSpec, magnitude
+from ._selection import KSpec, magnitude, select_above
 from .base import Selector, check_input, register
 
 __all__ = ["ThresholdReuse", "kth_largest"]
@@ -47,10 +47,9 @@ class ThresholdReuse(Selector):
         k = self.spec.of(x.numel())
         if k == 0:
             return SparseStream.empty(x.numel(), x.dtype, x.device)
-        mag = magnitude(x)
         if self.threshold is None or self.calls % self.interval == 0:
-            self.threshold = kth_largest(mag, k)
+            self.threshold = kth_largest(magnitude(x), k)
             self.refreshes += 1
         self.calls += 1
-        idx = (mag >= self.threshold).nonzero().flatten()
+        idx = select_above(x, self.threshold, strict=False)
         return SparseStream._trusted(idx, x[idx], x.numel())
