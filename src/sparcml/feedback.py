@@ -64,27 +64,29 @@ class ErrorFeedback:
             sent: what the compression sent, dense (``decompress`` output) or as a
                 sparse stream over ``acc.flatten()``.
         """
-        r = self._residuals.get(name)
-        if r is None or r.shape != acc.shape or r.dtype != acc.dtype or r.device != acc.device:
-            r = torch.empty_like(acc)
-            self._residuals[name] = r
-        r.copy_(acc)
+        # Validate first: a rejected call must leave the residual untouched.
         if isinstance(sent, SparseStream):
             if sent.size != acc.numel():
                 raise ValueError(
                     f"error feedback {name!r}: sent stream of size {sent.size}, tensor "
                     f"has {acc.numel()} entries"
                 )
+        elif sent.shape != acc.shape:
+            raise ValueError(
+                f"error feedback {name!r}: sent {tuple(sent.shape)} vs {tuple(acc.shape)}"
+            )
+        r = self._residuals.get(name)
+        if r is None or r.shape != acc.shape or r.dtype != acc.dtype or r.device != acc.device:
+            r = torch.empty_like(acc)
+            self._residuals[name] = r
+        r.copy_(acc)
+        if isinstance(sent, SparseStream):
             flat = r.view(-1)
             if sent.is_dense:
                 flat -= sent.values.to(acc.dtype)
             else:
                 flat[sent.indices] -= sent.values.to(acc.dtype)
         else:
-            if sent.shape != acc.shape:
-                raise ValueError(
-                    f"error feedback {name!r}: sent {tuple(sent.shape)} vs {tuple(acc.shape)}"
-                )
             r -= sent.to(acc.dtype)
 
     def reset(self, name: str | None = None) -> None:

@@ -91,6 +91,7 @@ def _run(
     model: CostModel | None,
     codec: StreamCodec,
 ) -> SparseStream:
+    codec = StreamCodec(codec.quantizer, codec.quantize, sequence=comm.next_sequence())
     if algorithm == "auto":
         algorithm = choose_algorithm(stream, comm, model, exclude_dense=codec.lossy)
         log.debug("sparse_allreduce auto chose %s", algorithm)

@@ -36,7 +36,9 @@ class StreamCodec:
         quantize: ``"dense"`` or ``"all"``.
     """
 
-    def __init__(self, quantizer: Quantizer | None = None, quantize: str = "dense") -> None:
+    def __init__(
+        self, quantizer: Quantizer | None = None, quantize: str = "dense", sequence: int = 0
+    ) -> None:
         if quantizer is not None and not isinstance(quantizer, Quantizer):
             raise TypeError(
                 f"quantizer must be a value quantizer such as sparcml.compress.get('qsgd'), "
@@ -46,6 +48,14 @@ class StreamCodec:
             raise ValueError(f"quantize must be 'dense' or 'all', got {quantize!r}")
         self.quantizer = quantizer
         self.quantize = quantize
+        self.sequence = sequence  # the collective call's number, equal on every rank
+
+    def shared_seed(self, *parts: int) -> int:
+        """A seed every rank derives alike from this call's number and ``parts``.
+
+        (Not from the quantizer's own seed, which may differ between ranks.)
+        """
+        return hash((0x5EED, self.sequence, *parts))
 
     @property
     def lossy(self) -> bool:
@@ -54,11 +64,20 @@ class StreamCodec:
     def _quantizes(self, stream: SparseStream) -> bool:
         return self.quantizer is not None and (self.quantize == "all" or stream.is_dense)
 
-    def encode(self, stream: SparseStream) -> torch.Tensor:
-        """The message for ``stream`` (values quantized where the policy says so)."""
+    def encode(self, stream: SparseStream, shared_seed: int | None = None) -> torch.Tensor:
+        """The message for ``stream`` (values quantized where the policy says so).
+
+        ``shared_seed``: ranks that hold the same stream and must send the same
+        bytes (the two halves of a recursive-doubling group) quantize with a
+        generator seeded by it instead of their own.
+        """
         if self._quantizes(stream):
             assert self.quantizer is not None
-            return encode_quantized_stream(stream, self.quantizer)
+            gen = None
+            if shared_seed is not None:
+                gen = torch.Generator(device=stream.device)
+                gen.manual_seed(shared_seed & (2**63 - 1))
+            return encode_quantized_stream(stream, self.quantizer, gen)
         return encode(stream)
 
     @staticmethod

@@ -63,7 +63,9 @@ def ssar_recursive_double(
     mask = 1
     while mask < p2:
         partner = me ^ mask
-        buf = codec.encode(acc)
+        # both ranks of this rank's group hold the same partial sum: they must
+        # quantize it alike, so the seed names the stage and the group
+        buf = codec.encode(acc, codec.shared_seed(mask, me // mask) if codec.lossy else None)
         other = codec.decode(comm.sendrecv(buf, partner), stream.size, stream.dtype, stream.device)
         acc = codec.roundtrip(acc, buf)
         acc = other + acc if partner < me else acc + other

@@ -120,6 +120,12 @@ class Communicator(abc.ABC):
         self.stats = CommStats()
         self._engine: Any = None
         self._engine_lock = threading.Lock()
+        self._sequence = 0
+
+    def next_sequence(self) -> int:
+        """Number the collective calls: every rank calls them in the same order."""
+        self._sequence += 1
+        return self._sequence
 
     # ----------------------------------------------------------- backend primitives
     @abc.abstractmethod

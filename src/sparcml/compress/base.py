@@ -154,8 +154,14 @@ class Quantizer(Compressor):
     """Lowers the precision of every value; any selector may be followed by one."""
 
     @abc.abstractmethod
-    def quantize(self, values: torch.Tensor) -> torch.Tensor:
-        """Payload (header included) of a 1-D float tensor."""
+    def quantize(
+        self, values: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Payload (header included) of a 1-D float tensor.
+
+        ``generator`` overrides the operator's own random generator for this call
+        (the collectives pass one seeded alike on ranks that must agree).
+        """
 
     @abc.abstractmethod
     def dequantize(
@@ -244,7 +250,9 @@ class Composed(Compressor):
         return stream.to_dense().reshape(ctx.shape)
 
 
-def encode_quantized_stream(stream: SparseStream, quantizer: Quantizer) -> torch.Tensor:
+def encode_quantized_stream(
+    stream: SparseStream, quantizer: Quantizer, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """A sparse stream with quantized values: header, nnz, ``c``-byte indices, values payload.
 
     A dense stream is sent as the header (flag 1) and the quantized vector.
@@ -258,7 +266,7 @@ def encode_quantized_stream(stream: SparseStream, quantizer: Quantizer) -> torch
         nnz = torch.tensor([stream.nnz], dtype=torch.int64).view(torch.uint8).to(device)
         idx = stream.indices.view(torch.uint8).reshape(-1, 8)[:, :c].reshape(-1)
         parts = [make_header(QUANTIZED_STREAM_CODE, n, device=device), nnz, idx]
-    parts.append(quantizer.quantize(stream.values))
+    parts.append(quantizer.quantize(stream.values, generator))
     return torch.cat(parts)
 
 

@@ -85,7 +85,9 @@ class _GeneralDithering(Quantizer):
             return torch.where(y < 2.0 ** (1 - s), torch.zeros_like(j), j).long()
         return torch.floor(y * s).clamp(max=s).long()
 
-    def quantize(self, values: torch.Tensor) -> torch.Tensor:
+    def quantize(
+        self, values: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         if self.check_finite:
             check_finite(values, self.name)
         n = values.numel()
@@ -103,7 +105,12 @@ class _GeneralDithering(Quantizer):
         lo = lv[j]
         hi = lv[(j + 1).clamp(max=self.levels)]
         width = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
-        u = torch.rand(x.shape, generator=self._generator(x.device), device=x.device, dtype=x.dtype)
+        u = torch.rand(
+            x.shape,
+            generator=generator or self._generator(x.device),
+            device=x.device,
+            dtype=x.dtype,
+        )
         up = (u * width < (y - lo)) & (j < self.levels)
         level = j + up.long()
         codes = level.to(torch.int32) | ((x < 0).to(torch.int32) << self.level_bits)

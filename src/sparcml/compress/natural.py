@@ -103,10 +103,12 @@ class NaturalCompression(Quantizer):
     def expected_nbytes(self, n: int) -> int:
         return 16 + (n if self.format == 8 else n + (n + 7) // 8)
 
-    def quantize(self, values: torch.Tensor) -> torch.Tensor:
+    def quantize(
+        self, values: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         n = values.numel()
         v = values.to(torch.float32).contiguous()
-        gen = None if self.deterministic else self._generator(v.device)
+        gen = None if self.deterministic else (generator or self._generator(v.device))
         code = 2 if self.format == 9 else 3
         header = make_header(code, n, device=v.device)
         if self.format == 9:

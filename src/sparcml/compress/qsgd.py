@@ -71,13 +71,15 @@ class QSGD(Quantizer):
     def expected_nbytes(self, n: int) -> int:
         return 16 + 4 * (-(-n // self.bucket)) + packed_nbytes(n, self.bits)
 
-    def quantize(self, values: torch.Tensor) -> torch.Tensor:
+    def quantize(
+        self, values: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         n, b, s, bits = values.numel(), self.bucket, self.levels, self.bits
         v = values.to(torch.float32).contiguous()
         nb = -(-n // b)
         scales = torch.empty(nb, dtype=torch.float32, device=v.device)
         codes = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=v.device)
-        gen = self._generator(v.device)
+        gen = generator or self._generator(v.device)
         per_byte = 8 // bits
         multiple = math.lcm(b, 8)
         for lo, hi in chunks(n, v.device, multiple):

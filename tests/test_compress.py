@@ -1,0 +1,356 @@
+"""Compression operators: selectors, quantizers, composition, packing, bad input.
+
+Statistical checks use M seeded draws and 5-standard-error bands (per entry for
+unbiasedness; for second moments the estimate minus 4 standard errors must not
+exceed the theorem's bound), so a correct operator fails with negligible
+probability and a biased one (bias above a few standard errors) is caught.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparcml import compress as C
+from sparcml.compress.packing import pack_bits, packed_nbytes, unpack_bits
+from sparcml.errors import WireFormatError
+from sparcml.stream import SUPPORTED_DTYPES
+
+
+def _x(n: int = 1000, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(
+        dtype
+    )
+
+
+# ----------------------------------------------------------------------------- packing
+@pytest.mark.parametrize("bits", list(range(1, 17)))
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001])
+def test_pack_roundtrip_and_sizes(bits: int, n: int) -> None:
+    codes = torch.randint(0, 1 << bits, (n,), generator=torch.Generator().manual_seed(bits))
+    buf = pack_bits(codes, bits)
+    assert buf.dtype == torch.uint8 and buf.numel() == packed_nbytes(n, bits)
+    if bits in (1, 2, 4, 8):
+        assert buf.numel() == math.ceil(n * bits / 8)
+    if bits == 9:
+        assert buf.numel() == math.ceil(9 * n / 8)
+    assert torch.equal(unpack_bits(buf, n, bits), codes.to(torch.int32))
+    with pytest.raises(ValueError, match="packed buffer"):
+        unpack_bits(torch.cat([buf, torch.zeros(1, dtype=torch.uint8)]), n, bits)
+
+
+# ----------------------------------------------------------------------------- selectors
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 0), (10, 10), (1000, 7), (4099, 100)])
+def test_topk_equals_torch_topk(n: int, k: int) -> None:
+    x = _x(n)
+    s = C.get("topk", k=k).select(x)
+    ref = torch.topk(x.abs(), k).indices.sort().values
+    assert torch.equal(s.indices, ref) and torch.equal(s.values, x[ref])
+    payload, ctx = C.get("topk", k=k).compress(x.reshape(-1, 1))
+    y = C.get("topk", k=k).decompress(payload, ctx)
+    assert y.shape == (n, 1) and torch.equal(y.reshape(-1)[ref], x[ref])
+
+
+def test_selector_k_density_rules() -> None:
+    x = _x(100)
+    assert C.get("topk", density=0.05).select(x).nnz == 5
+    assert C.get("topk", density=0.001).select(x).nnz == 1  # at least one
+    with pytest.raises(ValueError, match="k=101 exceeds"):
+        C.get("topk", k=101).select(x)
+    for bad in (0.0, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="density must lie in"):
+            C.get("topk", density=bad)
+    with pytest.raises(ValueError, match="exactly one of k and density"):
+        C.get("topk", k=1, density=0.1)
+    with pytest.raises(ValueError, match="non-negative integer"):
+        C.get("topk", k=-1)
+    with pytest.raises(TypeError, match="float32, float16"):
+        C.get("topk", k=1).select(torch.arange(5))
+    assert C.get("topk", density=0.5).select(torch.empty(0)).nnz == 0
+
+
+@pytest.mark.parametrize(
+    "name", ["topk", "trimmed_topk", "threshold_bsearch", "threshold_reuse", "gaussiank"]
+)
+def test_nan_is_selected_not_dropped(name: str) -> None:
+    x = _x(2000)
+    x[17] = float("nan")
+    s = C.get(name, k=20).select(x)
+    assert 17 in s.indices.tolist()
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_trimmed_topk_equals_exact_topk(dtype: torch.dtype) -> None:
+    for seed, n, k in [(0, 10_000, 10), (1, 5000, 50), (2, 300, 299)]:
+        x = _x(n, seed, dtype)
+        s = C.get("trimmed_topk", k=k).select(x)
+        ref = C.get("topk", k=k).select(x)
+        assert torch.equal(s.indices, ref.indices)
+    heavy = torch.zeros(1000)
+    heavy[[3, 500]] = torch.tensor([1e6, -2e6])
+    assert C.get("trimmed_topk", k=5).select(heavy).nnz == 5  # all-zero tail: thresholds fall to 0
+
+
+def test_threshold_bsearch_between_k_and_2k_and_contains_topk() -> None:
+    for seed in range(5):
+        x = _x(20_000, seed)
+        k = 50 + 30 * seed
+        s = C.get("threshold_bsearch", k=k).select(x)
+        assert k <= s.nnz <= 2 * k
+        top = set(torch.topk(x.abs(), k).indices.tolist())
+        assert top <= set(s.indices.tolist())
+
+
+def test_sampled_bsearch_and_threshold_reuse_refresh_on_schedule() -> None:
+    sampled = C.get("sampled_threshold_bsearch", k=20)
+    reuse = C.get("threshold_reuse", k=20, interval=3)
+    for step in range(11):
+        x = _x(5000, step)
+        sampled.select(x)
+        s = reuse.select(x)
+        if step % 3 == 0:  # a refresh step: exact top-k
+            assert torch.equal(s.indices, C.get("topk", k=20).select(x).indices)
+    assert sampled.searches == math.ceil(11 / 5)  # calls 0, 5, 10
+    assert reuse.refreshes == math.ceil(11 / 3)  # calls 0, 3, 6, 9
+
+
+def test_randomk_seeded_agreement() -> None:
+    a, b, c = (
+        C.get("randomk", k=30, seed=7),
+        C.get("randomk", k=30, seed=7),
+        C.get("randomk", k=30, seed=8),
+    )
+    x, y = _x(1000, 1), _x(1000, 2)
+    sa, sb, sc = a.select(x), b.select(y), c.select(x)
+    assert torch.equal(sa.indices, sb.indices) and sa.nnz == 30
+    assert not torch.equal(sa.indices, sc.indices)
+    assert not torch.equal(a.select(x).indices, sa.indices)  # the next call draws anew
+    scaled = C.get("randomk", k=10, seed=1, scale=True).select(torch.ones(100))
+    assert torch.allclose(scaled.values, torch.full((10,), 10.0))
+
+
+def test_blocktopk_keeps_b_of_every_block() -> None:
+    x = _x(512 * 3 + 100)
+    s = C.get("blocktopk", per_block=4, block=512).select(x)
+    assert s.nnz == 4 * 4
+    for blk in range(4):
+        lo, hi = blk * 512, min((blk + 1) * 512, x.numel())
+        mine = s.indices[(s.indices >= lo) & (s.indices < hi)]
+        ref = torch.topk(x[lo:hi].abs(), 4).indices.sort().values + lo
+        assert torch.equal(mine, ref)
+    with pytest.raises(ValueError, match="per_block"):
+        C.get("blocktopk", per_block=600, block=512)
+    with pytest.raises(ValueError, match="block size"):
+        C.get("blocktopk", block=0)
+
+
+def test_gaussiank_selects_about_k() -> None:
+    x = _x(100_000, 3)
+    for k in (100, 1000, 10_000):
+        assert 0.5 * k <= C.get("gaussiank", k=k).select(x).nnz <= 1.5 * k
+
+
+def test_asq_alternates_signs_and_sends_no_signs() -> None:
+    op = C.get("asq", k=10)
+    x = _x(1000, 4)
+    p1, ctx = op.compress(x)
+    y1 = op.decompress(p1, ctx)
+    p2, _ = op.compress(x)
+    y2 = op.decompress(p2, ctx)
+    pos = x.topk(10).indices.sort().values
+    neg = (-x).topk(10).indices.sort().values
+    assert torch.equal(y1.nonzero().flatten(), pos) and torch.allclose(
+        y1[pos], x[pos].mean().expand(10)
+    )
+    assert torch.equal(y2.nonzero().flatten(), neg) and bool((y2[neg] < 0).all())
+    assert p1.numel() == C.ASQ.payload_size(1000, 10) == 16 + 4 + 8 + 10 * 2
+
+
+# ----------------------------------------------------------------------------- quantizers
+def _draws(op, x: torch.Tensor, m: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    out = []
+    for _ in range(m):
+        p, ctx = op.compress(x)
+        out.append(op.decompress(p, ctx).double())
+    return torch.stack(out)
+
+
+def _assert_unbiased(draws: torch.Tensor, x: torch.Tensor) -> None:
+    m = draws.shape[0]
+    mean = draws.mean(0)
+    se = draws.std(0) / math.sqrt(m)
+    assert bool(((mean - x.double()).abs() <= 5 * se + 1e-9).all())
+
+
+def _second_moment(draws: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
+    """Estimate of E||C(x)-x||^2 / ||x||^2 and its standard error."""
+    r = ((draws - x.double()) ** 2).sum(1) / (x.double() ** 2).sum()
+    return float(r.mean()), float(r.std() / math.sqrt(r.numel()))
+
+
+def test_natural_unbiased_with_variance_one_eighth() -> None:
+    x = _x(256, 5) * torch.logspace(-3, 3, 256)
+    draws = _draws(C.get("natural", seed=1), x, 3000)
+    _assert_unbiased(draws, x)
+    est, se = _second_moment(draws, x)
+    assert est - 4 * se <= 1 / 8  # Thm 1: omega = 1/8
+    # the worst case x = 4/3 * 2^a reaches omega = 1/8 exactly (second moment 9/8 x^2)
+    worst = torch.full((64,), 4.0 / 3.0)
+    est, se = _second_moment(_draws(C.get("natural", seed=2), worst, 3000), worst)
+    assert abs(est - 1 / 8) <= 4 * se + 1e-3
+
+
+@pytest.mark.parametrize("fmt", [9, 8])
+def test_natural_formats_values_and_sizes(fmt: int) -> None:
+    n = 1001
+    x = _x(n, 6)
+    x[0] = 0.0
+    op = C.get("natural", format=fmt)
+    p, ctx = op.compress(x)
+    assert p.numel() == op.expected_nbytes(n) == 16 + (math.ceil(9 * n / 8) if fmt == 9 else n)
+    y = op.decompress(p, ctx)
+    nz = y != 0
+    assert y[0] == 0
+    assert torch.equal(torch.sign(y[nz]), torch.sign(x[nz]))
+    mant, _ = torch.frexp(y[nz].abs())
+    assert bool((mant == 0.5).all())  # powers of two
+    ratio = y[nz].abs() / x[nz].abs()
+    assert bool((ratio >= 0.5).all()) and bool((ratio <= 2.0).all())
+
+
+def test_natural_8bit_small_values_stay_unbiased_and_clip_is_counted() -> None:
+    op = C.get("natural", format=8, e_min=-10, seed=3)
+    x = torch.full((64,), 2.0**-12)  # below 2^e_min: 0 or 2^-10 with probability 1/4
+    _assert_unbiased(_draws(op, x, 3000), x)
+    big = torch.tensor([2.0**60])
+    p, ctx = op.compress(big)
+    assert op.decompress(p, ctx).item() == 2.0**53 and op.clipped == 1
+
+
+def test_natural_deterministic_rounds_to_nearer_power() -> None:
+    op = C.get("natural", deterministic=True)
+    x = torch.tensor([1.2, 1.6, -3.0, 0.7, 5.9])
+    p, ctx = op.compress(x)
+    assert op.decompress(p, ctx).tolist() == [1.0, 2.0, -4.0, 0.5, 4.0]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_qsgd_unbiased_variance_bound_and_size(bits: int) -> None:
+    bucket = 64
+    x = _x(256, 7)
+    op = C.get("qsgd", bits=bits, bucket=bucket, seed=4)
+    draws = _draws(op, x, 2000)
+    _assert_unbiased(draws, x)
+    s = (1 << (bits - 1)) - 1
+    est, se = _second_moment(draws, x)
+    assert est - 4 * se <= min(bucket / s**2, math.sqrt(bucket) / s)  # QSGD Lemma 3.1
+    p, _ = op.compress(_x(1000))
+    assert p.numel() == 16 + 4 * math.ceil(1000 / bucket) + math.ceil(1000 * bits / 8)
+
+
+def test_qsgd_max_norm_and_zero_bucket() -> None:
+    x = torch.zeros(300)
+    x[:5] = torch.tensor([1.0, -2.0, 0.5, 0.0, 2.0])
+    op = C.get("qsgd", bits=8, bucket=100, norm="max")
+    p, ctx = op.compress(x)
+    y = op.decompress(p, ctx)
+    assert bool((y[100:] == 0).all()) and y[4] == 2.0 and y[1] == -2.0
+
+
+@pytest.mark.parametrize("name", ["dithering", "natural_dithering"])
+def test_dithering_unbiased(name: str) -> None:
+    x = _x(128, 8)
+    _assert_unbiased(_draws(C.get(name, levels=4, seed=5), x, 3000), x)
+    _assert_unbiased(_draws(C.get(name, levels=3, p=float("inf"), compress_norm=True), x, 3000), x)
+
+
+def test_natural_dithering_beats_standard_dithering() -> None:
+    d, s = 128, 4
+    x = _x(d, 9)
+    nat_est, nat_se = _second_moment(_draws(C.get("natural_dithering", levels=s), x, 2000), x)
+    std_est, std_se = _second_moment(_draws(C.get("dithering", levels=s), x, 2000), x)
+    r = 2  # min(p, 2) for p = 2
+    omega = 1 / 8 + d ** (1 / r) * 2 ** (1 - s) * min(1, d ** (1 / r) * 2 ** (1 - s))
+    assert nat_est - 4 * nat_se <= omega  # Thm 4
+    assert nat_est + 4 * nat_se < std_est - 4 * std_se  # Thm 5: smaller variance, same s
+
+
+@pytest.mark.parametrize("name", ["qsgd", "natural", "dithering", "natural_dithering"])
+def test_quantizers_refuse_non_finite_and_handle_empty(name: str) -> None:
+    op = C.get(name)
+    for bad in (float("nan"), float("inf")):
+        x = _x(50)
+        x[9] = bad
+        with pytest.raises(ValueError, match=r"non-finite value .* at flat index 9"):
+            op.compress(x)
+    p, ctx = op.compress(torch.empty(0))
+    assert op.decompress(p, ctx).numel() == 0
+    p, ctx = op.compress(torch.zeros(10))
+    assert bool((op.decompress(p, ctx) == 0).all())
+    with pytest.raises(TypeError, match="float32"):
+        op.compress(torch.arange(4))
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+@pytest.mark.parametrize("name", ["qsgd", "natural", "natural_dithering"])
+def test_quantizers_keep_dtype_and_shape(dtype: torch.dtype, name: str) -> None:
+    x = _x(60, 1, dtype).reshape(3, 4, 5)
+    op = C.get(name)
+    p, ctx = op.compress(x)
+    y = op.decompress(p, ctx)
+    assert y.shape == x.shape and y.dtype == dtype
+
+
+def test_bad_hyperparameters() -> None:
+    with pytest.raises(ValueError, match="bits must be 2, 4 or 8"):
+        C.get("qsgd", bits=3)
+    with pytest.raises(ValueError, match="bucket size"):
+        C.get("qsgd", bucket=0)
+    with pytest.raises(ValueError, match="format must be 9 or 8"):
+        C.get("natural", format=7)
+    with pytest.raises(ValueError, match="levels"):
+        C.get("dithering", levels=0)
+
+
+def test_corrupt_payloads_are_rejected() -> None:
+    op = C.get("qsgd")
+    p, ctx = op.compress(_x(100))
+    with pytest.raises(WireFormatError):
+        op.decompress(p[:-1], ctx)
+    with pytest.raises(WireFormatError, match="operator code"):
+        C.get("natural").decompress(p, ctx)
+    with pytest.raises(WireFormatError, match="4-bit codes"):
+        C.get("qsgd", bits=8).decompress(p, ctx)
+
+
+# ----------------------------------------------------------------------------- composition
+def test_composition_and_registry_errors() -> None:
+    op = C.get("topk+natural", density=0.05, seed=3)
+    assert isinstance(op, C.Composed) and op.name == "topk+natural"
+    x = _x(2000, 10)
+    p, ctx = op.compress(x)
+    y = op.decompress(p, ctx)
+    top = torch.topk(x.abs(), 100).indices.sort().values
+    assert torch.equal(y.nonzero().flatten(), top)
+    # header 16 + nnz 8 + 2-byte indices + natural payload (16 + ceil(9k/8))
+    assert p.numel() == 16 + 8 + 100 * 2 + 16 + math.ceil(9 * 100 / 8)
+    assert C.Composed(C.get("randomk", k=3), C.get("qsgd", bits=2)).name == "randomk+qsgd"
+    with pytest.raises(ValueError, match="unknown compressor 'fancy'"):
+        C.get("fancy")
+    with pytest.raises(ValueError, match="unknown parameter"):
+        C.get("topk+natural", density=0.1, bitz=4)
+    with pytest.raises(ValueError, match="is not a selector"):
+        C.get("natural+topk", k=3)
+    with pytest.raises(ValueError, match="at most one"):
+        C.get("topk+natural+qsgd", k=1)
+    assert C.available()["topk"] == "selector" and C.available()["qsgd"] == "quantizer"
+
+
+def test_composition_is_unbiased_on_the_selection() -> None:
+    x = _x(500, 11)
+    op = C.get("topk+natural", k=50, seed=9)
+    draws = _draws(op, x, 2000)
+    top = torch.topk(x.abs(), 50).indices
+    _assert_unbiased(draws[:, top], x[top])
