@@ -121,6 +121,37 @@ def _run(args: argparse.Namespace, title: str) -> int:
     return 0 if all(r["correct"] for r in rows) else 1
 
 
+def _bench_compress(args: argparse.Namespace) -> int:
+    import json
+    import platform
+
+    from .bench.compress import (
+        CompressBenchConfig,
+        format_compress_table,
+        run_compress_benchmark,
+    )
+
+    cfg = CompressBenchConfig(
+        sizes_mb=tuple(args.sizes),
+        repeats=args.repeats,
+        device=args.device,
+        threads=args.threads,
+        progress=not args.quiet,
+    )
+    try:
+        rows = run_compress_benchmark(cfg)
+    except ValueError as e:
+        print(f"sparcml: error: {e}", file=sys.stderr)
+        return 2
+    print(format_compress_table(rows, cfg), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"config": vars(args), "machine": platform.platform(), "rows": rows}, f, indent=2
+            )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparcml`` command."""
     parser = argparse.ArgumentParser(
@@ -144,6 +175,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--json", help="write results (with config and machine) to this JSON file")
     bench.add_argument("--csv", help="write results to this CSV file")
     sub.add_parser("algorithms", help="list the registered sparse allreduce algorithms")
+    bc = sub.add_parser(
+        "bench-compress",
+        help="throughput of every compression operator next to a plain copy",
+        description="Times compress() of every operator and a clone of the same tensor in one "
+        "run (4 MB and 64 MB float32 by default) and checks the throughput targets.",
+    )
+    bc.add_argument(
+        "--sizes", type=_positive, nargs="+", default=[4, 64], help="tensor sizes in MB"
+    )
+    bc.add_argument("--repeats", type=_positive, default=7)
+    bc.add_argument("--device", default="cpu", help="cpu or cuda")
+    bc.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads")
+    bc.add_argument("--json", help="write the rows to this JSON file")
+    bc.add_argument("-q", "--quiet", action="store_true")
 
     args = parser.parse_args(argv)
     if args.command == "algorithms":
@@ -151,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print("\n".join([*algorithms(), "auto"]))
         return 0
+    if args.command == "bench-compress":
+        return _bench_compress(args)
     if args.command == "demo":
         return _run(args, "sparcml demo")
     return _run(args, "sparcml bench")
