@@ -41,3 +41,33 @@ def test_collectives_on_cuda_streams(algorithm: str) -> None:
     for c, g in zip(cpu, gpu, strict=True):
         assert g.device.type == "cuda"
         assert g.to("cpu").equal(c)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("topk", {"density": 0.01}),
+        ("trimmed_topk", {"k": 10}),
+        ("threshold_bsearch", {"k": 10}),
+        ("threshold_reuse", {"k": 10}),
+        ("gaussiank", {"k": 10}),
+        ("blocktopk", {}),
+        ("randomk", {"k": 10}),
+        ("qsgd", {}),
+        ("natural", {}),
+        ("natural", {"format": 8}),
+        ("dithering", {}),
+        ("natural_dithering", {"compress_norm": True}),
+        ("asq", {"k": 10}),
+        ("topk+natural", {"k": 10}),
+    ],
+)
+def test_compressors_on_cuda(name: str, params: dict) -> None:  # type: ignore[type-arg]
+    from sparcml import compress
+
+    x = torch.randn(5000, device="cuda")
+    op = compress.get(name, **params)
+    payload, ctx = op.compress(x)
+    y = op.decompress(payload, ctx)
+    assert y.device.type == "cuda" and y.shape == x.shape and y.dtype == x.dtype
+    assert payload.device.type == "cuda"

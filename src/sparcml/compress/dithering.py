@@ -23,9 +23,10 @@ import math
 import torch
 
 from ..errors import WireFormatError
+from ._kernels import chunks, exact_bernoulli
 from .base import Quantizer, check_finite, make_header, read_header, register
 from .natural import NaturalCompression
-from .packing import pack_bits, packed_nbytes, unpack_bits
+from .packing import pack_bits_into, packed_nbytes, unpack_bits
 
 __all__ = ["Dithering", "NaturalDithering"]
 
@@ -75,50 +76,58 @@ class _GeneralDithering(Quantizer):
     def expected_nbytes(self, n: int) -> int:
         return 16 + (17 if self.compress_norm else 4) + packed_nbytes(n, self.bits)
 
-    def _level_index(self, y: torch.Tensor) -> torch.Tensor:
-        """Index ``j`` with ``l_j <= y < l_(j+1)`` (``y`` in [0, 1])."""
+    def _levels_of(self, y: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        """Stochastic level indices of ``y`` in [0, 1] (int32), unbiased per Def. 3."""
         s = self.levels
         if self.natural_levels:
-            # l_j = 2^(j-s): j = floor(log2 y) + s, and 0 below l_1 = 2^(1-s)
+            # l_j = 2^(j-s) for j >= 1, l_0 = 0: j = floor(log2 y) + s, 0 below 2^(1-s)
             _, e = torch.frexp(y)  # y = m 2^e, m in [0.5, 1): floor(log2 y) = e - 1
-            j = (e - 1 + s).clamp(min=0, max=s)
-            return torch.where(y < 2.0 ** (1 - s), torch.zeros_like(j), j).long()
-        return torch.floor(y * s).clamp(max=s).long()
+            j = (e + (s - 1)).clamp_(min=0, max=s)
+            j = torch.where(y < 2.0 ** (1 - s), torch.zeros_like(j), j)
+            lo = torch.where(j > 0, torch.ldexp(torch.ones_like(y), (j - s).to(y.dtype)), 0.0)
+            width = torch.where(j > 0, lo, torch.full_like(y, 2.0 ** (1 - s)))
+            frac = (y - lo) / width
+        else:
+            t = y * s
+            jf = t.floor()
+            frac = t - jf
+            j = jf.to(torch.int32)
+        num = (frac * float(1 << 23)).to(torch.int32).clamp_(0, (1 << 23) - 1)
+        up = exact_bernoulli(num, 23, gen)
+        return (j + up).clamp_(max=s)
 
     def quantize(
         self, values: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        if self.check_finite:
-            check_finite(values, self.name)
         n = values.numel()
-        x = values.to(torch.float64)
-        norm = torch.linalg.vector_norm(x, ord=self.p) if n else torch.zeros((), dtype=x.dtype)
-        norm = norm.float().double()  # the levels refer to the float32 norm that travels
+        x = values.to(torch.float32).contiguous()
+        norm64 = (
+            torch.linalg.vector_norm(x, ord=self.p, dtype=torch.float64)
+            if n
+            else torch.zeros((), dtype=torch.float64, device=x.device)
+        )
+        if self.check_finite and not bool(torch.isfinite(norm64)):
+            check_finite(x, self.name)
+        norm = norm64.float()  # the levels refer to the float32 norm that travels
         if self.compress_norm:
             # C_nat of the norm is unbiased and independent of the levels: E[D(x)] = x still
-            norm_payload = self._norm_codec.quantize(norm.reshape(1).float())
+            norm_payload = self._norm_codec.quantize(norm.reshape(1))
         else:
-            norm_payload = norm.reshape(1).float().view(torch.uint8)
-        lv = self.level_values(x.device)
-        y = (x.abs() / norm).clamp(0, 1) if float(norm) > 0 else torch.zeros_like(x)
-        j = self._level_index(y)
-        lo = lv[j]
-        hi = lv[(j + 1).clamp(max=self.levels)]
-        width = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
-        u = torch.rand(
-            x.shape,
-            generator=generator or self._generator(x.device),
-            device=x.device,
-            dtype=x.dtype,
-        )
-        up = (u * width < (y - lo)) & (j < self.levels)
-        level = j + up.long()
-        codes = level.to(torch.int32) | ((x < 0).to(torch.int32) << self.level_bits)
+            norm_payload = norm.reshape(1).view(torch.uint8)
+        gen = generator or self._generator(x.device)
+        inv = 1.0 / float(norm) if float(norm) > 0 else 0.0
+        out = torch.empty(packed_nbytes(n, self.bits), dtype=torch.uint8, device=x.device)
+        for lo, hi in chunks(n, x.device):
+            chunk = x[lo:hi]
+            y = (chunk.abs() * inv).clamp_(max=1.0)
+            level = self._levels_of(y, gen)
+            sign = (chunk.view(torch.int32) >> 31) & (1 << self.level_bits)
+            pack_bits_into(out, level | sign, n, lo, self.bits)
         return torch.cat(
             [
                 make_header(self._code, n, flags=self.levels, device=x.device),
                 norm_payload.to(x.device),
-                pack_bits(codes, self.bits),
+                out,
             ]
         )
 

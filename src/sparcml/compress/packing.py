@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_bits", "pack_bools", "packed_nbytes", "unpack_bits"]
+__all__ = ["pack_bits", "pack_bits_into", "pack_bools", "packed_nbytes", "unpack_bits"]
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -120,3 +120,28 @@ def unpack_bits(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
         out |= bitsj << j
         offset += plane
     return out
+
+
+def pack_bits_into(out: torch.Tensor, codes: torch.Tensor, n: int, lo: int, bits: int) -> None:
+    """Write the codes of elements ``[lo, lo + len(codes))`` of an ``n``-code message.
+
+    ``out`` is the whole :func:`pack_bits` buffer (``packed_nbytes(n, bits)``
+    bytes); ``lo`` must be a multiple of 8. Lets a chunked quantizer pack as it goes
+    with the same layout as :func:`pack_bits` of the whole message.
+    """
+    if lo % 8:
+        raise ValueError(f"chunks must start at a multiple of 8, got {lo}")
+    m = codes.numel()
+    if bits in (1, 2, 4, 8):
+        start = lo * bits // 8
+        out[start : start + packed_nbytes(m, bits)] = pack_bits(codes, bits)
+        return
+    codes = codes.reshape(-1).to(torch.int32)
+    plane = (n + 7) // 8
+    offset, first = 0, 0
+    if bits > 8:
+        out[lo : lo + m] = (codes & 0xFF).to(torch.uint8)
+        offset, first = n, 8
+    for j in range(first, bits):
+        base = offset + (j - first) * plane + lo // 8
+        out[base : base + (m + 7) // 8] = pack_bools((codes >> j) & 1)
