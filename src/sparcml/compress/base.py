@@ -151,7 +151,23 @@ class Compressor(abc.ABC):
 
 
 class Quantizer(Compressor):
-    """Lowers the precision of every value; any selector may be followed by one."""
+    """Lowers the precision of every value; any selector may be followed by one.
+
+    A quantizer with a ``seed`` attribute draws from one generator per device,
+    seeded with it (``seed = None``: torch's default, nondeterministic generator).
+    """
+
+    seed: int | None = None
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        gens: dict[torch.device, torch.Generator] = self.__dict__.setdefault("_gens", {})
+        g = gens.get(device)
+        if g is None:
+            g = torch.Generator(device=device).manual_seed(self.seed)
+            gens[device] = g
+        return g
 
     @abc.abstractmethod
     def quantize(

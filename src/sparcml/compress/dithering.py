@@ -51,17 +51,7 @@ class _GeneralDithering(Quantizer):
         self.check_finite = check_finite
         self.level_bits = max(1, math.ceil(math.log2(levels + 1)))
         self.bits = self.level_bits + 1
-        self._gen: dict[torch.device, torch.Generator] = {}
         self._norm_codec = NaturalCompression(format=8, e_min=-30, seed=seed)
-
-    def _generator(self, device: torch.device) -> torch.Generator | None:
-        if self.seed is None:
-            return None
-        g = self._gen.get(device)
-        if g is None:
-            g = torch.Generator(device=device).manual_seed(self.seed)
-            self._gen[device] = g
-        return g
 
     def level_values(self, device: torch.device) -> torch.Tensor:
         """The ``s + 1`` levels ``l_0 = 0 < l_1 < ... < l_s = 1`` (float64)."""

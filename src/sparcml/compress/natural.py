@@ -89,16 +89,6 @@ class NaturalCompression(Quantizer):
         self.format, self.deterministic, self.e_min, self.seed = format, deterministic, e_min, seed
         self.check_finite = check_finite
         self.clipped = 0
-        self._gen: dict[torch.device, torch.Generator] = {}
-
-    def _generator(self, device: torch.device) -> torch.Generator | None:
-        if self.seed is None:
-            return None
-        g = self._gen.get(device)
-        if g is None:
-            g = torch.Generator(device=device).manual_seed(self.seed)
-            self._gen[device] = g
-        return g
 
     def expected_nbytes(self, n: int) -> int:
         return 16 + (n if self.format == 8 else n + (n + 7) // 8)

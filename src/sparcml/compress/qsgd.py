@@ -57,16 +57,6 @@ class QSGD(Quantizer):
         self.bits, self.bucket, self.norm, self.seed = bits, bucket, norm, seed
         self.check_finite = check_finite
         self.levels = (1 << (bits - 1)) - 1
-        self._gen: dict[torch.device, torch.Generator] = {}
-
-    def _generator(self, device: torch.device) -> torch.Generator | None:
-        if self.seed is None:
-            return None
-        g = self._gen.get(device)
-        if g is None:
-            g = torch.Generator(device=device).manual_seed(self.seed)
-            self._gen[device] = g
-        return g
 
     def expected_nbytes(self, n: int) -> int:
         return 16 + 4 * (-(-n // self.bucket)) + packed_nbytes(n, self.bits)
