@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from . import comm, compress
 from .collectives import (
+    OkTopkState,
     algorithms,
     dsar_split_allgather,
+    oktopk_allreduce,
     sparse_allgather,
     sparse_allreduce,
     ssar_recursive_double,
@@ -33,6 +35,7 @@ from .errors import (
     WireFormatError,
 )
 from .feedback import ErrorFeedback
+from .oktopk_sgd import oktopk_sgd_step
 from .stream import SparseStream, dense_threshold, index_bytes
 from .topk_sgd import topk_sgd_step
 
@@ -43,6 +46,7 @@ __all__ = [
     "CommTimeoutError",
     "CostModel",
     "ErrorFeedback",
+    "OkTopkState",
     "PeerFailedError",
     "RankMismatchError",
     "SparcmlError",
@@ -56,6 +60,8 @@ __all__ = [
     "dsar_split_allgather",
     "expected_fill_in",
     "index_bytes",
+    "oktopk_allreduce",
+    "oktopk_sgd_step",
     "sparse_allgather",
     "sparse_allreduce",
     "ssar_recursive_double",

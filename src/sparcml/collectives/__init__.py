@@ -8,21 +8,34 @@ from __future__ import annotations
 from .allreduce import check_consistent, choose_algorithm, sparse_allreduce
 from .dense import dense_allreduce
 from .dsar_split_allgather import dsar_split_allgather
+from .gaussiank_allgather import gaussiank
+from .gtopk import gtopk
+from .oktopk import OkTopkResult, OkTopkState, oktopk, oktopk_allreduce
 from .registry import algorithms, get_algorithm, register
 from .sparse_allgather import sparse_allgather
 from .ssar_recursive_double import ssar_recursive_double
 from .ssar_split_allgather import ssar_split_allgather
+from .topka import topka
+from .topkdsa import topkdsa
 
 __all__ = [
+    "OkTopkResult",
+    "OkTopkState",
     "algorithms",
     "check_consistent",
     "choose_algorithm",
     "dense_allreduce",
     "dsar_split_allgather",
+    "gaussiank",
     "get_algorithm",
+    "gtopk",
+    "oktopk",
+    "oktopk_allreduce",
     "register",
     "sparse_allgather",
     "sparse_allreduce",
     "ssar_recursive_double",
     "ssar_split_allgather",
+    "topka",
+    "topkdsa",
 ]

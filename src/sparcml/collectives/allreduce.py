@@ -11,7 +11,7 @@ on every rank, so all ranks pick the same algorithm.
 from __future__ import annotations
 
 import logging
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
@@ -23,7 +23,7 @@ from ..errors import RankMismatchError
 from ..stream import SparseStream
 from ..wire import code_dtype, dtype_code
 from .codec import StreamCodec
-from .registry import get_algorithm
+from .registry import check_options, get_algorithm
 
 __all__ = ["check_consistent", "choose_algorithm", "sparse_allreduce"]
 
@@ -90,6 +90,7 @@ def _run(
     algorithm: str,
     model: CostModel | None,
     codec: StreamCodec,
+    options: dict[str, Any],
 ) -> SparseStream:
     codec = StreamCodec(codec.quantizer, codec.quantize, sequence=comm.next_sequence())
     if algorithm == "auto":
@@ -97,7 +98,7 @@ def _run(
         log.debug("sparse_allreduce auto chose %s", algorithm)
     else:
         check_consistent(stream, comm)
-    return get_algorithm(algorithm)(stream, comm, codec)
+    return get_algorithm(algorithm)(stream, comm, codec, **options)
 
 
 @overload
@@ -110,6 +111,7 @@ def sparse_allreduce(
     quantizer: Quantizer | str | None = ...,
     quantize: str = ...,
     cost_model: CostModel | None = ...,
+    **options: Any,
 ) -> SparseStream: ...
 
 
@@ -123,6 +125,7 @@ def sparse_allreduce(
     quantizer: Quantizer | str | None = ...,
     quantize: str = ...,
     cost_model: CostModel | None = ...,
+    **options: Any,
 ) -> Work: ...
 
 
@@ -135,6 +138,7 @@ def sparse_allreduce(
     quantizer: Quantizer | str | None = None,
     quantize: str = "dense",
     cost_model: CostModel | None = None,
+    **options: Any,
 ) -> SparseStream | Work:
     """Sum of every rank's sparse stream, bitwise identical on every rank.
 
@@ -155,6 +159,8 @@ def sparse_allreduce(
         quantize: ``"dense"`` (SparCML sec. 6: only messages carrying dense streams,
             e.g. DSAR's second phase) or ``"all"`` (the sparse phases too).
         cost_model: the model ``auto`` uses (default: stored calibration or defaults).
+        **options: algorithm-specific options, e.g. ``k=`` and ``state=`` for
+            ``oktopk`` and ``k=`` for ``gaussiank`` (whose input is the accumulator).
 
     Returns:
         The sum as a :class:`SparseStream` (or a ``Work`` whose ``wait()`` returns it).
@@ -176,7 +182,9 @@ def sparse_allreduce(
             "wrap a tensor with SparseStream.from_dense(t) or SparseStream(indices, values, N)"
         )
     if algorithm != "auto":
-        get_algorithm(algorithm)  # unknown names fail here, before any communication
+        check_options(get_algorithm(algorithm), algorithm, options)  # fail before communicating
+    elif options:
+        raise ValueError(f"algorithm='auto' takes no options, got {sorted(options)}")
     if isinstance(quantizer, str):
         from ..compress import get
 
@@ -188,4 +196,6 @@ def sparse_allreduce(
             "(SparCML sec. 6 quantizes its dense phase) or no quantizer"
         )
 
-    return comm.run_ordered(lambda: _run(stream, comm, algorithm, cost_model, codec), async_op)
+    return comm.run_ordered(
+        lambda: _run(stream, comm, algorithm, cost_model, codec, options), async_op
+    )

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:
     from ..stream import SparseStream
 
-__all__ = ["Algorithm", "algorithms", "get_algorithm", "register"]
+__all__ = ["Algorithm", "algorithms", "check_options", "get_algorithm", "register"]
 
 Algorithm = Callable[..., "SparseStream"]
 F = TypeVar("F", bound=Callable[..., "SparseStream"])
@@ -44,6 +44,18 @@ def get_algorithm(name: str) -> Algorithm:
     except KeyError:
         known = ", ".join(sorted(_REGISTRY))
         raise ValueError(f"unknown allreduce algorithm {name!r}; known: auto, {known}") from None
+
+
+def check_options(fn: Algorithm, name: str, options: dict[str, object]) -> None:
+    """Raise a clear error for options the algorithm does not take."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    takes = [p for p in params if p not in ("stream", "comm", "codec")]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        hint = f"it takes {', '.join(takes)}" if takes else "it takes no options"
+        raise ValueError(f"algorithm {name!r} has no option(s) {', '.join(unknown)}; {hint}")
 
 
 def algorithms() -> list[str]:

@@ -1,0 +1,291 @@
+"""Ok-Topk: the O(k) sparse allreduce of Li and Hoefler (PPoPP'22, paper 001).
+
+Input: every rank's accumulator ``acc`` (dense, after error feedback) and ``k``.
+
+1. **Local top-k by threshold.** The exact k-th largest ``|acc|`` is computed every
+   ``tau_prime`` calls and reused in between; the selection is ``|acc| >= t_local``.
+2. **Balanced split.** ``P`` contiguous regions of the index space whose
+   boundaries put about the same number of the ranks' selected entries in every
+   region. Re-estimated every ``tau`` calls: every rank sends ``Q`` quantiles of
+   its selected positions (and its count) to all; all ranks merge the same
+   weighted samples and cut at equal shares, so they agree on the boundaries.
+3. **Split and reduce.** Each rank sends its entries of region ``j`` to rank ``j``,
+   destinations rotated (``r+1, r+2, ...``) to avoid hot spots; rank ``j`` sums
+   what it receives, in rank order.
+4. **Global top-k.** Each rank keeps the entries of its reduced region with
+   ``|v| >= t_global``, the k-th largest magnitude over all reduced regions. It is
+   recomputed every ``tau_prime`` calls, exactly, by a distributed bisection on
+   the float32 bit patterns (31 allreduces of one count: no values travel), and
+   reused in between. Ties at the threshold are all kept.
+5. **Balanced allgather.** Counts first (one allgather of ``P`` integers); then the
+   kept entries are redistributed so every rank holds an equal share of their
+   concatenation; then an allgather of those shares. Every rank concatenates the
+   same bytes in region order.
+
+Output: the global sparse result (bitwise identical on every rank) and, per rank,
+the positions of its local selection that are in the result, for Ok-Topk SGD's
+residual update ``eps = acc - acc(indexes)``.
+
+Cost: ``(2P + 2 log2 P) alpha + [2k, 6k] (P-1)/P beta`` (slides: "Total Cost <=
+(2p + 2 lg p) alpha + 6k (p-1)/p beta"); split-and-reduce alone
+``(P-1) alpha + 2k (P-1)/P beta``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..comm import Communicator, resolve
+from ..compress._selection import select_above
+from ..compress.threshold_reuse import kth_largest
+from ..errors import RankMismatchError
+from ..stream import SparseStream, index_bytes
+from ._common import decode_or_empty, encode_or_empty
+from .codec import EXACT, StreamCodec
+from .registry import register
+
+__all__ = ["OkTopkResult", "OkTopkState", "oktopk", "oktopk_allreduce"]
+
+
+@dataclasses.dataclass
+class OkTopkState:
+    """Ok-Topk's state across calls (one per tensor), with its hyperparameters.
+
+    Attributes:
+        tau: calls between re-estimations of the region boundaries.
+        tau_prime: calls between exact recomputations of the local and global
+            thresholds (reused in between).
+        quantiles: quantiles of its selected positions each rank contributes to
+            the boundary estimate.
+        calls: calls so far.
+        local_threshold, global_threshold, boundaries: the reused values.
+        last_local_indices: positions of this rank's selection in the last result.
+        last_send_bytes: bytes this rank sent in the last call's split phase.
+    """
+
+    tau: int = 64
+    tau_prime: int = 32
+    quantiles: int = 16
+    calls: int = 0
+    local_threshold: float | None = None
+    global_threshold: float | None = None
+    boundaries: list[int] | None = None
+    last_local_indices: torch.Tensor | None = None
+    last_send_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tau < 1 or self.tau_prime < 1 or self.quantiles < 1:
+            raise ValueError(
+                f"tau, tau_prime and quantiles must be >= 1, got {self.tau}, "
+                f"{self.tau_prime}, {self.quantiles}"
+            )
+
+
+@dataclasses.dataclass
+class OkTopkResult:
+    """The global result and this rank's selected positions that are in it."""
+
+    stream: SparseStream
+    local_indices: torch.Tensor
+
+
+def _balanced_boundaries(
+    selected: torch.Tensor, size: int, comm: Communicator, q: int
+) -> list[int]:
+    """Step 2: region boundaries with about equal shares of all ranks' selections."""
+    p = comm.world_size
+    n = selected.numel()
+    if n:
+        pos = torch.linspace(0, n - 1, q, device=selected.device).round().long()
+        sample = selected[pos].to(torch.int64).cpu()
+    else:
+        sample = torch.full((q,), -1, dtype=torch.int64)
+    row = torch.cat([torch.tensor([n], dtype=torch.int64), sample])
+    rows = comm.allgather(row)
+    # Each quantile of rank r stands for n_r / q of its selected entries.
+    points = torch.cat([r[1:] for r in rows])
+    weights = torch.cat([torch.full((q,), float(r[0]) / q, dtype=torch.float64) for r in rows])
+    keep = points >= 0
+    points, weights = points[keep], weights[keep]
+    if points.numel() == 0:
+        return [j * size // p for j in range(p + 1)]
+    order = torch.argsort(points, stable=True)
+    points, cum = points[order], torch.cumsum(weights[order], 0)
+    total = float(cum[-1])
+    targets = torch.tensor([total * j / p for j in range(1, p)], dtype=torch.float64)
+    cut = torch.searchsorted(cum, targets).clamp(max=points.numel() - 1)
+    inner = (points[cut] + 1).clamp(0, size).tolist()
+    bounds = [0, *[int(b) for b in inner], size]
+    for j in range(1, p + 1):  # keep them non-decreasing
+        bounds[j] = max(bounds[j], bounds[j - 1])
+    return bounds
+
+
+def _global_kth(values: torch.Tensor, k: int, comm: Communicator) -> float:
+    """Step 4: the exact k-th largest ``|v|`` over every rank's ``values``.
+
+    Non-negative float32 magnitudes order like their int32 bit patterns, so a
+    bisection on the bit pattern (31 steps, one allreduce of a count each) finds
+    the largest ``t`` with ``count(|v| >= t) >= k`` exactly, moving no values.
+    """
+    if values.dtype == torch.float64:
+        bits = values.abs().contiguous().view(torch.int64)
+        fdtype, idtype, hi = torch.float64, torch.int64, 0x7FF0000000000000
+    else:  # float32, float16 and bfloat16 are exact in float32
+        bits = values.abs().float().contiguous().view(torch.int32)
+        fdtype, idtype, hi = torch.float32, torch.int32, 0x7F800000
+    lo = 0  # the search interval [lo, hi] of bit patterns, 0 .. +inf
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        count = torch.tensor([int((bits >= mid).sum())], dtype=torch.int64)
+        if int(comm.allreduce(count)) >= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    return float(torch.tensor([lo], dtype=idtype).view(fdtype))
+
+
+def oktopk_allreduce(
+    acc: torch.Tensor,
+    k: int,
+    comm: Communicator | None = None,
+    state: OkTopkState | None = None,
+    codec: StreamCodec = EXACT,
+) -> OkTopkResult:
+    """Ok-Topk's sparse allreduce of the ranks' accumulators (steps 1-5 above).
+
+    Args:
+        acc: this rank's accumulator (any shape; flattened), same size on every rank.
+        k: entries to select locally and to keep globally (>= 1).
+        comm: the communicator (default: the default process group, or a world of one).
+        state: thresholds and boundaries reused across calls (one per tensor);
+            default a fresh state (every call then recomputes everything).
+        codec: how the split-phase messages are encoded (exact by default).
+
+    Returns:
+        :class:`OkTopkResult`: the global result (same bits on every rank) and this
+        rank's selected positions that are in it.
+
+    Raises:
+        ValueError: ``k`` out of range.
+    """
+    comm = resolve(comm)
+    state = state if state is not None else OkTopkState()
+    x = acc.detach().reshape(-1)
+    n = x.numel()
+    if not 1 <= k <= max(n, 1):
+        raise ValueError(f"oktopk: k must lie in [1, {n}], got {k}")
+    p, me = comm.world_size, comm.rank
+    refresh = state.calls % state.tau_prime == 0 or state.local_threshold is None
+    # Step 1: local top-k by a (reused) threshold
+    if refresh:
+        state.local_threshold = kth_largest(torch.nan_to_num(x.abs(), nan=float("inf")), k)
+    idx = select_above(x, state.local_threshold, strict=False)
+    local = SparseStream._trusted(idx, x[idx], n)
+    # Step 2: balanced split, re-estimated every tau calls
+    if state.boundaries is None or state.calls % state.tau == 0 or len(state.boundaries) != p + 1:
+        state.boundaries = _balanced_boundaries(idx, n, comm, state.quantiles)
+    bounds = state.boundaries
+    if bounds[-1] != n:
+        raise RankMismatchError(f"oktopk: boundaries end at {bounds[-1]}, the vector has {n}")
+    # Step 3: split and reduce (alltoallv sends to r+1, r+2, ... first)
+    pieces = local.split(bounds)
+    payloads = [
+        torch.empty(0, dtype=torch.uint8, device=x.device)
+        if j == me
+        else encode_or_empty(pc, codec)
+        for j, pc in enumerate(pieces)
+    ]
+    state.last_send_bytes = sum(pl.numel() for pl in payloads)
+    received = comm.alltoallv(payloads)
+    width = bounds[me + 1] - bounds[me]
+    region = SparseStream.sum(
+        [
+            pieces[me] if j == me else decode_or_empty(received[j], width, x.dtype, x.device, codec)
+            for j in range(p)
+        ]
+    )
+    # Step 4: global top-k by a (reused) global threshold
+    if refresh or state.global_threshold is None:
+        state.global_threshold = _global_kth(region.values, k, comm)
+    keep = select_above(region.values, state.global_threshold, strict=False)
+    kept_idx = region.indices[keep] + bounds[me]
+    kept = SparseStream._trusted(kept_idx, region.values[keep], n)
+    # Step 5: balanced allgather: counts, equal shares, allgather of the shares
+    indices, values = _balanced_allgather(kept, comm)
+    state.calls += 1
+    state.last_local_indices = idx[torch.isin(idx, indices)]
+    return OkTopkResult(SparseStream._trusted(indices, values, n), state.last_local_indices)
+
+
+def _balanced_allgather(
+    kept: SparseStream, comm: Communicator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 5: every rank ends with the concatenation of all ranks' kept entries."""
+    p, me = comm.world_size, comm.rank
+    counts = [int(c) for c in comm.allgather(torch.tensor([kept.nnz], dtype=torch.int64))]
+    total = sum(counts)
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    share = [j * total // p for j in range(p + 1)]  # rank j holds [share[j], share[j+1])
+    mine_lo, mine_hi = offsets[me], offsets[me + 1]
+    # Redistribute: the overlap of my entries with every rank's share
+    parts = []
+    for j in range(p):
+        lo, hi = max(mine_lo, share[j]), min(mine_hi, share[j + 1])
+        if hi > lo:
+            sl = slice(lo - mine_lo, hi - mine_lo)
+            parts.append(_pairs(kept.indices[sl], kept.values[sl], kept.size))
+        else:
+            parts.append(torch.empty(0, dtype=torch.uint8, device=kept.device))
+    got = comm.alltoallv(parts)
+    held = torch.cat(got) if got else torch.empty(0, dtype=torch.uint8)
+    # Allgather the equal shares; rank order is region order, so concatenation sorts
+    blocks = comm.allgatherv(held)
+    pairs = torch.cat(blocks).to(kept.device)
+    indices, values = _unpairs(pairs, kept.dtype, kept.size)
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise RankMismatchError("oktopk: gathered entries out of order (do ranks agree on N?)")
+    return indices, values
+
+
+def _pairs(indices: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
+    """Fixed-width records (``c``-byte index, value), so shares can be cut anywhere."""
+    c = index_bytes(size)
+    idx = indices.to(torch.int64).view(torch.uint8).reshape(-1, 8)[:, :c]
+    val = values.contiguous().view(torch.uint8).reshape(-1, values.element_size())
+    return torch.cat([idx, val], dim=1).reshape(-1)
+
+
+def _unpairs(buf: torch.Tensor, dtype: torch.dtype, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    c = index_bytes(size)
+    isize = torch.empty((), dtype=dtype).element_size()
+    rec = buf.reshape(-1, c + isize)
+    pad = torch.zeros(rec.shape[0], 8 - c, dtype=torch.uint8, device=rec.device)
+    indices = torch.cat([rec[:, :c], pad], dim=1).contiguous().view(torch.int64).reshape(-1)
+    values = rec[:, c:].contiguous().view(dtype).reshape(-1)
+    return indices, values
+
+
+@register("oktopk")
+def oktopk(
+    stream: SparseStream,
+    comm: Communicator | None = None,
+    codec: StreamCodec = EXACT,
+    k: int | None = None,
+    state: OkTopkState | None = None,
+) -> SparseStream:
+    """``sparse_allreduce(acc, algorithm="oktopk", k=..., state=...)``: the global result.
+
+    ``stream`` is the accumulator; the positions of this rank's selection in the
+    result are left in ``state.last_local_indices``.
+
+    Raises:
+        ValueError: ``k`` missing.
+    """
+    if k is None:
+        raise ValueError("algorithm 'oktopk' needs k= (and a state= kept across calls)")
+    return oktopk_allreduce(stream.to_dense(), k, comm, state, codec).stream

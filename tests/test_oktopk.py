@@ -1,0 +1,230 @@
+"""Ok-Topk and the sparse allreduce baselines it is measured against (paper 001).
+
+Definitions checked, world sizes 1-9 and 16:
+
+* topka / topkdsa: the dense sum of the local top-k sets;
+* gtopk: its stage-by-stage definition (binomial tree, top-k re-selected at
+  every merge, lower rank's set first), recomputed in one process;
+* oktopk with tau = tau' = 1: sum the local top-k sets, keep the entries whose
+  magnitude is at least the k-th largest magnitude of that sum. Ties: a local
+  "top-k set" is every entry with |acc| >= its k-th largest magnitude, and every
+  entry tied with the global k-th largest magnitude is kept (so with ties more
+  than k entries may be selected). Integer-valued data makes ties frequent and
+  sums exact, so the comparison is exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparcml import (
+    ErrorFeedback,
+    OkTopkState,
+    SparseStream,
+    oktopk_allreduce,
+    oktopk_sgd_step,
+    sparse_allreduce,
+)
+from sparcml.collectives.gtopk import keep_topk
+from sparcml.comm import run_ranks
+
+WORLDS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16]
+N, K = 600, 25
+
+
+def _acc(rank: int, n: int = N, integer: bool = True, skew: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = (
+        torch.randint(-50, 51, (n,), generator=g).float()
+        if integer
+        else torch.randn(n, generator=g)
+    )
+    if skew:  # all large values in the first 10% of the vector
+        x = x * 0.01
+        head = n // 10
+        x[:head] = torch.randn(head, generator=g) * 10
+    return x
+
+
+def _local_topk(acc: torch.Tensor, k: int) -> SparseStream:
+    """Every entry with |acc| >= the k-th largest magnitude (ties kept)."""
+    t = torch.topk(acc.abs(), k).values.min()
+    idx = (acc.abs() >= t).nonzero().flatten()
+    return SparseStream(idx, acc[idx], acc.numel())
+
+
+def _dense_sum(streams: list[SparseStream]) -> torch.Tensor:
+    return torch.stack([s.to_dense().double() for s in streams]).sum(0)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("algorithm", ["topka", "topkdsa"])
+def test_topka_and_topkdsa_equal_the_sum_of_local_sets(world: int, algorithm: str) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = _local_topk(_acc(comm.rank), K)
+        return s, sparse_allreduce(s, comm, algorithm=algorithm)
+
+    out = run_ranks(world, fn)
+    ref = _dense_sum([o[0] for o in out])
+    for _, res in out:
+        assert res.equal(out[0][1])
+        assert torch.equal(res.to_dense().double(), ref)
+
+
+def _gtopk_reference(streams: list[SparseStream], k: int) -> SparseStream:
+    sets = [keep_topk(s, k) for s in streams]
+    p, d = len(sets), 1
+    while d < p:
+        for r in range(0, p, 2 * d):
+            if r + d < p:
+                sets[r] = keep_topk(sets[r] + sets[r + d], k)
+        d *= 2
+    return sets[0]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gtopk_equals_its_stage_by_stage_definition(world: int) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = _local_topk(_acc(comm.rank, integer=False), K)
+        return s, sparse_allreduce(s, comm, algorithm="gtopk")
+
+    out = run_ranks(world, fn)
+    ref = _gtopk_reference([o[0] for o in out], max(o[0].nnz for o in out))
+    for _, res in out:
+        assert res.equal(out[0][1])
+    assert out[0][1].equal(ref)
+
+
+def _oktopk_reference(accs: list[torch.Tensor], k: int) -> tuple[torch.Tensor, list[set[int]]]:
+    locals_ = [_local_topk(a, k) for a in accs]
+    total = _dense_sum(locals_)
+    support = torch.zeros(total.numel(), dtype=torch.bool)
+    for s in locals_:
+        support[s.indices] = True
+    mags = total.abs()[support]
+    t = torch.topk(mags, min(k, mags.numel())).values.min()
+    keep = support & (total.abs() >= t)
+    ref = torch.where(keep, total, torch.zeros_like(total))
+    kept = set(keep.nonzero().flatten().tolist())
+    return ref, [set(s.indices.tolist()) & kept for s in locals_]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("integer", [True, False])
+def test_oktopk_with_tau_one_equals_the_definition(world: int, integer: bool) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        acc = _acc(comm.rank, integer=integer)
+        return acc, oktopk_allreduce(acc, K, comm, OkTopkState(tau=1, tau_prime=1))
+
+    out = run_ranks(world, fn)
+    ref, kept_local = _oktopk_reference([o[0] for o in out], K)
+    for r, (_, res) in enumerate(out):
+        assert res.stream.equal(out[0][1].stream)  # bitwise identical on every rank
+        assert set(res.local_indices.tolist()) == kept_local[r]
+    got = out[0][1].stream.to_dense().double()
+    if integer:
+        assert torch.equal(got, ref)
+    else:
+        assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+        assert torch.equal(got != 0, ref != 0)
+
+
+def test_oktopk_reuses_thresholds_and_boundaries_on_schedule() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        st = OkTopkState(tau=4, tau_prime=2)
+        seen = []
+        for step in range(6):
+            acc = _acc(comm.rank + 10 * step, integer=False)
+            before = (st.local_threshold, st.global_threshold, st.boundaries)
+            res = oktopk_allreduce(acc, K, comm, st)
+            seen.append((before, (st.local_threshold, st.global_threshold, st.boundaries)))
+            assert res.stream.nnz > 0
+        return seen
+
+    for seen in run_ranks(3, fn):
+        for step, (before, after) in enumerate(seen):
+            refreshed_thresholds = after[0] != before[0] and after[1] != before[1]
+            assert refreshed_thresholds == (step % 2 == 0)
+            assert (after[2] is not before[2]) == (step % 4 == 0)  # boundaries every tau
+
+
+def test_oktopk_via_sparse_allreduce_and_errors() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        st = OkTopkState()
+        acc = SparseStream.dense(_acc(comm.rank))
+        res = sparse_allreduce(acc, comm, algorithm="oktopk", k=K, state=st)
+        return res, st.last_local_indices
+
+    out = run_ranks(3, fn)
+    assert all(o[0].equal(out[0][0]) for o in out) and out[0][1] is not None
+    with pytest.raises(ValueError, match="needs k="):
+        sparse_allreduce(SparseStream.dense(torch.ones(5)), algorithm="oktopk")
+    with pytest.raises(ValueError, match="has no option"):
+        sparse_allreduce(SparseStream.dense(torch.ones(5)), algorithm="topka", k=3)
+    with pytest.raises(ValueError, match=r"k must lie in \[1, 5\]"):
+        oktopk_allreduce(torch.ones(5), 6)
+    with pytest.raises(ValueError, match="tau"):
+        OkTopkState(tau=0)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 16])
+def test_bytes_oktopk_within_6k_and_topka_grows_with_p(world: int) -> None:
+    n, k = 20_000, 200  # c = 2 index bytes + 4 value bytes: a pair is at most 2 words
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        st = OkTopkState(tau=1000, tau_prime=1000)
+        sent = []
+        for step in range(3):
+            acc = _acc(comm.rank + 100 * step, n, integer=False)
+            before = comm.stats.bytes_sent
+            oktopk_allreduce(acc, k, comm, st)
+            sent.append(comm.stats.bytes_sent - before)
+        before = comm.stats.bytes_sent
+        sparse_allreduce(_local_topk(acc, k), comm, algorithm="topka")
+        return sent, comm.stats.bytes_sent - before
+
+    out = run_ranks(world, fn)
+    word = 4
+    bound = 6 * k * (world - 1) / world * word
+    overhead = 24 * 2 * world + 64  # stream headers of the split phase, the count words
+    for sent, _ in out:
+        # steps 1-2 reuse the thresholds and boundaries: the steady state Ok-Topk runs in
+        assert max(sent[1:]) <= bound + overhead, (sent, bound)
+    # TopkA: each rank receives and forwards the other P-1 selections of k pairs
+    # (6 bytes each here, 2k(P-1) words of the slides' 2-word pairs)
+    for _, topka_bytes in out:
+        pairs = k * (world - 1) * 6
+        assert pairs <= topka_bytes <= pairs + 64 * world
+
+
+def test_balanced_split_with_skewed_indices() -> None:
+    world, n, k = 8, 40_000, 400
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        st = OkTopkState(tau=1000, tau_prime=1000)
+        oktopk_allreduce(_acc(comm.rank, n, integer=False, skew=True), k, comm, st)
+        oktopk_allreduce(_acc(comm.rank + 50, n, integer=False, skew=True), k, comm, st)
+        return st.last_send_bytes, st.boundaries
+
+    out = run_ranks(world, fn)
+    volumes = [o[0] for o in out]
+    mean = sum(volumes) / world
+    assert max(volumes) <= 1.5 * mean, volumes
+    bounds = out[0][1]
+    assert bounds[-2] < n // 10  # the regions crowd into the first 10% where the entries are
+
+
+def test_oktopk_sgd_step_updates_the_residual() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        ef, st = ErrorFeedback(), OkTopkState(tau=1, tau_prime=1)
+        grad = _acc(comm.rank, integer=False)
+        u = oktopk_sgd_step(grad, "w", ef, st, K, comm, lr=0.5)
+        acc = 0.5 * grad
+        expect = acc.clone()
+        expect[st.last_local_indices] = 0
+        assert torch.equal(ef.residual("w"), expect)
+        return u
+
+    out = run_ranks(4, fn)
+    assert all(torch.equal(u, out[0]) for u in out)
