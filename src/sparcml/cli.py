@@ -152,6 +152,40 @@ def _bench_compress(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_topk(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from .bench.allreduce import format_table, machine_info
+    from .bench.topk import TopkBenchConfig, run_topk_benchmark
+
+    cfg = TopkBenchConfig(
+        world_size=args.world_size,
+        size=args.size,
+        density=args.density,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        seed=args.seed,
+        timeout=args.timeout,
+        progress=not args.quiet,
+    )
+    try:
+        cfg.validate()
+    except ValueError as e:
+        print(f"sparcml: error: {e}", file=sys.stderr)
+        return 2
+    print(f"sparcml bench-topk: {cfg.world_size} local ranks over gloo (loopback)", flush=True)
+    t0 = time.monotonic()
+    rows = run_topk_benchmark(cfg)
+    print(format_table(rows, cfg), flush=True)  # type: ignore[arg-type]
+    print(f"total {time.monotonic() - t0:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            doc = {"config": dataclasses.asdict(cfg), "machine": machine_info(), "rows": rows}
+            json.dump(doc, f, indent=2)
+    return 0 if all(r["correct"] for r in rows) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparcml`` command."""
     parser = argparse.ArgumentParser(
@@ -175,6 +209,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--json", help="write results (with config and machine) to this JSON file")
     bench.add_argument("--csv", help="write results to this CSV file")
     sub.add_parser("algorithms", help="list the registered sparse allreduce algorithms")
+    bt = sub.add_parser(
+        "bench-topk",
+        help="Ok-Topk against TopkA, TopkDSA, gTopk, Gaussiank and dense allreduce",
+        description="Local gloo ranks reduce Gaussian accumulators with every top-k sparse "
+        "allreduce (paper 001) and a dense allreduce; prints time, bytes and checks.",
+    )
+    bt.add_argument("-P", "--world-size", type=_positive, default=4)
+    bt.add_argument("-N", "--size", type=_size, default=_size("16M"))
+    bt.add_argument("-d", "--density", type=_fraction, default=0.01)
+    bt.add_argument("--repeats", type=_positive, default=5)
+    bt.add_argument("--warmup", type=int, default=1)
+    bt.add_argument("--seed", type=int, default=0)
+    bt.add_argument("--timeout", type=float, default=300.0)
+    bt.add_argument("--json", help="write the rows to this JSON file")
+    bt.add_argument("-q", "--quiet", action="store_true")
     bc = sub.add_parser(
         "bench-compress",
         help="throughput of every compression operator next to a plain copy",
@@ -198,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "bench-compress":
         return _bench_compress(args)
+    if args.command == "bench-topk":
+        return _bench_topk(args)
     if args.command == "demo":
         return _run(args, "sparcml demo")
     return _run(args, "sparcml bench")

@@ -250,8 +250,9 @@ def machine_info() -> dict[str, Any]:
 
 def format_table(rows: Sequence[dict[str, Any]], cfg: BenchConfig) -> str:
     """The human-readable table the CLI prints."""
+    overlap = f"overlap={cfg.overlap:g}  " if cfg.overlap else ""
     head = (
-        f"P={cfg.world_size}  N={cfg.size:,}  density={cfg.density:g}  overlap={cfg.overlap:g}  "
+        f"P={cfg.world_size}  N={cfg.size:,}  density={cfg.density:g}  {overlap}"
         f"dtype={cfg.dtype}  runs={cfg.experiments}x{cfg.repeats} (+{cfg.warmup} warm-up)"
     )
     cols = (

@@ -1,0 +1,207 @@
+"""Top-k sparse allreduce benchmark: Ok-Topk against its baselines and dense (paper 001).
+
+Every rank holds a dense accumulator of ``N`` Gaussian values and ``k =
+density * N``. Timed per call (slowest rank, after a barrier, median of
+``repeats`` after ``warmup``):
+
+* ``dense`` — the backend's allreduce of the whole accumulator;
+* ``topka``, ``topkdsa``, ``gtopk`` — on each rank's exact local top-k, selected
+  once before timing (the selection time is reported on its own row);
+* ``gaussiank`` and ``oktopk`` — from the accumulator, their own selection
+  included (Ok-Topk keeps its state across the runs: thresholds and boundaries
+  are reused as in training, ``tau = 64``, ``tau' = 32``).
+
+Checks: ``dense`` against a float64 sum; ``topka``/``topkdsa`` against the sum of
+the local top-k sets; ``gaussiank`` against the sum of each rank's Gaussian-k
+selection; ``oktopk``: on its support the values equal the sum of the ranks'
+selections at the thresholds it used, and its size lies in [k/2, 2k]; every
+algorithm: the same result on every rank (checksums compared).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ..collectives import OkTopkState, oktopk_allreduce, sparse_allreduce
+from ..comm import Communicator
+from ..compress.gaussiank import GaussianK
+from ..compress.topk import TopK
+from ..launch import run_processes
+from ..stream import SparseStream
+
+__all__ = ["TopkBenchConfig", "run_topk_benchmark"]
+
+ALGORITHMS = ("dense", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkBenchConfig:
+    """What to run (attribute names shared with :class:`~sparcml.bench.BenchConfig`)."""
+
+    world_size: int = 4
+    size: int = 1 << 24
+    density: float = 0.01
+    repeats: int = 5
+    warmup: int = 1
+    seed: int = 0
+    timeout: float = 300.0
+    progress: bool = True
+    overlap: float = 0.0
+    dtype: str = "float32"
+    experiments: int = 1
+
+    def validate(self) -> None:
+        if self.world_size < 1 or self.size < 1:
+            raise ValueError("world size and N must be at least 1")
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density must lie in (0, 1], got {self.density}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError("repeats must be >= 1 and warmup >= 0")
+
+
+def _checksum(comm: Communicator, s: SparseStream) -> bool:
+    """True on every rank iff every rank holds the same result (two float64 sums)."""
+    d = s.to_dense().double()
+    pos = torch.arange(d.numel(), dtype=torch.float64)
+    v = torch.stack([d.sum(), (d * pos).sum()])
+    hi, lo = comm.allreduce(v, op="max"), comm.allreduce(v, op="min")
+    return bool(torch.equal(hi, lo))
+
+
+def _rel_err(got: SparseStream, ref: torch.Tensor, scale: torch.Tensor) -> float:
+    err = (got.to_dense().double() - ref).abs()
+    return float((err / scale.clamp_min(1e-30)).max()) if err.numel() else 0.0
+
+
+def _rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] | None:
+    n, p = cfg.size, comm.world_size
+    k = max(1, round(cfg.density * n))
+    g = torch.Generator().manual_seed(cfg.seed * 7919 + comm.rank)
+    acc = torch.randn(n, generator=g)
+    show = cfg.progress and comm.rank == 0
+
+    # Selection happens once, outside the timing, for the algorithms that take it.
+    t0 = time.perf_counter()
+    local = TopK(k=k).select(acc)
+    select_s = float(comm.allreduce(torch.tensor([time.perf_counter() - t0]), op="max"))
+    gauss_local = GaussianK(k=k).select(acc)
+    dense_ref = comm.allreduce(acc.double())
+    scale_all = comm.allreduce(acc.double().abs())
+    topk_ref = comm.allreduce(local.to_dense().double())
+    topk_scale = comm.allreduce(local.to_dense().double().abs())
+    gauss_ref = comm.allreduce(gauss_local.to_dense().double())
+    gauss_scale = comm.allreduce(gauss_local.to_dense().double().abs())
+    state = OkTopkState()
+
+    def run(name: str) -> SparseStream:
+        if name == "dense":
+            return SparseStream.dense(comm.allreduce(acc))
+        if name == "gaussiank":
+            return sparse_allreduce(SparseStream.dense(acc), comm, algorithm="gaussiank", k=k)
+        if name == "oktopk":
+            return oktopk_allreduce(acc, k, comm, state).stream
+        return sparse_allreduce(local, comm, algorithm=name)
+
+    rows: dict[str, dict[str, Any]] = {}
+    for i, name in enumerate(ALGORITHMS, 1):
+        times, sent = [], []
+        for _ in range(cfg.warmup):
+            run(name)
+        for _ in range(cfg.repeats):
+            comm.barrier()
+            before = comm.stats.bytes_sent
+            t = time.perf_counter()
+            result = run(name)
+            elapsed = time.perf_counter() - t
+            sent.append(comm.stats.bytes_sent - before)
+            times.append(float(comm.allreduce(torch.tensor([elapsed]), op="max")))
+        same = _checksum(comm, result)
+        if name == "dense":
+            err = _rel_err(result, dense_ref, scale_all)
+            ok = err <= 1e-5
+        elif name in ("topka", "topkdsa"):
+            err = _rel_err(result, topk_ref, topk_scale)
+            ok = err <= 1e-5
+        elif name == "gaussiank":
+            err = _rel_err(result, gauss_ref, gauss_scale)
+            ok = err <= 1e-5
+        elif name == "oktopk":
+            t_local = state.local_threshold
+            assert t_local is not None
+            mine = (acc.abs() >= t_local).float() * acc
+            sel_ref = comm.allreduce(mine.double())
+            sel_scale = comm.allreduce(mine.double().abs())
+            support = result.indices if not result.is_dense else torch.arange(n)
+            err = (
+                float(
+                    (
+                        (result.to_dense().double() - sel_ref).abs()[support]
+                        / sel_scale[support].clamp_min(1e-30)
+                    ).max()
+                )
+                if support.numel()
+                else 0.0
+            )
+            ok = err <= 1e-5 and k / 2 <= result.count_nonzero() <= 2 * k
+        else:  # gtopk: lossy by design; at most k entries
+            err = float("nan")
+            ok = result.count_nonzero() <= k
+        ok_all = bool(comm.allreduce(torch.tensor([int(ok and same)]), op="min"))
+        mean_sent = float(comm.allreduce(torch.tensor([statistics.fmean(sent)]))) / p
+        q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+        rows[name] = {
+            "algorithm": name,
+            "p25": q[0],
+            "p50": statistics.median(times),
+            "p75": q[2],
+            "bytes_sent": mean_sent,
+            "result_nnz": result.count_nonzero(),
+            "result_dense": result.is_dense,
+            "max_rel_error": err,
+            "correct": ok_all,
+            "chose": None,
+        }
+        if show:
+            print(
+                f"  [{i}/{len(ALGORITHMS)}] {name:<10} {rows[name]['p50'] * 1e3:9.2f} ms  "
+                f"{'ok' if ok_all else 'WRONG'}",
+                file=sys.stderr,
+                flush=True,
+            )
+    if comm.rank != 0:
+        return None
+    out = list(rows.values())
+    for r in out:
+        r["speedup_vs_dense"] = rows["dense"]["p50"] / r["p50"]
+    out.append(
+        {
+            "algorithm": "(exact local top-k)",
+            "p25": select_s,
+            "p50": select_s,
+            "p75": select_s,
+            "bytes_sent": 0.0,
+            "result_nnz": local.nnz,
+            "result_dense": False,
+            "max_rel_error": 0.0,
+            "correct": True,
+            "chose": None,
+            "speedup_vs_dense": None,
+        }
+    )
+    return out
+
+
+def run_topk_benchmark(cfg: TopkBenchConfig) -> list[dict[str, Any]]:
+    """Spawn ``cfg.world_size`` local gloo ranks and run the benchmark; rank 0's rows."""
+    cfg.validate()
+    out = run_processes(
+        cfg.world_size, _rank_main, cfg, timeout=cfg.timeout, deadline=cfg.timeout * 20
+    )
+    assert out[0] is not None
+    return out[0]
