@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..stream import SparseStream
-from ._selection import KSpec
+from ._selection import KSpec, count_above, select_above
 from .base import Selector, check_input, register
 
 __all__ = ["GaussianK"]
@@ -43,21 +43,27 @@ class GaussianK(Selector):
         k = self.spec.of(n)
         if k == 0:
             return SparseStream.empty(n, x.dtype, x.device)
-        finite = torch.isfinite(x)
-        xf = x[finite].double() if not bool(finite.all()) else x.double()
-        mu = float(xf.mean()) if xf.numel() else 0.0
-        sigma = float(xf.std()) if xf.numel() > 1 else 0.0
-        dev = torch.nan_to_num((x.double() - mu).abs(), nan=float("inf"))
+        # Step 1: fit N(mu, sigma^2) (float64 accumulation, no float64 copy of x)
+        sigma_t, mu_t = torch.std_mean(x, correction=1 if n > 1 else 0)
+        mu, sigma = float(mu_t), float(sigma_t)
+        if not (math.isfinite(mu) and math.isfinite(sigma)):  # NaN/Inf present: fit the rest
+            finite = x[torch.isfinite(x)]
+            mu = float(finite.double().mean()) if finite.numel() else 0.0
+            sigma = float(finite.double().std()) if finite.numel() > 1 else 0.0
+        # Step 2: the two-sided Gaussian quantile for a share d = k/n
         d = min(k / n, 1.0)
         z = math.sqrt(2.0) * float(torch.erfinv(torch.tensor(1.0 - d, dtype=torch.float64)))
         t = sigma * z
+        centred = x - mu if mu != 0.0 else x
+        # Step 3: correct the fit while the count is far from k
         for _ in range(self.corrections):
-            count = int((dev > t).sum())
+            count = count_above(centred, t)
             if count > 1.5 * k:
                 t *= 1.1
             elif count < 0.5 * k and t > 0:
                 t /= 1.1
             else:
                 break
-        idx = (dev > t).nonzero().flatten()
+        # Step 4: select (NaN always)
+        idx = select_above(centred, t)
         return SparseStream._trusted(idx, x[idx], n)
