@@ -29,7 +29,7 @@ def reduce_every_algorithm(comm):  # type: ignore[no-untyped-def]
     out = []
     for size, pattern, dtype in CASES:
         s = make_stream(pattern, comm.rank, comm.world_size, size, dtype)
-        for algo in [*algorithms(), "auto"]:
+        for algo in [*algorithms(exact=True), "auto"]:
             comm.stats.reset()
             r = sparse_allreduce(s, comm, algorithm=algo)
             out.append((size, pattern, algo, encode(s), encode(r), comm.stats.bytes_sent))
@@ -93,3 +93,21 @@ def groups_and_default(comm):  # type: ignore[no-untyped-def]
         out["sub"] = encode(sparse_allreduce(s, sc, algorithm="ssar_recursive_double"))
     own.close()
     return out
+
+
+def topk_family(comm):  # type: ignore[no-untyped-def]
+    """Ok-Topk (tau = tau' = 1), gTopk and TopkA over gloo; inputs and results as bytes."""
+    from sparcml import OkTopkState, oktopk_allreduce
+
+    g = torch.Generator().manual_seed(1000 + comm.rank)
+    acc = torch.randn(3000, generator=g)
+    ok = oktopk_allreduce(acc, 40, comm, OkTopkState(tau=1, tau_prime=1))
+    top = torch.topk(acc.abs(), 40).indices
+    local = SparseStream(top, acc[top], acc.numel())
+    return {
+        "acc": acc,
+        "oktopk": encode(ok.stream),
+        "local_indices": ok.local_indices,
+        "gtopk": encode(sparse_allreduce(local, comm, algorithm="gtopk")),
+        "topka": encode(sparse_allreduce(local, comm, algorithm="topka")),
+    }

@@ -7,6 +7,7 @@ import torch
 
 import gloo_workers
 from inputs import dense_reference
+from sparcml import algorithms
 from sparcml.launch import run_processes
 from sparcml.wire import decode
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.spawn
 def test_every_algorithm_over_gloo(world: int) -> None:
     out = run_processes(world, gloo_workers.reduce_every_algorithm, timeout=60)
     n_cases = len(out[0])
-    assert n_cases == len(gloo_workers.CASES) * 5
+    assert n_cases == len(gloo_workers.CASES) * (len(algorithms(exact=True)) + 1)
     for i in range(n_cases):
         size, pattern, algo = out[0][i][:3]
         inputs = [decode(o[i][3]) for o in out]
@@ -72,3 +73,21 @@ def test_subgroup_dedicated_group_and_default_communicator() -> None:
         assert torch.equal(o["sub"], out[1]["sub"])
         assert torch.equal(decode(o["sub"]).to_dense().double(), ref_sub)
     assert "sub" not in out[0]
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_topk_family_over_gloo(world: int) -> None:
+    from test_oktopk import _gtopk_reference, _local_topk, _oktopk_reference
+
+    out = run_processes(world, gloo_workers.topk_family, timeout=60)
+    accs = [o["acc"] for o in out]
+    for key in ("oktopk", "gtopk", "topka"):
+        assert all(torch.equal(o[key], out[0][key]) for o in out), key
+    ref, kept_local = _oktopk_reference(accs, 40)
+    got = decode(out[0]["oktopk"]).to_dense().double()
+    assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6) and torch.equal(got != 0, ref != 0)
+    assert [set(o["local_indices"].tolist()) for o in out] == kept_local
+    locals_ = [_local_topk(a, 40) for a in accs]
+    assert decode(out[0]["gtopk"]).equal(_gtopk_reference(locals_, 40))
+    topka = decode(out[0]["topka"]).to_dense().double()
+    assert torch.allclose(topka, dense_reference(locals_), rtol=1e-6, atol=1e-6)

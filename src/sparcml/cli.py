@@ -243,7 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "algorithms":
         from .collectives import algorithms
 
-        print("\n".join([*algorithms(), "auto"]))
+        exact, topk = algorithms(exact=True), algorithms(exact=False)
+        print("sum of the inputs:  " + ", ".join([*exact, "auto"]))
+        print("top-k family:       " + ", ".join(topk))
         return 0
     if args.command == "bench-compress":
         return _bench_compress(args)

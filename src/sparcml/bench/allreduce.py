@@ -65,13 +65,13 @@ class BenchConfig:
             raise ValueError("repeats and experiments must be >= 1, warmup >= 0")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        known = set(algorithms()) | {"auto"}
+        known = set(algorithms(exact=True)) | {"auto"}
         unknown = [a for a in self.algorithms if a not in known]
         if unknown:
             raise ValueError(f"unknown algorithms {unknown}; known: {sorted(known)}")
 
     def algorithm_list(self) -> list[str]:
-        names = list(self.algorithms) or [*algorithms(), "auto"]
+        names = list(self.algorithms) or [*algorithms(exact=True), "auto"]
         # the dense baseline first: speedups are relative to it
         return sorted(names, key=lambda a: a != "dense")
 

@@ -21,7 +21,7 @@ from .topka import topka
 __all__ = ["gaussiank"]
 
 
-@register("gaussiank")
+@register("gaussiank", exact=False)
 def gaussiank(
     stream: SparseStream,
     comm: Communicator | None = None,

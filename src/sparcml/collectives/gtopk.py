@@ -41,7 +41,7 @@ def keep_topk(stream: SparseStream, k: int) -> SparseStream:
     return SparseStream._trusted(stream.indices[pos], stream.values[pos], stream.size)
 
 
-@register("gtopk")
+@register("gtopk", exact=False)
 def gtopk(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:

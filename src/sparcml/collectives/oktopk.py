@@ -270,7 +270,7 @@ def _unpairs(buf: torch.Tensor, dtype: torch.dtype, size: int) -> tuple[torch.Te
     return indices, values
 
 
-@register("oktopk")
+@register("oktopk", exact=False)
 def oktopk(
     stream: SparseStream,
     comm: Communicator | None = None,

@@ -3,6 +3,10 @@
 An algorithm is ``fn(stream, comm, codec) -> SparseStream`` written SPMD style against
 the :class:`~sparcml.comm.Communicator` interface. New algorithms register
 themselves with ``@register("name")``; nothing else needs to change.
+
+``exact=False`` marks the top-k family (``gtopk``, ``gaussiank``, ``oktopk``):
+their result is by design not the sum of the inputs, so generic checks against
+a dense sum (the demo, the property tests) list only ``algorithms(exact=True)``.
 """
 
 from __future__ import annotations
@@ -19,15 +23,23 @@ Algorithm = Callable[..., "SparseStream"]
 F = TypeVar("F", bound=Callable[..., "SparseStream"])
 
 _REGISTRY: dict[str, Algorithm] = {}
+_INEXACT: set[str] = set()
 
 
-def register(name: str) -> Callable[[F], F]:
-    """Decorator adding an allreduce algorithm to the registry under ``name``."""
+def register(name: str, exact: bool = True) -> Callable[[F], F]:
+    """Decorator adding an allreduce algorithm to the registry under ``name``.
+
+    Args:
+        name: the ``algorithm=`` name.
+        exact: whether the result is the sum of the ranks' inputs.
+    """
 
     def deco(fn: F) -> F:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"an allreduce algorithm named {name!r} is already registered")
         _REGISTRY[name] = fn
+        if not exact:
+            _INEXACT.add(name)
         return fn
 
     return deco
@@ -58,6 +70,11 @@ def check_options(fn: Algorithm, name: str, options: dict[str, object]) -> None:
         raise ValueError(f"algorithm {name!r} has no option(s) {', '.join(unknown)}; {hint}")
 
 
-def algorithms() -> list[str]:
-    """Names of the registered algorithms, sorted."""
-    return sorted(_REGISTRY)
+def algorithms(exact: bool | None = None) -> list[str]:
+    """Names of the registered algorithms, sorted.
+
+    Args:
+        exact: True for those whose result is the sum of the inputs, False for the
+            top-k family, None for all.
+    """
+    return sorted(n for n in _REGISTRY if exact is None or (n not in _INEXACT) == exact)
