@@ -228,3 +228,16 @@ def test_oktopk_sgd_step_updates_the_residual() -> None:
 
     out = run_ranks(4, fn)
     assert all(torch.equal(u, out[0]) for u in out)
+
+
+def test_oktopk_mismatched_sizes_fail_on_every_rank() -> None:
+    from sparcml.errors import RankMismatchError
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        try:
+            oktopk_allreduce(torch.randn(100 + (comm.rank == 1)), 5, comm)
+        except RankMismatchError as e:
+            return str(e)
+        return "no error"
+
+    assert all("rank 1: N=101" in m for m in run_ranks(3, fn))

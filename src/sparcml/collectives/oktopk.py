@@ -43,6 +43,7 @@ from ..compress.threshold_reuse import kth_largest
 from ..errors import RankMismatchError
 from ..stream import SparseStream, index_bytes
 from ._common import decode_or_empty, encode_or_empty
+from .allreduce import check_consistent
 from .codec import EXACT, StreamCodec
 from .registry import register
 
@@ -153,6 +154,7 @@ def oktopk_allreduce(
     comm: Communicator | None = None,
     state: OkTopkState | None = None,
     codec: StreamCodec = EXACT,
+    check: bool = True,
 ) -> OkTopkResult:
     """Ok-Topk's sparse allreduce of the ranks' accumulators (steps 1-5 above).
 
@@ -163,6 +165,8 @@ def oktopk_allreduce(
         state: thresholds and boundaries reused across calls (one per tensor);
             default a fresh state (every call then recomputes everything).
         codec: how the split-phase messages are encoded (exact by default).
+        check: first check that every rank passes the same size and dtype (one tiny
+            message to every peer; a mismatch raises on every rank).
 
     Returns:
         :class:`OkTopkResult`: the global result (same bits on every rank) and this
@@ -170,6 +174,7 @@ def oktopk_allreduce(
 
     Raises:
         ValueError: ``k`` out of range.
+        RankMismatchError: ranks passed different sizes or dtypes.
     """
     comm = resolve(comm)
     state = state if state is not None else OkTopkState()
@@ -177,6 +182,8 @@ def oktopk_allreduce(
     n = x.numel()
     if not 1 <= k <= max(n, 1):
         raise ValueError(f"oktopk: k must lie in [1, {n}], got {k}")
+    if check:
+        check_consistent(SparseStream.dense(x), comm)
     p, me = comm.world_size, comm.rank
     refresh = state.calls % state.tau_prime == 0 or state.local_threshold is None
     # Step 1: local top-k by a (reused) threshold
@@ -288,4 +295,5 @@ def oktopk(
     """
     if k is None:
         raise ValueError("algorithm 'oktopk' needs k= (and a state= kept across calls)")
-    return oktopk_allreduce(stream.to_dense(), k, comm, state, codec).stream
+    # sparse_allreduce has checked the ranks' sizes and dtypes already
+    return oktopk_allreduce(stream.to_dense(), k, comm, state, codec, check=False).stream
