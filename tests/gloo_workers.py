@@ -111,3 +111,9 @@ def topk_family(comm):  # type: ignore[no-untyped-def]
         "gtopk": encode(sparse_allreduce(local, comm, algorithm="gtopk")),
         "topka": encode(sparse_allreduce(local, comm, algorithm="topka")),
     }
+
+
+def raises_on_rank_one(comm):  # type: ignore[no-untyped-def]
+    if comm.rank == 1:
+        raise KeyError("deliberate failure on rank 1")
+    return comm.rank

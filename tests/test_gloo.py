@@ -91,3 +91,11 @@ def test_topk_family_over_gloo(world: int) -> None:
     assert decode(out[0]["gtopk"]).equal(_gtopk_reference(locals_, 40))
     topka = decode(out[0]["topka"]).to_dense().double()
     assert torch.allclose(topka, dense_reference(locals_), rtol=1e-6, atol=1e-6)
+
+
+def test_launcher_reports_the_failing_rank_with_its_traceback() -> None:
+    from sparcml.launch import ProcessFailedError
+
+    with pytest.raises(ProcessFailedError, match="rank 1 raised KeyError") as info:
+        run_processes(2, gloo_workers.raises_on_rank_one, timeout=20, deadline=60)
+    assert info.value.rank == 1 and "deliberate failure" in str(info.value)
