@@ -256,16 +256,16 @@ def format_table(rows: Sequence[dict[str, Any]], cfg: BenchConfig) -> str:
         f"dtype={cfg.dtype}  runs={cfg.experiments}x{cfg.repeats} (+{cfg.warmup} warm-up)"
     )
     cols = (
-        f"{'algorithm':<24} {'p50 ms':>9} {'p25-p75 ms':>17} {'MB sent/rank':>13} "
+        f"{'algorithm':<32} {'p50 ms':>9} {'p25-p75 ms':>17} {'MB sent/rank':>13} "
         f"{'result nnz':>11} {'max rel err':>11} {'check':>6} {'vs dense':>9}"
     )
     lines = [head, cols, "-" * len(cols)]
     for r in rows:
-        name = r["algorithm"] + (f" ({r['chose']})" if r.get("chose") else "")
+        name = r["algorithm"] + (f" -> {r['chose']}" if r.get("chose") else "")
         speed = f"{r['speedup_vs_dense']:.2f}x" if r.get("speedup_vs_dense") else "-"
         nnz = f"{r['result_nnz']:,}" + (" D" if r["result_dense"] else "")
         lines.append(
-            f"{name:<24.24} {r['p50'] * 1e3:9.2f} "
+            f"{name:<32.32} {r['p50'] * 1e3:9.2f} "
             f"{r['p25'] * 1e3:8.2f}-{r['p75'] * 1e3:<8.2f} "
             f"{r['bytes_sent'] / 1e6:13.3f} {nnz:>11} {r['max_rel_error']:11.1e} "
             f"{'ok' if r['correct'] else 'WRONG':>6} {speed:>9}"
