@@ -56,3 +56,16 @@ def test_algorithms_lists_the_registry(capsys) -> None:  # type: ignore[no-untyp
     assert lines[0].split(":")[1].strip().split(", ") == [*algorithms(exact=True), "auto"]
     assert lines[1].split(":")[1].strip().split(", ") == algorithms(exact=False)
     assert {"gtopk", "gaussiank", "oktopk"} == set(algorithms(exact=False))
+
+
+@pytest.mark.spawn
+def test_readme_torchrun_example_runs() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples" / "torchrun_allreduce.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "identical on every rank: True" in done.stdout
