@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import WireFormatError
-from ._kernels import chunks, exact_bernoulli
+from ._kernels import chunks, exact_bernoulli, scratch
 from .base import Quantizer, check_finite, make_header, read_header, register
-from .packing import pack_bools, unpack_bits
+from .packing import pack_bools_into, unpack_bits
 
 __all__ = ["NaturalCompression", "natural_round"]
 
@@ -43,21 +43,30 @@ _MANT = (1 << 23) - 1
 def natural_round(
     values: torch.Tensor, generator: torch.Generator | None, deterministic: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """C_nat of float32 ``values``: ``(negative, biased float32 exponent, finite)``.
+    """C_nat of float32 ``values``: ``(sign bit, biased float32 exponent, finite)``.
 
-    Exponent 0 means the value rounded to zero; ``finite`` is False if any input
-    was NaN or Inf (exponent 255).
+    Sign and exponent are int32 tensors in this thread's scratch buffers (valid
+    until the next call). Exponent 0 means the value rounded to zero; ``finite``
+    is False if any input was NaN or Inf (exponent 255).
     """
     bits = values.contiguous().view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    finite = int(exp.max()) < 255 if exp.numel() else True
-    mant = bits & _MANT
-    # P(up) = m / 2^23 exactly, or round to the nearer power of two
-    if deterministic:
-        exp += mant >> 22
-    else:
+    m = bits.numel()
+    exp = scratch("nat_exp", m, torch.int32, bits.device)
+    torch.bitwise_right_shift(bits, 23, out=exp)
+    exp &= 0xFF
+    finite = int(exp.max()) < 255 if m else True
+    mant = scratch("nat_mant", m, torch.int32, bits.device)
+    torch.bitwise_and(bits, _MANT, out=mant)
+    if deterministic:  # round to the nearer power of two: up iff m >= 2^22
+        mant >>= 22
+        exp += mant
+    else:  # P(up) = m / 2^23, exactly
         exp += exact_bernoulli(mant, 23, generator)
-    return bits < 0, exp.clamp_(max=254), finite
+    exp.clamp_(max=254)
+    sign = mant  # reuse: the mantissa is no longer needed
+    torch.bitwise_right_shift(bits, 31, out=sign)
+    sign &= 1
+    return sign, exp, finite
 
 
 @register("natural")
@@ -109,8 +118,8 @@ class NaturalCompression(Quantizer):
         for lo, hi in chunks(n, v.device):
             if self.format == 9:
                 sign, exp, finite = natural_round(v[lo:hi], gen, self.deterministic)
-                exps[lo:hi] = exp
-                plane[lo // 8 : (hi + 7) // 8] = pack_bools(sign)
+                exps[lo:hi].copy_(exp)
+                pack_bools_into(plane[lo // 8 : (hi + 7) // 8], sign)
             else:
                 codes, finite = self._encode8(v[lo:hi], gen)
                 out[lo:hi] = codes
@@ -128,8 +137,9 @@ class NaturalCompression(Quantizer):
             small_up = mag >= lo / 2
         else:
             small_up = torch.rand(v.shape, generator=gen, device=v.device) * lo < mag
-        negative, exp, finite = natural_round(v, gen, self.deterministic)
-        sign = negative.to(torch.int32)
+        sign_bit, exp, finite = natural_round(v, gen, self.deterministic)
+        sign = sign_bit.clone()
+        exp = exp.clone()
         e = exp - 127
         over = e > hi_e
         self.clipped += int(over.sum())

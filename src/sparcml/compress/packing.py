@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_bits", "pack_bits_into", "pack_bools", "packed_nbytes", "unpack_bits"]
+__all__ = [
+    "pack_bits",
+    "pack_bits_into",
+    "pack_bools",
+    "pack_bools_into",
+    "packed_nbytes",
+    "unpack_bits",
+]
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -44,6 +51,21 @@ def pack_bools(flags: torch.Tensor) -> torch.Tensor:
     return ((words * _SPREAD) >> 56).to(torch.uint8)  # the low byte, sign extension dropped
 
 
+def pack_bools_into(dst: torch.Tensor, flags: torch.Tensor) -> None:
+    """:func:`pack_bools` writing into ``dst`` through scratch buffers (no allocation)."""
+    from ._kernels import scratch
+
+    n = flags.numel()
+    width = dst.numel() * 8
+    f = scratch("pack_flags", width, torch.uint8, flags.device)
+    f[:n].copy_(flags.reshape(-1))
+    f[n:].zero_()
+    words = scratch("pack_words", width // 8, torch.int64, flags.device)
+    torch.mul(f.view(torch.int64), _SPREAD, out=words)
+    words >>= 56
+    dst.copy_(words)  # the low byte of each word
+
+
 def _pack_sub_byte(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 1:
         return pack_bools(codes)
@@ -65,6 +87,24 @@ def _unpack_sub_byte(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     mask = (1 << bits) - 1
     cols = [(buf >> (j * bits)) & mask for j in range(per)]
     return torch.stack(cols, dim=1).reshape(-1)[:n]
+
+
+def _pack_sub_byte_into(dst: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
+    """:func:`_pack_sub_byte` writing into ``dst`` through scratch buffers (no allocation)."""
+    from ._kernels import scratch
+
+    per = 8 // bits
+    n = codes.numel()
+    rows = dst.numel()
+    c = scratch("pack_codes", rows * per, torch.uint8, codes.device)
+    c[:n].copy_(codes)
+    c[n:].zero_()
+    cols = c.view(rows, per)
+    dst.copy_(cols[:, 0])
+    tmp = scratch("pack_tmp", rows, torch.uint8, codes.device)
+    for j in range(1, per):
+        torch.bitwise_left_shift(cols[:, j], j * bits, out=tmp)
+        dst |= tmp
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -134,7 +174,13 @@ def pack_bits_into(out: torch.Tensor, codes: torch.Tensor, n: int, lo: int, bits
     m = codes.numel()
     if bits in (1, 2, 4, 8):
         start = lo * bits // 8
-        out[start : start + packed_nbytes(m, bits)] = pack_bits(codes, bits)
+        dst = out[start : start + packed_nbytes(m, bits)]
+        if bits == 8:
+            dst.copy_(codes.reshape(-1))
+        elif bits == 1:
+            pack_bools_into(dst, codes)
+        else:
+            _pack_sub_byte_into(dst, codes.reshape(-1), bits)
         return
     codes = codes.reshape(-1).to(torch.int32)
     plane = (n + 7) // 8

@@ -21,9 +21,9 @@ import math
 import torch
 
 from ..errors import WireFormatError
-from ._kernels import chunks, exact_bernoulli
+from ._kernels import chunks, exact_bernoulli, scratch
 from .base import Quantizer, check_finite, make_header, read_header, register
-from .packing import pack_bits, packed_nbytes, unpack_bits
+from .packing import pack_bits_into, packed_nbytes, unpack_bits
 
 __all__ = ["QSGD"]
 
@@ -70,7 +70,6 @@ class QSGD(Quantizer):
         scales = torch.empty(nb, dtype=torch.float32, device=v.device)
         codes = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=v.device)
         gen = generator or self._generator(v.device)
-        per_byte = 8 // bits
         multiple = math.lcm(b, 8)
         for lo, hi in chunks(n, v.device, multiple):
             chunk = v[lo:hi]
@@ -83,18 +82,25 @@ class QSGD(Quantizer):
             scales[lo // b : lo // b + scale.numel()] = scale
             # Step 2: level = floor(s|v|/scale) + Bernoulli(fraction), unbiased
             # (s|v|/scale < 128, so s|v|/scale * 2^23 fits an int32: whole part and
-            # 23-bit fraction in one conversion)
+            # 23-bit fraction in one conversion; intermediates in scratch buffers)
             inv = (s * float(1 << 23)) / torch.where(scale > 0, scale, torch.ones_like(scale))
-            fixed = (vb.abs() * inv.unsqueeze(1)).to(torch.int32)
-            level = exact_bernoulli(fixed & 0x7FFFFF, 23, gen)
-            level += fixed >> 23
+            m = vb.numel()
+            mag = scratch("qsgd_mag", m, torch.float32, v.device).view(vb.shape)
+            torch.abs(vb, out=mag)
+            mag *= inv.unsqueeze(1)
+            fixed = scratch("qsgd_fixed", m, torch.int32, v.device).view(vb.shape)
+            fixed.copy_(mag)
+            frac = scratch("qsgd_frac", m, torch.int32, v.device).view(vb.shape)
+            torch.bitwise_and(fixed, 0x7FFFFF, out=frac)
+            level = exact_bernoulli(frac, 23, gen)
+            fixed >>= 23
+            level += fixed
             level.clamp_(max=s)
             # Step 3: sign and level codes, packed
-            sign = (vb.view(torch.int32) >> 31) & (1 << (bits - 1))
-            code = (level | sign).view(-1)[: hi - lo]
-            codes[lo // per_byte : lo // per_byte + packed_nbytes(hi - lo, bits)] = pack_bits(
-                code, bits
-            )
+            torch.bitwise_right_shift(vb.view(torch.int32), 31, out=frac)
+            frac &= 1 << (bits - 1)
+            level |= frac
+            pack_bits_into(codes, level.view(-1)[: hi - lo], n, lo, bits)
         if self.check_finite and nb and not bool(torch.isfinite(scales).all()):
             check_finite(v, "qsgd")
         return torch.cat(
