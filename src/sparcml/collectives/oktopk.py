@@ -19,8 +19,9 @@ Input: every rank's accumulator ``acc`` (dense, after error feedback) and ``k``.
    reused in between. Ties at the threshold are all kept.
 5. **Balanced allgather.** Counts first (one allgather of ``P`` integers); then the
    kept entries are redistributed so every rank holds an equal share of their
-   concatenation; then an allgather of those shares. Every rank concatenates the
-   same bytes in region order.
+   concatenation (only the non-empty overlaps travel, point to point: every rank
+   can tell them from the counts); then a recursive-doubling allgather of those
+   shares. Every rank concatenates the same bytes in region order.
 
 Output: the global sparse result (bitwise identical on every rank) and, per rank,
 the positions of its local selection that are in the result, for Ok-Topk SGD's
@@ -46,6 +47,7 @@ from ._common import decode_or_empty, encode_or_empty
 from .allreduce import check_consistent
 from .codec import EXACT, StreamCodec
 from .registry import register
+from .sparse_allgather import allgather_buffers
 
 __all__ = ["OkTopkResult", "OkTopkState", "oktopk", "oktopk_allreduce"]
 
@@ -238,20 +240,35 @@ def _balanced_allgather(
     for c in counts:
         offsets.append(offsets[-1] + c)
     share = [j * total // p for j in range(p + 1)]  # rank j holds [share[j], share[j+1])
-    mine_lo, mine_hi = offsets[me], offsets[me + 1]
-    # Redistribute: the overlap of my entries with every rank's share
-    parts = []
+
+    def overlap(a: int, b: int) -> tuple[int, int]:
+        """The part of rank a's kept entries that belongs to rank b's share."""
+        return max(offsets[a], share[b]), min(offsets[a + 1], share[b + 1])
+
+    # Redistribute: every rank knows all counts, so only the non-empty overlaps
+    # travel (a rank's entries usually straddle one or two shares): point to point.
+    sends = []
     for j in range(p):
-        lo, hi = max(mine_lo, share[j]), min(mine_hi, share[j + 1])
-        if hi > lo:
-            sl = slice(lo - mine_lo, hi - mine_lo)
-            parts.append(_pairs(kept.indices[sl], kept.values[sl], kept.size))
+        lo, hi = overlap(me, j)
+        if j != me and hi > lo:
+            sl = slice(lo - offsets[me], hi - offsets[me])
+            sends.append(comm.isend(_pairs(kept.indices[sl], kept.values[sl], kept.size), j))
+    pieces = []
+    for j in range(p):  # my share, in source order = global order
+        lo, hi = overlap(j, me)
+        if hi <= lo:
+            continue
+        if j == me:
+            sl = slice(lo - offsets[me], hi - offsets[me])
+            pieces.append(_pairs(kept.indices[sl], kept.values[sl], kept.size))
         else:
-            parts.append(torch.empty(0, dtype=torch.uint8, device=kept.device))
-    got = comm.alltoallv(parts)
-    held = torch.cat(got) if got else torch.empty(0, dtype=torch.uint8)
-    # Allgather the equal shares; rank order is region order, so concatenation sorts
-    blocks = comm.allgatherv(held)
+            pieces.append(comm.recv(j).to(kept.device))
+    for h in sends:
+        h.wait()
+    held = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=kept.device)
+    # Allgather of the equal shares by recursive doubling (log2 P rounds); rank
+    # order is region order, so the concatenation is sorted.
+    blocks = allgather_buffers(held, comm)
     pairs = torch.cat(blocks).to(kept.device)
     indices, values = _unpairs(pairs, kept.dtype, kept.size)
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
