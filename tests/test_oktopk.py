@@ -241,3 +241,14 @@ def test_oktopk_mismatched_sizes_fail_on_every_rank() -> None:
         return "no error"
 
     assert all("rank 1: N=101" in m for m in run_ranks(3, fn))
+
+
+def test_oktopk_with_k_above_the_nonzeros_keeps_only_them() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        acc = torch.zeros(50)
+        acc[comm.rank] = 1.0 + comm.rank
+        return oktopk_allreduce(acc, 10, comm, OkTopkState(tau=1, tau_prime=1)).stream
+
+    out = run_ranks(4, fn)
+    assert out[0].to_dense()[:4].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert out[0].count_nonzero() == 4 and all(o.equal(out[0]) for o in out)

@@ -54,11 +54,15 @@ def decode_or_empty(
 
 
 def split_and_reduce(
-    stream: SparseStream, comm: Communicator, codec: StreamCodec = EXACT
-) -> tuple[SparseStream, list[int]]:
+    stream: SparseStream,
+    comm: Communicator,
+    codec: StreamCodec = EXACT,
+    bounds: list[int] | None = None,
+) -> tuple[SparseStream, list[int], int]:
     """The split phase of the split-allgather algorithms (paper 000, sec. 5.3.2).
 
-    1. Split the local stream into ``P`` index ranges (:func:`partition_boundaries`).
+    1. Split the local stream into ``P`` index ranges (:func:`partition_boundaries`,
+       or the given ``bounds``: Ok-Topk's balanced regions).
     2. Send range ``j`` to rank ``j`` directly, non-blocking, destinations rotated
        (zero-length payloads for empty ranges).
     3. Rank ``j`` sums the ``P`` pieces of its range in rank order (deterministic).
@@ -66,10 +70,12 @@ def split_and_reduce(
     Cost: ``(P-1) alpha + [0, k] beta_s`` (``T_split``).
 
     Returns:
-        This rank's reduced range (local indices) and the boundaries.
+        This rank's reduced range (local indices), the boundaries, and the bytes
+        this rank sent.
     """
     p, me = comm.world_size, comm.rank
-    bounds = partition_boundaries(stream.size, p)
+    if bounds is None:
+        bounds = partition_boundaries(stream.size, p)
     pieces = stream.split(bounds)
     payloads = [
         torch.empty(0, dtype=torch.uint8, device=stream.device)
@@ -85,4 +91,4 @@ def split_and_reduce(
         else decode_or_empty(received[j], width, stream.dtype, stream.device, codec)
         for j in range(p)
     ]
-    return SparseStream.sum(mine), bounds
+    return SparseStream.sum(mine), bounds, sum(pl.numel() for pl in payloads)

@@ -52,7 +52,7 @@ def dsar_split_allgather(
     if p == 1:
         return SparseStream.dense(stream.to_dense().clone())
     # Steps 1-2: sparse split, reduce, switch to dense.
-    mine, bounds = split_and_reduce(stream, comm, codec)
+    mine, bounds, _ = split_and_reduce(stream, comm, codec)
     widths = [bounds[j + 1] - bounds[j] for j in range(p)]
     if codec.lossy:
         # Step 3, quantized: allgather of variable-size payloads, all decoded alike.

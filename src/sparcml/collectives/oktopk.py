@@ -43,7 +43,7 @@ from ..compress._selection import select_above
 from ..compress.threshold_reuse import kth_largest
 from ..errors import RankMismatchError
 from ..stream import SparseStream, index_bytes
-from ._common import decode_or_empty, encode_or_empty
+from ._common import split_and_reduce
 from .allreduce import check_consistent
 from .codec import EXACT, StreamCodec
 from .registry import register
@@ -191,7 +191,7 @@ def oktopk_allreduce(
     # Step 1: local top-k by a (reused) threshold
     if refresh:
         state.local_threshold = kth_largest(torch.nan_to_num(x.abs(), nan=float("inf")), k)
-    idx = select_above(x, state.local_threshold, strict=False)
+    idx = select_above(x, state.local_threshold, strict=state.local_threshold == 0)
     local = SparseStream._trusted(idx, x[idx], n)
     # Step 2: balanced split, re-estimated every tau calls
     if state.boundaries is None or state.calls % state.tau == 0 or len(state.boundaries) != p + 1:
@@ -200,26 +200,14 @@ def oktopk_allreduce(
     if bounds[-1] != n:
         raise RankMismatchError(f"oktopk: boundaries end at {bounds[-1]}, the vector has {n}")
     # Step 3: split and reduce (alltoallv sends to r+1, r+2, ... first)
-    pieces = local.split(bounds)
-    payloads = [
-        torch.empty(0, dtype=torch.uint8, device=x.device)
-        if j == me
-        else encode_or_empty(pc, codec)
-        for j, pc in enumerate(pieces)
-    ]
-    state.last_send_bytes = sum(pl.numel() for pl in payloads)
-    received = comm.alltoallv(payloads)
-    width = bounds[me + 1] - bounds[me]
-    region = SparseStream.sum(
-        [
-            pieces[me] if j == me else decode_or_empty(received[j], width, x.dtype, x.device, codec)
-            for j in range(p)
-        ]
-    )
+    region, _, state.last_send_bytes = split_and_reduce(local, comm, codec, bounds)
     # Step 4: global top-k by a (reused) global threshold
     if refresh or state.global_threshold is None:
         state.global_threshold = _global_kth(region.values, k, comm)
-    keep = select_above(region.values, state.global_threshold, strict=False)
+    # (a zero threshold, fewer than k entries in all, keeps the non-zeros only: a
+    # region that went dense holds zeros that nobody selected)
+    t_global = state.global_threshold
+    keep = select_above(region.values, t_global, strict=t_global == 0)
     kept_idx = region.indices[keep] + bounds[me]
     kept = SparseStream._trusted(kept_idx, region.values[keep], n)
     # Step 5: balanced allgather: counts, equal shares, allgather of the shares

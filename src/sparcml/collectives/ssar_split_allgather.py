@@ -46,7 +46,7 @@ def ssar_split_allgather(
     if comm.world_size == 1:
         return stream.clone()
     # Steps 1-2: split and reduce.
-    mine, bounds = split_and_reduce(stream, comm, codec)
+    mine, bounds, _ = split_and_reduce(stream, comm, codec)
     # Step 3: sparse allgather of the reduced ranges, then concatenation.
     parts = gather_streams(mine, comm, codec)
     for j, part in enumerate(parts):
