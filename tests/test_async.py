@@ -86,3 +86,26 @@ def test_async_allgather_and_split_allgather_inside_the_engine() -> None:
         assert all(g.equal(o[0]) for g, o in zip(gathered, out, strict=True))
         assert all(g.equal(o[0]) for g, o in zip(blocking, out, strict=True))
         assert torch.equal(reduced.to_dense().double(), ref)
+
+
+def test_engines_stop_at_interpreter_exit() -> None:
+    import subprocess
+    import sys
+
+    # atexit runs handlers last-registered first: this check, registered before
+    # sparcml is imported, runs after sparcml's own handler has stopped the engines
+    code = (
+        "import atexit, threading\n"
+        "def check():\n"
+        "    names = [t.name for t in threading.enumerate() if t.is_alive()]\n"
+        "    print('engines alive', sum(n.startswith('sparcml-engine') for n in names))\n"
+        "atexit.register(check)\n"
+        "import torch, sparcml\n"
+        "s = sparcml.SparseStream(torch.tensor([1]), torch.ones(1), 4)\n"
+        "sparcml.sparse_allreduce(s, async_op=True).wait()\n"
+        "print('engines started', sum(t.name.startswith('sparcml-engine') "
+        "for t in threading.enumerate()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "engines started 1" in out.stdout and "engines alive 0" in out.stdout, out.stdout

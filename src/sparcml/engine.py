@@ -13,8 +13,10 @@ order.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +76,21 @@ class Work:
 _STOP = object()
 
 
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_engines() -> None:
+    """Stop every engine thread before the interpreter tears torch down.
+
+    A worker thread still parked at interpreter exit can be killed inside
+    torch/gloo code during finalization, which aborts the process
+    ("terminate called without an active exception", seen under torchrun).
+    """
+    for engine in list(_live_engines):
+        engine.shutdown(timeout=10.0)  # an operation stuck on a dead peer must not hang exit
+
+
 class Engine:
     """Runs callables for one communicator on a background thread, in FIFO order."""
 
@@ -83,6 +100,7 @@ class Engine:
             target=self._loop, name=f"sparcml-engine-rank{comm.rank}", daemon=True
         )
         self._thread.start()
+        _live_engines.add(self)
 
     def _loop(self) -> None:
         while True:
@@ -125,9 +143,13 @@ class Engine:
         work = self.submit(fn)
         return work if async_op else work.wait()
 
-    def shutdown(self) -> None:
-        """Finish the queued operations, then stop the thread."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Finish the queued operations, then stop the thread.
+
+        Args:
+            timeout: wait at most this long for the thread (None: until it ends).
+        """
         if self._thread.is_alive():
             self._queue.put(_STOP)
             if threading.current_thread() is not self._thread:
-                self._thread.join()
+                self._thread.join(timeout)
