@@ -14,6 +14,7 @@ call reduces across every rank.
 from __future__ import annotations
 
 from . import comm, compress
+from . import torch as torch
 from .collectives import (
     OkTopkState,
     algorithms,

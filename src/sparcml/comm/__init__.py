@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from .base import CommStats, Communicator, Handle, SelfCommunicator
 from .local import LocalCommunicator, LocalWorld, run_ranks
+from .mpi import MPICommunicator, mpi_available
 from .torchdist import TorchDistCommunicator
 
 __all__ = [
@@ -16,9 +17,11 @@ __all__ = [
     "Handle",
     "LocalCommunicator",
     "LocalWorld",
+    "MPICommunicator",
     "SelfCommunicator",
     "TorchDistCommunicator",
     "default_communicator",
+    "mpi_available",
     "resolve",
     "run_ranks",
 ]
@@ -37,7 +40,7 @@ def default_communicator() -> Communicator:
     with _default_lock:
         if dist.is_available() and dist.is_initialized():
             comm = _default.get("dist")
-            if comm is None or getattr(comm, "group", None) is not dist.group.WORLD:
+            if not isinstance(comm, TorchDistCommunicator) or not comm.is_default_group():
                 comm = TorchDistCommunicator()
                 _default["dist"] = comm
             return comm

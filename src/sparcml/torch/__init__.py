@@ -1,0 +1,35 @@
+"""sparcml for PyTorch training: a DDP communication hook and an explicit sync API.
+
+With DDP (three lines)::
+
+    import sparcml.torch
+    model = DDP(model)
+    state = sparcml.torch.register(model, method="topk", density=0.01)
+
+Without DDP (any transport, MPI included)::
+
+    state = sparcml.torch.SparcmlState("oktopk", density=0.01)
+    loss.backward(); sparcml.torch.sync_gradients(model, state); optimizer.step()
+
+Methods: :func:`methods`. Hyperparameters: :class:`SparcmlState`.
+"""
+
+from __future__ import annotations
+
+from .hook import check_parameters, register, sparcml_hook
+from .reduce import Bucket, reduce_bucket
+from .state import SparcmlState, methods
+from .sync import DistributedOptimizer, broadcast_parameters, sync_gradients
+
+__all__ = [
+    "Bucket",
+    "DistributedOptimizer",
+    "SparcmlState",
+    "broadcast_parameters",
+    "check_parameters",
+    "methods",
+    "reduce_bucket",
+    "register",
+    "sparcml_hook",
+    "sync_gradients",
+]

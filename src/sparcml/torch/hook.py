@@ -1,0 +1,167 @@
+"""DDP communication hook: PyTorch's ``(state, GradBucket) -> Future[Tensor]`` shape.
+
+Usage (three lines in a working ``torchrun`` DDP script)::
+
+    import sparcml.torch
+    model = DDP(model)
+    sparcml.torch.register(model, method="topk", density=0.01)
+
+The hook hands each bucket to the state's background engine and returns at
+once, so the collective overlaps the rest of backward (SparCML sec. 7's
+non-blocking operations); DDP waits on the returned future before the optimizer
+step. Buckets are reduced in the order DDP hands them over, the same on every
+rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RankMismatchError
+from .reduce import Bucket, reduce_bucket
+from .state import SparcmlState
+
+__all__ = ["check_parameters", "register", "sparcml_hook"]
+
+
+def sparcml_hook(
+    state: SparcmlState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook running ``state.method`` on one ``GradBucket``.
+
+    Register with ``ddp_model.register_comm_hook(state, sparcml_hook)`` (or
+    :func:`register`). Returns a future of the averaged flat gradient.
+    """
+    params = bucket.parameters()
+    index = bucket.index()
+    names = tuple(state.name_of(p, i, index) for i, p in enumerate(params))
+    sizes = tuple(p.numel() for p in params)
+    flat = bucket.buffer()
+    if sum(sizes) != flat.numel():
+        raise RuntimeError(
+            f"sparcml hook: bucket {index} holds {flat.numel()} gradient entries but its "
+            f"parameters have {sum(sizes)}"
+        )
+    item = Bucket(names, sizes, flat, state.step)
+    if bucket.is_last():
+        state.step += 1
+    work = state.comm.run_ordered(lambda: reduce_bucket(state, item), async_op=True)
+    return work.get_future()
+
+
+# DDP checks the hook's annotations as objects; this module's are postponed strings.
+sparcml_hook.__annotations__ = {
+    "state": SparcmlState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> int:
+    h = hashlib.sha256()
+    for name, p in named:
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return int.from_bytes(h.digest()[:7], "little")
+
+
+def check_parameters(
+    state: SparcmlState, named: list[tuple[str, torch.Tensor]], values: bool = False
+) -> None:
+    """Check that every rank registers the same parameters, in the same order.
+
+    A collective call. Compares names, shapes and dtypes (and, with ``values``,
+    a float64 checksum of the values) across the state's ranks.
+
+    Raises:
+        RankMismatchError: on every rank, naming the ranks that differ from rank 0.
+    """
+    comm = state.comm
+    numel = sum(p.numel() for _, p in named)
+    row = [_fingerprint(named), len(named), numel]
+    if values:
+        total = torch.zeros((), dtype=torch.float64)
+        squares = torch.zeros((), dtype=torch.float64)
+        for _, p in named:
+            d = p.detach().to("cpu", torch.float64)
+            total += d.sum()
+            squares += (d * d).sum()
+        row += [int(total.view(torch.int64)), int(squares.view(torch.int64))]
+    rows = comm.allgather(torch.tensor(row, dtype=torch.int64))
+    table = [r.tolist() for r in rows]
+    differ = [r for r in range(comm.world_size) if table[r][:3] != table[0][:3]]
+    if differ:
+        detail = ", ".join(
+            f"rank {r}: {table[r][1]} tensors / {table[r][2]} entries" for r in [0, *differ]
+        )
+        raise RankMismatchError(
+            f"ranks {differ} register different parameters than rank 0 ({detail}; names, "
+            "shapes or order differ): every rank must register the same model, "
+            "parameters in the same order"
+        )
+    if values:
+        differ = [r for r in range(comm.world_size) if table[r][3:] != table[0][3:]]
+        if differ:
+            raise RankMismatchError(
+                f"parameter values differ across ranks: ranks {differ} differ from rank 0 "
+                "(initialise with the same seed, or call "
+                "sparcml.torch.broadcast_parameters(model, state) first)"
+            )
+
+
+def _named(model: torch.nn.Module | Iterable[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(model, torch.nn.Module):
+        return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = list(model)
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameter {i} is a {type(p).__name__}, not a tensor")
+    return [(f"param{i}", p) for i, p in enumerate(params) if p.requires_grad]
+
+
+def register(
+    model: Any, method: str = "topk", state: SparcmlState | None = None, **hyper: Any
+) -> SparcmlState:
+    """Switch a DDP model's gradient allreduce to a sparcml method; returns the state.
+
+    Args:
+        model: a ``torch.nn.parallel.DistributedDataParallel`` model.
+        method: see :func:`sparcml.torch.methods` (ignored when ``state`` is given).
+        state: a ready :class:`SparcmlState`; otherwise one is built from
+            ``method`` and ``hyper`` (``density=``, ``warmup_steps=``, ...).
+
+    Raises:
+        TypeError: ``model`` is not DDP-wrapped (use :func:`sync_gradients`).
+        RuntimeError: torch.distributed is not initialised.
+        RankMismatchError: ranks register different parameters.
+
+    Example (under ``torchrun``)::
+
+        model = DDP(model)
+        state = sparcml.torch.register(model, method="topk", density=0.01)
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"register() expects a DistributedDataParallel model, got {type(model).__name__}; "
+            "for a plain model call sparcml.torch.sync_gradients(model, state) after backward"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("the DDP hook needs an initialised torch.distributed process group")
+    if state is None:
+        state = SparcmlState(method, **hyper)
+    elif hyper or method != "topk":
+        raise ValueError("give either a state or method/hyperparameters, not both")
+    if state.registered is not None:
+        raise ValueError(f"this state is already registered with {state.registered}")
+    named = _named(model.module)
+    check_parameters(state, named)
+    state.param_names = {id(p): n for n, p in named}
+    state.registered = type(model.module).__name__
+    model.register_comm_hook(state, sparcml_hook)
+    return state

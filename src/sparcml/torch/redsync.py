@@ -1,0 +1,145 @@
+"""RedSync's residual gradient compression synchronisation (paper 002, sec. 3.2-3.4).
+
+Per bucket, on every rank (the residual accumulation and update are the shared
+pipeline's steps 4 and 6, :mod:`sparcml.torch.reduce`):
+
+1. Hybrid selection per layer (sec. 3.2): layers smaller than ``redsync_min_bytes``
+   (RedSync: 128 KB; biases, norms) are not compressed and go whole; middle-size
+   layers use trimmed top-k (Alg. 2, exactly ``k`` entries); layers of at least
+   ``redsync_bsearch_numel`` entries use threshold binary search (Alg. 3, between
+   ``k`` and ``2k`` entries), sampled (threshold reused for 5 calls) unless ASQ is
+   on, since "sampled threshold binary search cannot be used with quantization".
+2. Optional ASQ (sec. 3.3): instead, every compressed layer sends its top entries
+   of one sign, alternating per call, as indices plus one mean value (no signs).
+3. Pack (sec. 3.4): this rank's whole bucket becomes one message — the exact
+   wire encoding of the uncompressed layers and the non-ASQ selections, plus one
+   ASQ payload per layer — "instead of two Allgather operations for indices and
+   values ... we package them into a single message to reduce latency".
+4. Allgather of the packed messages (recursive doubling, unknown sizes), then
+   every rank decodes the ``P`` messages and adds them in rank order, so the
+   result has the same bits everywhere.
+
+Cost (sec. 3.4's model, ``D`` the density averaged over ranks, ``M`` bucket
+entries, ``isize + c`` bytes per pair): ``T = log2(P) alpha +
+(P-1) M D (isize + c) beta + P M D gamma`` (decompression of ``P`` messages);
+with ASQ ``(P-1) M D c beta``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..collectives.sparse_allgather import allgather_buffers
+from ..compress import get
+from ..compress.asq import ASQ
+from ..compress.base import Context
+from ..errors import RankMismatchError
+from ..stream import SparseStream
+from ..wire import decode, encode, pack, unpack
+
+if TYPE_CHECKING:
+    from .reduce import Bucket
+    from .state import SparcmlState
+
+__all__ = ["redsync_allgather", "redsync_selector"]
+
+_ASQ_DECODER = ASQ(k=1)  # decompress() only reads the payload
+
+
+def redsync_selector(state: SparcmlState, name: str, numel: int, element_size: int) -> Any:
+    """Step 1's per-layer choice: None (uncompressed), ASQ, trimmed top-k or binary search.
+
+    Selectors keep state across calls (ASQ's sign, the sampled threshold), so one
+    instance is kept per parameter name.
+    """
+    if numel * element_size < state.redsync_min_bytes:
+        return None
+    key = ("redsync", name)
+    op = state.operators.get(key)
+    if op is None:
+        if state.redsync_asq:
+            op = ASQ(density=state.density)
+        elif numel >= state.redsync_bsearch_numel:
+            op = get("sampled_threshold_bsearch", density=state.density)
+        else:
+            op = get("trimmed_topk", density=state.density)
+        state.operators[key] = op
+    return op
+
+
+def redsync_allgather(
+    state: SparcmlState, bucket: Bucket, acc: torch.Tensor
+) -> tuple[SparseStream, torch.Tensor]:
+    """Steps 1-4 for one bucket; returns (this rank's sent part, the sum over ranks)."""
+    comm = state.comm
+    n = acc.numel()
+    offsets = [0]
+    for size in bucket.sizes:
+        offsets.append(offsets[-1] + size)
+    plain_idx: list[torch.Tensor] = []
+    asq_parts: list[tuple[int, torch.Tensor]] = []
+    sent_idx: list[torch.Tensor] = []
+    sent_val: list[torch.Tensor] = []
+    # Step 1 (and 2): per-layer selection.
+    for j, (name, lo, hi) in enumerate(zip(bucket.names, offsets[:-1], offsets[1:], strict=True)):
+        layer = acc[lo:hi]
+        op = redsync_selector(state, name, hi - lo, acc.element_size())
+        if op is None:
+            idx = torch.arange(lo, hi, device=acc.device)
+            plain_idx.append(idx)
+            sent_idx.append(idx)
+            sent_val.append(layer)
+        elif isinstance(op, ASQ):
+            payload, _ = op.compress(layer)
+            asq_parts.append((j + 1, payload))
+            mine = op.decompress(payload, Context.of(layer))
+            nz = torch.nonzero(mine).reshape(-1)
+            sent_idx.append(nz + lo)
+            sent_val.append(mine[nz])
+        else:
+            s = op.select(layer)
+            if s.is_dense:
+                s = SparseStream._trusted(
+                    torch.arange(s.size, device=acc.device), s.to_dense(), s.size
+                )
+            plain_idx.append(s.indices + lo)
+            sent_idx.append(s.indices + lo)
+            sent_val.append(s.values)
+    if sent_idx:
+        all_idx, all_val = torch.cat(sent_idx), torch.cat(sent_val)
+    else:
+        all_idx = torch.zeros(0, dtype=torch.int64, device=acc.device)
+        all_val = acc.new_zeros(0)
+    # Step 3: one message per rank.
+    if plain_idx:
+        idx = torch.cat(plain_idx)
+        plain = SparseStream._trusted(idx, acc[idx], n)
+    else:
+        plain = SparseStream.empty(n, acc.dtype, acc.device)
+    # slot 0: the exactly sent layers; slot j + 1: layer j's ASQ payload
+    message = pack([(0, encode(plain)), *asq_parts]) if asq_parts else encode(plain)
+    # Step 4: allgather, decode, add in rank order.
+    total = torch.zeros(n, dtype=acc.dtype, device=acc.device)
+    layers = len(bucket.names) + 1
+    for buf in allgather_buffers(message, comm):
+        buf = buf.to(acc.device)
+        entries = unpack(buf, layers) if asq_parts else [(0, buf)]
+        for slot, data in entries:
+            if slot == 0:
+                s = decode(data, device=acc.device)
+                if s.size != n:
+                    raise RankMismatchError(
+                        f"redsync: a rank sent a bucket of {s.size} entries, this rank has {n} "
+                        "(do all ranks register the same parameters in the same order?)"
+                    )
+                if s.is_dense:
+                    total += s.to_dense()
+                elif s.nnz:
+                    total[s.indices] += s.values.to(acc.dtype)
+            else:
+                lo, hi = offsets[slot - 1], offsets[slot]
+                ctx = Context((hi - lo,), acc.dtype, acc.device)
+                total[lo:hi] += _ASQ_DECODER.decompress(data, ctx)
+    return SparseStream._trusted(all_idx, all_val, n), total

@@ -1,0 +1,263 @@
+"""The state object of sparcml's gradient synchronisation (DDP hook and explicit sync).
+
+Modelled on PyTorch's ``PowerSGDState``: hyperparameters are constructor
+arguments, checked at once; internal fields (residuals, momenta, per-tensor
+selector and Ok-Topk states, the step counter, traffic counters) live on the
+object and persist across steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import OkTopkState, algorithms
+from ..comm import Communicator, SelfCommunicator, TorchDistCommunicator
+from ..compress import get
+from ..compress.base import available
+
+__all__ = ["SparcmlState", "methods"]
+
+#: Methods that are not a compressor name (those come from :mod:`sparcml.compress`).
+_SPECIAL = {
+    "dense": "dense allreduce (the baseline; what DDP does without a hook)",
+    "oktopk": "Ok-Topk SGD: O(k) sparse allreduce with global top-k (paper 001)",
+    "redsync": "RedSync RGC: per-layer trimmed top-k / threshold binary search, "
+    "optional ASQ, one packed allgather message per rank (paper 002)",
+}
+
+
+def methods() -> dict[str, str]:
+    """Every method name with a one-line description.
+
+    Besides these, any selector (``topk``, ``randomk``, ...) or ``selector+quantizer``
+    composition (``topk+natural``) of :mod:`sparcml.compress` is a method.
+    """
+    out = dict(_SPECIAL)
+    for name, kind in available().items():
+        if kind == "selector":
+            out[name] = f"sparse: {name} selection + error feedback + sparse allreduce"
+        elif kind == "quantizer":
+            out[name] = f"dense: {name} quantization in DSAR's quantized allreduce"
+    return out
+
+
+def _kind(method: str) -> str:
+    """``dense``, ``oktopk``, ``redsync``, ``sparse`` (a selector, maybe + quantizer) or
+    ``quantized`` (a value quantizer alone)."""
+    if method in _SPECIAL:
+        return method
+    kinds = available()
+    parts = method.split("+")
+    if len(parts) == 1 and kinds.get(method) == "selector":
+        return "sparse"
+    if len(parts) == 1 and kinds.get(method) == "quantizer":
+        return "quantized"
+    if len(parts) == 2 and kinds.get(parts[0]) == "selector" and kinds.get(parts[1]) == "quantizer":
+        return "sparse"
+    raise ValueError(
+        f"unknown method {method!r}; use one of {', '.join(sorted(methods()))} "
+        "or a 'selector+quantizer' composition such as 'topk+natural'"
+    )
+
+
+class SparcmlState:
+    """Hyperparameters and internal state of sparcml's gradient synchronisation.
+
+    Args:
+        method: what to run per bucket (see :func:`methods`): ``"dense"``, ``"topk"``
+            (any selector; SparCML's TopK SGD, Alg. 1), ``"topk+natural"`` (any
+            selector+quantizer: quantized TopK SGD), ``"oktopk"``, ``"redsync"``,
+            ``"qsgd"``, ``"natural"``, ``"natural_dithering"``, ``"dithering"``.
+        density: fraction of each bucket's (or layer's, for ``redsync``) entries a
+            rank selects (sparse methods). Default 0.01.
+        algorithm: sparse allreduce algorithm of the ``selector`` methods
+            (:func:`sparcml.algorithms`, default ``"auto"``).
+        compressor_params: extra hyperparameters of the selector/quantizer
+            (``{"bits": 4, "bucket": 512}`` for QSGD, ``{"levels": 8}`` ...).
+        error_feedback: keep what was not sent and add it to the next gradient.
+            Default: on for sparse methods (they are biased), off for unbiased
+            quantizers (``qsgd``, ``natural``, dithering).
+        warmup_steps: the first steps synchronise densely (RedSync sec. 3.5; DGC).
+        momentum: DGC momentum correction (paper 002 sec. 3.5): accumulate
+            ``u = m u + g; v = v + u`` locally and send from ``v``. Use a plain SGD
+            optimizer (no momentum) with it. 0 disables it.
+        momentum_masking: DGC momentum factor masking: zero ``u`` where ``v`` was sent.
+        clip_norm: DGC/RedSync local gradient clipping: each rank clips its bucket's
+            gradient to ``clip_norm / sqrt(P)`` before accumulating it (the hook sees
+            one bucket at a time, so the norm is the bucket's; ``sync_gradients``
+            with one bucket clips the whole model).
+        nan_policy: ``"propagate"`` (NaN/Inf travel like in dense allreduce) or
+            ``"raise"``: every rank checks its gradient and all ranks raise the same
+            :class:`FloatingPointError` naming the ranks and parameters (costs one
+            tiny allreduce per bucket).
+        oktopk_tau / oktopk_tau_prime: Ok-Topk's re-estimation periods (paper 001).
+        redsync_asq: RedSync's alternating-sign quantization on top of the selection.
+        redsync_min_bytes: layers smaller than this are not compressed (sent dense),
+            RedSync's 128 KB (sec. 3.2's hybrid strategy).
+        redsync_bsearch_numel: layers with at least this many entries use threshold
+            binary search (sampled, unless ASQ), smaller ones trimmed top-k.
+        bucket_bytes: bucket size of :func:`~sparcml.torch.sync_gradients`.
+        seed: seed of random selectors/quantizers (ranks agree where they must).
+        comm: the communicator. Default: a dedicated process group of its own when
+            torch.distributed is initialised (a collective call: create states in
+            the same order on every rank), otherwise a world of one.
+        timeout: seconds to wait for a peer in the dedicated group.
+
+    Attributes:
+        step: completed synchronisation steps.
+        bytes_sent: bytes this rank sent for gradients so far; ``step_bytes`` per step.
+    """
+
+    def __init__(
+        self,
+        method: str = "topk",
+        density: float = 0.01,
+        *,
+        algorithm: str = "auto",
+        compressor_params: dict[str, Any] | None = None,
+        error_feedback: bool | None = None,
+        warmup_steps: int = 0,
+        momentum: float = 0.0,
+        momentum_masking: bool = True,
+        clip_norm: float | None = None,
+        nan_policy: str = "propagate",
+        oktopk_tau: int = 64,
+        oktopk_tau_prime: int = 32,
+        redsync_asq: bool = False,
+        redsync_min_bytes: int = 128 * 1024,
+        redsync_bsearch_numel: int = 1 << 20,
+        bucket_bytes: int = 25 * 1024 * 1024,
+        seed: int = 0,
+        comm: Communicator | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        self.kind = _kind(method)
+        self.method = method
+        if not 0.0 < density <= 1.0 or math.isnan(density):
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        if self.kind == "sparse" and algorithm != "auto" and algorithm not in algorithms():
+            raise ValueError(
+                f"unknown sparse allreduce algorithm {algorithm!r}; "
+                f"available: auto, {', '.join(algorithms())}"
+            )
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+        if nan_policy not in ("propagate", "raise"):
+            raise ValueError(f"nan_policy must be 'propagate' or 'raise', got {nan_policy!r}")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if redsync_min_bytes < 0 or redsync_bsearch_numel < 1:
+            raise ValueError("redsync_min_bytes must be >= 0 and redsync_bsearch_numel >= 1")
+        self.density = float(density)
+        self.algorithm = algorithm
+        self.compressor_params = dict(compressor_params or {})
+        unbiased = self.kind in ("quantized", "dense")
+        if error_feedback and unbiased:
+            raise ValueError(
+                f"error feedback applies to sparse methods; {method!r} sends every entry "
+                "(unbiased quantizers need none)"
+            )
+        self.error_feedback = (not unbiased) if error_feedback is None else bool(error_feedback)
+        if momentum and self.kind in ("dense", "quantized"):
+            raise ValueError(
+                "momentum correction applies to sparse methods; use the optimizer's momentum"
+            )
+        self.warmup_steps = warmup_steps
+        self.momentum = float(momentum)
+        self.momentum_masking = momentum_masking
+        self.clip_norm = clip_norm
+        self.nan_policy = nan_policy
+        self.oktopk_tau, self.oktopk_tau_prime = oktopk_tau, oktopk_tau_prime
+        OkTopkState(tau=oktopk_tau, tau_prime=oktopk_tau_prime)  # validates them
+        self.redsync_asq = redsync_asq
+        self.redsync_min_bytes = redsync_min_bytes
+        self.redsync_bsearch_numel = redsync_bsearch_numel
+        self.bucket_bytes = bucket_bytes
+        self.seed = seed
+        # Build one operator now so that bad parameters fail here, not mid-training.
+        if self.kind in ("sparse", "quantized"):
+            self._make_operator()
+        if comm is None:
+            if dist.is_available() and dist.is_initialized():
+                comm = TorchDistCommunicator.dedicated(timeout=timeout)
+            else:
+                comm = SelfCommunicator()
+        self.comm = comm
+        # ------------------------------------------------------------- internal fields
+        self.step = 0
+        self.bytes_sent = 0
+        self.step_bytes: list[int] = []
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.momenta: dict[str, torch.Tensor] = {}
+        self.operators: dict[tuple[str, ...], Any] = {}
+        self.oktopk_states: dict[tuple[str, ...], OkTopkState] = {}
+        self.param_names: dict[int, str] = {}
+        self.registered: str | None = None
+
+    # ------------------------------------------------------------------ operators
+    def _make_operator(self) -> Any:
+        """A fresh selector / ``selector+quantizer`` / quantizer for this method."""
+        params = dict(self.compressor_params)
+        accepted = _init_params(self.method)
+        if self.kind == "sparse" and "k" not in params and "density" in accepted:
+            params.setdefault("density", self.density)
+        if "seed" in accepted:
+            params.setdefault("seed", self.seed)
+        return get(self.method, **params)
+
+    def operator(self, key: tuple[str, ...]) -> Any:
+        """The selector (or composition / quantizer) of one bucket; selectors that
+        reuse thresholds across calls keep their state per bucket."""
+        op = self.operators.get(key)
+        if op is None:
+            op = self._make_operator()
+            self.operators[key] = op
+        return op
+
+    def oktopk_state(self, key: tuple[str, ...]) -> OkTopkState:
+        st = self.oktopk_states.get(key)
+        if st is None:
+            st = OkTopkState(tau=self.oktopk_tau, tau_prime=self.oktopk_tau_prime)
+            self.oktopk_states[key] = st
+        return st
+
+    def name_of(self, param: torch.Tensor, position: int, bucket: int) -> str:
+        """The name a parameter's residual is kept under (stable across bucket rebuilds)."""
+        name = self.param_names.get(id(param))
+        return name if name is not None else f"bucket{bucket}.param{position}"
+
+    def reset(self) -> None:
+        """Forget residuals, momenta and reused thresholds (e.g. after loading a checkpoint)."""
+        self.residuals.clear()
+        self.momenta.clear()
+        self.operators.clear()
+        self.oktopk_states.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"SparcmlState(method={self.method!r}, density={self.density}, "
+            f"algorithm={self.algorithm!r}, error_feedback={self.error_feedback}, "
+            f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, step={self.step}, "
+            f"world_size={self.comm.world_size})"
+        )
+
+
+def _init_params(method: str) -> set[str]:
+    import inspect
+
+    from ..compress.base import _REGISTRY
+
+    names: set[str] = set()
+    for part in method.split("+"):
+        cls = _REGISTRY.get(part)
+        if cls is not None:
+            names |= set(inspect.signature(cls.__init__).parameters)
+    return names

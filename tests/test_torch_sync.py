@@ -1,0 +1,438 @@
+"""sparcml.torch: every method's synchronised gradient against a one-process reference.
+
+In-process ranks; each rank's gradients are fixed tensors (seeded). References
+compute the method from its definition over all ranks' gradients in one process
+(float64 data: sums agree to 1e-12; selections are compared exactly). Stochastic
+quantizers have no exact reference: they are checked for bitwise identity across
+ranks, unbiasedness (mean over 400 seeds within 5 standard errors of the dense
+mean) and their error bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sparcml.torch as st
+from sparcml.comm import run_ranks
+from sparcml.compress import get
+from sparcml.errors import RankMismatchError
+from sparcml.torch import Bucket, SparcmlState, reduce_bucket
+
+SIZES = (300, 7, 1200, 40)  # parameters of one bucket (a bias-like 7 and 40)
+WORLDS = [1, 2, 3, 4, 5, 8]
+STEPS = 3
+
+
+def _grads(rank: int, step: int, n: int = sum(SIZES)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(n, generator=g, dtype=torch.float64)
+
+
+def _names() -> tuple[str, ...]:
+    return tuple(f"p{i}" for i in range(len(SIZES)))
+
+
+def _run(world: int, method: str, steps: int = STEPS, **hyper):  # type: ignore[no-untyped-def]
+    """Each rank reduces its gradient of every step; returns the outputs per rank."""
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState(method, comm=comm, **hyper)
+        outs = []
+        for t in range(steps):
+            outs.append(reduce_bucket(state, Bucket(_names(), SIZES, _grads(comm.rank, t), t)))
+        return outs, state
+
+    return run_ranks(world, fn)
+
+
+def _k(density: float, n: int) -> int:
+    """Entries a selector keeps: round(density * n), at least 1 (sparcml.compress)."""
+    return min(n, max(1, round(density * n)))
+
+
+def _topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    idx = x.abs().topk(k).indices
+    out[idx] = x[idx]
+    return out
+
+
+def _assert_identical(out) -> None:  # type: ignore[no-untyped-def]
+    for outs, _ in out:
+        for a, b in zip(outs, out[0][0], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_dense_is_the_mean(world: int) -> None:
+    out = _run(world, "dense")
+    _assert_identical(out)
+    for t in range(STEPS):
+        ref = sum(_grads(r, t) for r in range(world)) / world
+        assert torch.allclose(out[0][0][t], ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("algorithm", ["auto", "ssar_recursive_double", "dsar_split_allgather"])
+def test_topk_with_error_feedback_equals_alg1(world: int, algorithm: str) -> None:
+    """SparCML Alg. 1: acc = eps + g; eps = acc - TopK(acc); g = sum TopK(acc) / P."""
+    density = 0.05
+    out = _run(world, "topk", density=density, algorithm=algorithm)
+    _assert_identical(out)
+    k = _k(density, sum(SIZES))
+    eps = [torch.zeros(sum(SIZES), dtype=torch.float64) for _ in range(world)]
+    for t in range(STEPS):
+        total = torch.zeros(sum(SIZES), dtype=torch.float64)
+        for r in range(world):
+            acc = eps[r] + _grads(r, t)
+            sel = _topk(acc, k)
+            eps[r] = acc - sel
+            total += sel
+        assert torch.allclose(out[0][0][t], total / world, rtol=0, atol=1e-12)
+    # the residuals are kept per parameter name
+    for r, (_, state) in enumerate(out):
+        kept = torch.cat([state.residuals[n] for n in _names()])
+        assert torch.allclose(kept, eps[r], atol=1e-12)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_quantized_topk_with_topka_equals_sum_of_quantized_selections(world: int) -> None:
+    """topk+natural (deterministic rounding) through TopkA: every selection's values
+    are quantized once, then summed; the residual keeps acc - TopK(acc) (Alg. 1)."""
+    density = 0.05
+    out = _run(
+        world,
+        "topk+natural",
+        density=density,
+        algorithm="topka",
+        compressor_params={"deterministic": True},
+    )
+    _assert_identical(out)
+    q = get("natural", deterministic=True)
+    k = _k(density, sum(SIZES))
+    eps = [torch.zeros(sum(SIZES), dtype=torch.float64) for _ in range(world)]
+    for t in range(STEPS):
+        total = torch.zeros(sum(SIZES), dtype=torch.float64)
+        for r in range(world):
+            acc = eps[r] + _grads(r, t)
+            sel = _topk(acc, k)
+            eps[r] = acc - sel
+            nz = sel != 0
+            # a world of one sends nothing, so nothing is quantized
+            total[nz] += q.decompress(*q.compress(sel[nz])) if world > 1 else sel[nz]
+        assert torch.allclose(out[0][0][t], total / world, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_momentum_correction_and_masking_follow_dgc(world: int) -> None:
+    """u = m u + g; v = v + u; send TopK(v); v, u = 0 where sent (RedSync sec. 3.5)."""
+    density, m = 0.05, 0.9
+    out = _run(world, "topk", density=density, momentum=m, algorithm="ssar_split_allgather")
+    _assert_identical(out)
+    k = _k(density, sum(SIZES))
+    n = sum(SIZES)
+    u = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
+    v = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
+    for t in range(STEPS):
+        total = torch.zeros(n, dtype=torch.float64)
+        for r in range(world):
+            u[r] = m * u[r] + _grads(r, t)
+            v[r] = v[r] + u[r]
+            sel = _topk(v[r], k)
+            mask = sel != 0
+            v[r] = v[r] - sel
+            u[r] = u[r].masked_fill(mask, 0.0)
+            total += sel
+        assert torch.allclose(out[0][0][t], total / world, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_oktopk_equals_its_definition(world: int) -> None:
+    """tau = tau' = 1: keep the entries of the sum of local top-k sets whose magnitude
+    reaches its k-th largest; eps = acc - acc(indexes) with the kept local indexes."""
+    density = 0.05
+    out = _run(world, "oktopk", density=density, oktopk_tau=1, oktopk_tau_prime=1)
+    _assert_identical(out)
+    n = sum(SIZES)
+    k = _k(density, n)
+    eps = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
+    for t in range(STEPS):
+        accs = [eps[r] + _grads(r, t) for r in range(world)]
+        sels = [_topk(a, k) for a in accs]
+        total = sum(sels)
+        support = torch.stack([s != 0 for s in sels]).any(0)
+        mags = total.abs()[support]
+        thr = mags.topk(min(k, mags.numel())).values.min()
+        keep = support & (total.abs() >= thr)
+        ref = torch.where(keep, total, torch.zeros_like(total))
+        assert torch.allclose(out[0][0][t], ref / world, rtol=0, atol=1e-12)
+        for r in range(world):
+            sent = (sels[r] != 0) & keep
+            eps[r] = accs[r].masked_fill(sent, 0.0)
+
+
+def _redsync_reference(world: int, asq: bool, min_bytes: int) -> list[torch.Tensor]:
+    density = 0.05
+    n = sum(SIZES)
+    eps = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
+    outs = []
+    for t in range(STEPS):
+        total = torch.zeros(n, dtype=torch.float64)
+        for r in range(world):
+            acc = eps[r] + _grads(r, t)
+            sent = torch.zeros(n, dtype=torch.float64)
+            lo = 0
+            for size in SIZES:
+                layer = acc[lo : lo + size]
+                k = _k(density, size)
+                if size * 8 < min_bytes:
+                    sent[lo : lo + size] = layer  # small layers go uncompressed
+                elif asq:
+                    # alternate: top-k positive entries on even calls, negative on odd
+                    signed = layer if t % 2 == 0 else -layer
+                    k = min(k, int((signed > 0).sum()))
+                    idx = signed.topk(k).indices
+                    sent[lo + idx] = layer[idx].mean().float().double()  # one float32 mean
+                else:
+                    idx = layer.abs().topk(k).indices  # trimmed top-k selects exactly k
+                    sent[lo + idx] = layer[idx]
+                lo += size
+            eps[r] = acc - sent
+            total += sent
+        outs.append(total / world)
+    return outs
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("asq", [False, True])
+def test_redsync_equals_per_layer_selection_and_packed_allgather(world: int, asq: bool) -> None:
+    min_bytes = 100 * 8  # layers of 7 and 40 entries go dense
+    out = _run(world, "redsync", density=0.05, redsync_asq=asq, redsync_min_bytes=min_bytes)
+    _assert_identical(out)
+    for got, ref in zip(out[0][0], _redsync_reference(world, asq, min_bytes), strict=True):
+        assert torch.allclose(got, ref, rtol=0, atol=1e-12)
+
+
+def test_redsync_sends_one_message_per_rank_and_bsearch_for_large_layers() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState(
+            "redsync", density=0.01, comm=comm, redsync_min_bytes=0, redsync_bsearch_numel=1000
+        )
+        comm.stats.reset()
+        reduce_bucket(state, Bucket(_names(), SIZES, _grads(comm.rank, 0), 0))
+        kinds = {k[1]: type(v).__name__ for k, v in state.operators.items()}
+        return comm.stats.messages_sent, kinds
+
+    out = run_ranks(4, fn)
+    msgs, kinds = out[0]
+    assert msgs == 2  # recursive-doubling allgather of one message: log2(4) stages
+    assert kinds["p2"] == "SampledThresholdBinarySearch"
+    assert kinds["p0"] == "TrimmedTopK"
+
+
+@pytest.mark.parametrize("method", ["qsgd", "natural", "natural_dithering"])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_unbiased_quantizers_are_identical_unbiased_and_bounded(method: str, world: int) -> None:
+    n = 64
+    trials = 400
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        outs = []
+        g = _grads(comm.rank, 0, n).float()
+        for seed in range(trials):
+            state = SparcmlState(method, comm=comm, seed=seed)
+            outs.append(reduce_bucket(state, Bucket(("w",), (n,), g, 0)))
+        return torch.stack(outs)
+
+    out = run_ranks(world, fn)
+    for o in out:
+        assert torch.equal(o, out[0])
+    mean = sum(_grads(r, 0, n).float() for r in range(world)) / world
+    samples = out[0].double()
+    se = samples.std(0) / math.sqrt(trials)
+    assert ((samples.mean(0) - mean).abs() <= 5 * se + 1e-6).all()
+    if world == 1:  # a world of one sends nothing, so nothing is quantized
+        assert torch.equal(samples[0], mean.double())
+        return
+    assert not torch.equal(samples[0], samples[1])  # the seed matters: really random
+    # each entry stays within a few gradient norms of the mean (variance is bounded)
+    scale = max(_grads(r, 0, n).float().norm() for r in range(world))
+    assert (samples - mean).abs().max() <= 4 * scale
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_warmup_steps_are_dense(world: int) -> None:
+    out = _run(world, "topk", density=0.01, warmup_steps=2)
+    dense = _run(world, "dense")
+    for t in range(2):
+        assert torch.equal(out[0][0][t], dense[0][0][t])
+    assert not torch.equal(out[0][0][2], dense[0][0][2])
+    during = _run(world, "topk", steps=2, density=0.01, warmup_steps=2)
+    assert not during[0][1].residuals  # nothing accumulated during warm-up
+
+
+def test_local_clipping_scales_by_one_over_sqrt_p() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        g = torch.full((100,), 10.0, dtype=torch.float64)  # norm 100
+        state = SparcmlState("topk", density=1.0, comm=comm, clip_norm=2.0)
+        return reduce_bucket(state, Bucket(("w",), (100,), g, 0))
+
+    out = run_ranks(4, fn)
+    # each rank clips to 2 / sqrt(4) = 1; the mean of four identical clipped gradients
+    assert torch.allclose(out[0].norm(), torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_residuals_survive_bucket_rebuilds() -> None:
+    """Error feedback invariant across regrouped buckets: for every rank, the sum of
+    what it sent plus its final residuals equals the sum of its gradients."""
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState("topk", density=0.05, comm=comm, algorithm="topka")
+        sent_total = torch.zeros(sum(SIZES), dtype=torch.float64)
+        names = _names()
+        layouts = [[(0, 2), (2, 4)], [(0, 1), (1, 4)], [(0, 4)]]
+        for t, layout in enumerate(layouts):
+            g = _grads(comm.rank, t)
+            offs = [0, *torch.tensor(SIZES).cumsum(0).tolist()]
+            for a, b in layout:
+                lo, hi = offs[a], offs[b]
+                part = g[lo:hi]
+                before = torch.cat(
+                    [
+                        state.residuals.get(n, torch.zeros(s, dtype=torch.float64))
+                        for n, s in zip(names[a:b], SIZES[a:b], strict=True)
+                    ]
+                )
+                reduce_bucket(state, Bucket(names[a:b], SIZES[a:b], part, t))
+                after = torch.cat([state.residuals[n] for n in names[a:b]])
+                sent_total[lo:hi] += before + part - after
+        grads = sum(_grads(comm.rank, t) for t in range(len(layouts)))
+        final = torch.cat([state.residuals[n] for n in names])
+        return torch.allclose(sent_total + final, grads, atol=1e-12)
+
+    assert all(run_ranks(3, fn))
+
+
+def test_nan_policy_raise_names_the_rank_on_every_rank() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        g = torch.ones(10)
+        if comm.rank == 1:
+            g[3] = float("nan")
+        state = SparcmlState("topk", density=0.2, comm=comm, nan_policy="raise")
+        try:
+            reduce_bucket(state, Bucket(("a", "b"), (5, 5), g, 0))
+        except FloatingPointError as e:
+            return str(e)
+        return None
+
+    msgs = run_ranks(3, fn)
+    assert all(m is not None and "rank(s) [1]" in m for m in msgs)
+    assert "non-finite parameters: a" in msgs[1]
+
+
+def test_nan_policy_propagate_carries_nan_like_dense() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        g = torch.ones(10)
+        g[3] = float("nan") if comm.rank == 0 else 1.0
+        state = SparcmlState("topk", density=0.2, comm=comm)
+        return reduce_bucket(state, Bucket(("w",), (10,), g, 0))
+
+    out = run_ranks(2, fn)
+    assert torch.isnan(out[0][3]) and torch.isnan(out[1][3])
+
+
+def test_bad_hyperparameters_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="unknown method 'topq'"):
+        SparcmlState("topq")
+    with pytest.raises(ValueError, match="density must be in"):
+        SparcmlState("topk", density=0.0)
+    with pytest.raises(ValueError, match="density must be in"):
+        SparcmlState("topk", density=1.5)
+    with pytest.raises(ValueError, match="unknown sparse allreduce algorithm"):
+        SparcmlState("topk", algorithm="ring")
+    with pytest.raises(ValueError, match="error feedback applies to sparse methods"):
+        SparcmlState("qsgd", error_feedback=True)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        SparcmlState("qsgd", compressor_params={"bitz": 4})
+    with pytest.raises(ValueError, match="bits"):
+        SparcmlState("qsgd", compressor_params={"bits": 3})
+    with pytest.raises(ValueError, match="warmup_steps"):
+        SparcmlState("topk", warmup_steps=-1)
+    with pytest.raises(ValueError, match="momentum"):
+        SparcmlState("topk", momentum=1.0)
+    with pytest.raises(ValueError, match="nan_policy"):
+        SparcmlState("topk", nan_policy="ignore")
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        st.register(torch.nn.Linear(2, 2))
+    assert {"dense", "topk", "oktopk", "redsync", "qsgd", "natural", "natural_dithering"} <= set(
+        st.methods()
+    )
+
+
+def _model(seed: int, wide: int = 8) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, wide), torch.nn.Tanh(), torch.nn.Linear(wide, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def test_sync_gradients_rejects_models_that_differ_across_ranks() -> None:
+    def shapes(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState("topk", comm=comm)
+        model = _model(0, wide=8 if comm.rank != 2 else 9)
+        try:
+            st.sync_gradients(model, state)
+        except RankMismatchError as e:
+            return str(e)
+        return None
+
+    msgs = run_ranks(3, shapes)
+    assert all(m is not None and "ranks [2] register different parameters" in m for m in msgs)
+
+    def values(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState("topk", comm=comm)
+        model = _model(comm.rank)
+        try:
+            st.sync_gradients(model, state)
+        except RankMismatchError as e:
+            first = str(e)
+        else:
+            return None
+        st.broadcast_parameters(model, state)
+        state.registered = None
+        st.sync_gradients(model, state)  # now they agree
+        return first
+
+    msgs = run_ranks(3, values)
+    assert all(m is not None and "values differ across ranks: ranks [1, 2]" in m for m in msgs)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_optimizer_wrapper_trains_identically_on_every_rank(world: int) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        model = _model(0)
+        state = SparcmlState("topk", density=0.2, comm=comm, bucket_bytes=64)
+        opt = st.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, state)
+        g = torch.Generator().manual_seed(comm.rank)
+        losses = []
+        for _ in range(20):
+            x = torch.randn(16, 6, generator=g)
+            y = x[:, :3].sum(1).long().clamp(0, 2)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), losses, state
+
+    out = run_ranks(world, fn)
+    for params, _, state in out:
+        assert torch.equal(params, out[0][0])
+        assert state.step == 20 and len(state.step_bytes) == 20
+    losses = out[0][1]
+    assert sum(losses[-5:]) < sum(losses[:5])

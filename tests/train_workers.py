@@ -1,0 +1,108 @@
+"""Rank functions for DDP / sync_gradients training tests (module level: spawned and
+mpirun processes import them). The same small training runs under every transport."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import sparcml.torch as st
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(20, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 4),
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * rank + step)
+    x = torch.randn(32, 20, generator=g)
+    y = (x[:, :4].argmax(1) + (x[:, 4] > 1).long()) % 4
+    return x, y
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def ddp_train(
+    comm: Any,
+    method: str | None,
+    hyper: dict[str, Any],
+    steps: int,
+    record: bool,
+    user_collectives: bool = False,
+) -> dict[str, Any]:
+    """Train with DDP; ``method=None`` is plain DDP (PyTorch's own allreduce)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(make_model(), bucket_cap_mb=0.004)  # several buckets of ~1000 entries
+    state = None
+    records: list[tuple[int, tuple[str, ...], torch.Tensor, torch.Tensor]] = []
+    if method is not None and not record:
+        state = st.register(model, method, **hyper)
+    elif method is not None:
+        # the same hook, wrapped to record each bucket's input and output
+        state = st.SparcmlState(method, **hyper)
+        state.param_names = {id(p): n for n, p in model.module.named_parameters()}
+
+        def hook(s, bucket):  # type: ignore[no-untyped-def]
+            names = tuple(
+                s.name_of(p, i, bucket.index()) for i, p in enumerate(bucket.parameters())
+            )
+            step, grad = s.step, bucket.buffer().clone()
+
+            def keep(f):  # type: ignore[no-untyped-def]
+                records.append((step, names, grad, f.value().clone()))
+                return f.value()
+
+            return st.sparcml_hook(s, bucket).then(keep)
+
+        model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for t in range(steps):
+        x, y = batch(comm.rank, t)
+        h = model(x)
+        if user_collectives:
+            # the user's own collective on the default group, issued during backward
+            # while sparcml's engine reduces earlier buckets on its own group
+            h.register_hook(lambda g: (dist.all_reduce(torch.ones(1)), g)[1])
+        loss = torch.nn.functional.cross_entropy(h, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {
+        "params": flat_params(model.module),
+        "losses": losses,
+        "records": records,
+        "step_bytes": list(state.step_bytes) if state is not None else [],
+    }
+
+
+def sync_train(comm: Any, method: str, hyper: dict[str, Any], steps: int) -> torch.Tensor:
+    """Train without DDP through sync_gradients on ``comm`` (gloo, MPI or in-process)."""
+    model = make_model()
+    state = st.SparcmlState(method, comm=comm, **hyper)
+    st.broadcast_parameters(model, state)
+    opt = st.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, state)
+    for t in range(steps):
+        x, y = batch(comm.rank, t)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return flat_params(model)
