@@ -69,3 +69,18 @@ def test_readme_torchrun_example_runs() -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "identical on every rank: True" in done.stdout
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("method", ["topk", "oktopk"])
+def test_ddp_example_switches_a_script_in_three_lines(method: str) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples" / "ddp_train.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+           "--method", method, "--steps", "20"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[:1500] + done.stderr[-1500:]
+    assert "models identical on every rank: True" in done.stdout

@@ -84,3 +84,15 @@ def test_lossy_methods_train_identically_on_every_rank(method: str) -> None:
         assert torch.equal(out[r]["params"], out[0]["params"])
     assert all(b > 0 for b in out[0]["step_bytes"])
     assert out[0]["losses"][-1] < out[0]["losses"][0]
+
+
+def test_lossless_sparse_lr_matches_dense_ddp() -> None:
+    """The sparse LR recipe's model: the gradient's own non-zeros through the sparse
+    allreduce give the dense run's loss curve (same seed) to float tolerance."""
+    dense = run_processes(3, train_workers.sparse_lr_losses, "dense", 5, timeout=60)
+    sparse = run_processes(3, train_workers.sparse_lr_losses, "nonzeros", 5, timeout=60)
+    for d, s in zip(dense, sparse, strict=True):
+        assert torch.allclose(torch.tensor(d["losses"]), torch.tensor(s["losses"]), atol=1e-6)
+        assert torch.allclose(d["w"], s["w"], atol=1e-6)
+        assert torch.equal(s["w"], sparse[0]["w"])
+    assert sparse[0]["bytes"] * 50 < dense[0]["bytes"]

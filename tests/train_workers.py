@@ -106,3 +106,29 @@ def sync_train(comm: Any, method: str, hyper: dict[str, Any], steps: int) -> tor
         loss.backward()
         opt.step()
     return flat_params(model)
+
+
+def sparse_lr_losses(comm: Any, method: str, steps: int) -> dict[str, Any]:
+    """The newsgroups recipe's model (2^22 hashed features) on synthetic sparse bags."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sparcml.recipes.newsgroups import FEATURES, LogReg
+
+    model = DDP(LogReg())
+    state = st.register(model, method)
+    opt = torch.optim.SGD(model.parameters(), lr=4.0)
+    losses = []
+    for t in range(steps):
+        g = torch.Generator().manual_seed(100 * comm.rank + t)
+        ids = torch.randint(0, FEATURES, (8 * 50,), generator=g)
+        weights = torch.rand(8 * 50, generator=g)
+        offsets = torch.arange(0, 8 * 50, 50)
+        y = torch.randint(0, 2, (8,), generator=g).float()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model((ids, weights, offsets)), y
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "bytes": sum(state.step_bytes), "w": model.module.w.weight.detach()}

