@@ -372,6 +372,18 @@ def test_bad_hyperparameters_name_the_problem() -> None:
     )
 
 
+def test_state_refuses_to_train_alone_under_a_launcher(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        SparcmlState("topk")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="MPICommunicator"):
+        SparcmlState("topk")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    assert SparcmlState("topk").comm.world_size == 1
+
+
 def _model(seed: int, wide: int = 8) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, wide), torch.nn.Tanh(), torch.nn.Linear(wide, 3))

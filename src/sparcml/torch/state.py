@@ -9,6 +9,7 @@ object and persist across steps.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -196,6 +197,7 @@ class SparcmlState:
             if dist.is_available() and dist.is_initialized():
                 comm = TorchDistCommunicator.dedicated(timeout=timeout)
             else:
+                _refuse_silent_world_of_one()
                 comm = SelfCommunicator()
         self.comm = comm
         # ------------------------------------------------------------- internal fields
@@ -255,6 +257,22 @@ class SparcmlState:
             f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, step={self.step}, "
             f"world_size={self.comm.world_size})"
         )
+
+
+def _refuse_silent_world_of_one() -> None:
+    """A launcher started several ranks but nothing connects them: training each rank
+    alone would silently diverge, so say what is missing instead."""
+    for var, launcher, fix in (
+        ("WORLD_SIZE", "torchrun", "call torch.distributed.init_process_group() first"),
+        ("OMPI_COMM_WORLD_SIZE", "mpirun", "pass comm=sparcml.comm.MPICommunicator()"),
+        ("PMI_SIZE", "mpirun", "pass comm=sparcml.comm.MPICommunicator()"),
+    ):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            raise RuntimeError(
+                f"{launcher} started {value} ranks ({var}={value}) but no communicator "
+                f"connects them: {fix}"
+            )
 
 
 def _init_params(method: str) -> set[str]:
