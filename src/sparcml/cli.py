@@ -229,6 +229,33 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace) -> int:
+    from .cluster import ClusterError, cleanup, run_on_cluster
+
+    if args.cleanup:
+        gone = cleanup(args.prefix)
+        print(f"removed {len(gone)} namespaces" + (f": {', '.join(gone)}" if gone else ""))
+        return 0
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        print("sparcml cluster: give the command after --, e.g. "
+              "sparcml cluster -P 4 -- python train.py", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        return run_on_cluster(
+            args.world_size, argv, rate=args.rate, port=args.port, timeout=args.timeout,
+            log_dir=args.log_dir,
+        )  # fmt: skip
+    except ClusterError as e:
+        print(f"sparcml cluster: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sparcml cluster: interrupted; namespaces removed", file=sys.stderr)
+        return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparcml`` command."""
     parser = argparse.ArgumentParser(
@@ -301,11 +328,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     tr.add_argument("--out", help="output directory (default docs/results/train/RECIPE)")
     tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sub.add_parser("methods", help="list the gradient synchronisation methods")
+    cl = sub.add_parser(
+        "cluster",
+        help="run a command on P emulated hosts with rate-shaped links (root)",
+        description="Creates P network namespaces on a bridge, shapes every link with tc tbf, "
+        "runs the command once per host as one torch.distributed rank (env:// variables set) "
+        "and always tears everything down.",
+    )
+    cl.add_argument("-P", "--world-size", type=_positive, default=4)
+    cl.add_argument("--rate", default="1gbit", help="per-link rate in tc syntax (default 1gbit)")
+    cl.add_argument("--port", type=int, default=29500, help="MASTER_PORT on host 0")
+    cl.add_argument("--timeout", type=float, help="stop every rank after this many seconds")
+    cl.add_argument("--log-dir", help="also write each rank's output to LOG_DIR/rank<i>.log")
+    cl.add_argument("--cleanup", action="store_true", help="remove namespaces left by a killed run")
+    cl.add_argument("--prefix", default="spcl", help=argparse.SUPPRESS)
+    cl.add_argument("argv", nargs=argparse.REMAINDER, help="-- command and arguments")
 
     args = parser.parse_args(argv)
     args.command_line = list(argv) if argv is not None else None
     if args.command == "train":
         return _train(args)
+    if args.command == "cluster":
+        return _cluster(args)
     if args.command == "methods":
         from .torch.state import methods
 

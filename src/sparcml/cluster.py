@@ -1,0 +1,268 @@
+"""An emulated cluster on one machine: network namespaces, a bridge, rate-shaped links.
+
+``sparcml cluster -P 8 --rate 1gbit -- python train.py`` (root needed):
+
+1. creates a namespace per host (``<prefix>h<i>``) and one for the switch
+   (``<prefix>sw``) holding a Linux bridge;
+2. joins each host to the bridge with a veth pair, addresses ``10.213.0.<i+1>/24``
+   on the host side (the only addresses it uses, all inside its own namespaces);
+3. shapes every link in both directions with ``tc tbf`` at ``rate`` (host egress on
+   the host's ``eth0``, host ingress on the switch's port toward it): a
+   full-duplex link of ``rate`` per host, as in a cluster with a non-blocking
+   switch;
+4. runs the command once per host, as one rank: ``RANK``, ``WORLD_SIZE``,
+   ``LOCAL_RANK=0``, ``MASTER_ADDR=10.213.0.1``, ``MASTER_PORT`` and
+   ``GLOO_SOCKET_IFNAME=eth0`` set, so ``torch.distributed.init_process_group``
+   with the env:// method connects the ranks over the shaped links; output is
+   prefixed ``[rank i]`` and also written to ``<log-dir>/rank<i>.log``;
+5. always tears everything down (deleting a namespace deletes its links): after
+   success, failure, a timeout, Ctrl-C or SIGTERM.
+
+Bandwidth is real (the kernel's token bucket). This kernel has no ``netem``, so
+latency and loss are not emulated by the links; where an experiment needs them,
+sparcml's own transport adds them (documented per benchmark).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+__all__ = ["Cluster", "ClusterError", "cleanup", "run_on_cluster"]
+
+SUBNET = "10.213.0"
+
+
+class ClusterError(RuntimeError):
+    """Setting up the emulated cluster failed (not root, no ``ip``/``tc``, ...)."""
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ClusterError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+
+
+def _tc(ns: str, *args: str) -> None:
+    done = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ClusterError(f"`tc {' '.join(args)}` in {ns} failed: {done.stderr.strip()}")
+
+
+def _namespaces() -> list[str]:
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+def cleanup(prefix: str = "spcl") -> list[str]:
+    """Delete every namespace whose name starts with ``prefix`` (leftovers of a killed run)."""
+    gone = []
+    for ns in _namespaces():
+        if ns.startswith(prefix):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            gone.append(ns)
+    return gone
+
+
+class Cluster:
+    """``hosts`` namespaces on a bridge with links shaped to ``rate`` (tc syntax: 1gbit).
+
+    Use as a context manager; :meth:`down` is idempotent.
+    """
+
+    def __init__(self, hosts: int, rate: str = "1gbit", prefix: str | None = None) -> None:
+        if hosts < 1 or hosts > 250:
+            raise ValueError(f"hosts must be in [1, 250], got {hosts}")
+        if os.geteuid() != 0:
+            raise ClusterError("sparcml cluster needs root (network namespaces and tc)")
+        self.hosts = hosts
+        self.rate = rate
+        self.prefix = prefix or f"spcl{os.getpid() % 100000}"
+        self.created: list[str] = []
+
+    def host(self, i: int) -> str:
+        return f"{self.prefix}h{i}"
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}sw"
+
+    def address(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def up(self) -> Cluster:
+        try:
+            self._up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _up(self) -> None:
+        sw = self.switch
+        _ip("netns", "add", sw)
+        self.created.append(sw)
+        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        _ip("-n", sw, "link", "set", "br0", "up")
+        # a burst of at least one rate-millisecond keeps tbf accurate at high rates
+        burst = "1mb"
+        for i in range(self.hosts):
+            h = self.host(i)
+            _ip("netns", "add", h)
+            self.created.append(h)
+            _ip("-n", h, "link", "set", "lo", "up")
+            _ip(
+                "-n", h, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{i}", "netns", sw
+            )
+            _ip("-n", h, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _ip("-n", h, "link", "set", "eth0", "up")
+            _ip("-n", sw, "link", "set", f"p{i}", "master", "br0")
+            _ip("-n", sw, "link", "set", f"p{i}", "up")
+            for ns, dev in ((h, "eth0"), (sw, f"p{i}")):
+                _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+                    "burst", burst, "latency", "100ms")  # fmt: skip
+
+    def down(self) -> None:
+        for ns in reversed(self.created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.created.clear()
+
+    def __enter__(self) -> Cluster:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def popen(self, i: int, argv: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.host(i), "env", *(f"{k}={v}" for k, v in env.items()),
+             *argv],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C, so teardown runs in both cases."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def run_on_cluster(
+    hosts: int,
+    argv: Sequence[str],
+    rate: str = "1gbit",
+    port: int = 29500,
+    timeout: float | None = None,
+    log_dir: str | Path | None = None,
+    echo: bool = True,
+) -> int:
+    """Run ``argv`` once per host of a fresh emulated cluster; returns the worst exit code.
+
+    Every rank's output is echoed with a ``[rank i]`` prefix and kept in
+    ``log_dir/rank<i>.log``. On a failing rank the others are stopped; a timeout
+    stops all (exit code 124). The cluster is always torn down.
+    """
+    if not argv:
+        raise ValueError("give the command to run on every host (after --)")
+    logs = Path(log_dir) if log_dir else None
+    if logs:
+        logs.mkdir(parents=True, exist_ok=True)
+    with _signals_raise(), Cluster(hosts, rate) as cluster:
+        base = {
+            "WORLD_SIZE": str(hosts),
+            "MASTER_ADDR": cluster.address(0),
+            "MASTER_PORT": str(port),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "SPARCML_CLUSTER_RATE": rate,
+            "PATH": os.environ.get("PATH", ""),
+            "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+            "HOME": os.environ.get("HOME", "/root"),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
+        for key in ("SPARCML_CALIBRATION", "SPARCML_DATA"):
+            if key in os.environ:
+                base[key] = os.environ[key]
+        procs = [
+            cluster.popen(
+                i, argv, {**base, "RANK": str(i), "SPARCML_HOST_ADDR": cluster.address(i)}
+            )
+            for i in range(hosts)
+        ]
+        files = [open(logs / f"rank{i}.log", "wb") if logs else None for i in range(hosts)]  # noqa: SIM115
+        sel = selectors.DefaultSelector()
+        for i, p in enumerate(procs):
+            assert p.stdout is not None
+            os.set_blocking(p.stdout.fileno(), False)
+            sel.register(p.stdout, selectors.EVENT_READ, i)
+        deadline = time.monotonic() + timeout if timeout else None
+        pending = [b""] * hosts
+        code = 0
+        try:
+            open_streams = hosts
+            while open_streams:
+                if deadline and time.monotonic() > deadline:
+                    code = 124
+                    print(f"sparcml cluster: timed out after {timeout:g}s", file=sys.stderr)
+                    break
+                for key, _ in sel.select(timeout=0.2):
+                    i = key.data
+                    chunk = key.fileobj.read(65536)  # type: ignore[union-attr]
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        open_streams -= 1
+                        continue
+                    if files[i]:
+                        files[i].write(chunk)  # type: ignore[union-attr]
+                    pending[i] += chunk
+                    *lines, pending[i] = pending[i].split(b"\n")
+                    if echo:
+                        for line in lines:
+                            print(f"[rank {i}] {line.decode(errors='replace')}", flush=True)
+                failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
+                if failed and code == 0:
+                    code = failed[0]
+                    # a failed rank leaves the others waiting: give them a moment, then stop
+                    grace = time.monotonic() + 10
+                    while any(p.poll() is None for p in procs) and time.monotonic() < grace:
+                        time.sleep(0.1)
+                    break
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            for f in files:
+                if f:
+                    f.close()
+        if echo:
+            for i, rest in enumerate(pending):
+                if rest:
+                    print(f"[rank {i}] {rest.decode(errors='replace')}", flush=True)
+        codes = [p.returncode for p in procs]
+        if code == 0:
+            code = next((c for c in codes if c), 0)
+        return code
