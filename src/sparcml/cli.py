@@ -256,6 +256,43 @@ def _cluster(args: argparse.Namespace) -> int:
         return 130
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    import json
+
+    from .calibrate import measure, to_model
+
+    if args.env:  # one rank of a job started by torchrun or sparcml cluster
+        import torch.distributed as dist
+
+        from .comm import TorchDistCommunicator
+
+        dist.init_process_group("gloo")
+        comm = TorchDistCommunicator()
+        figures = measure(comm, args.repeats)
+        rank = comm.rank
+        comm.close()
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    else:
+        from .launch import run_processes
+
+        figures = run_processes(args.world_size, measure, args.repeats, timeout=300)[0]
+    model = to_model(figures)
+    path = model.save(args.out)
+    print(
+        f"alpha {model.alpha * 1e6:.1f} us, beta {model.beta * 1e9:.3f} ns/B "
+        f"({1 / model.beta / 1e9 if model.beta else float('inf'):.2f} GB/s dense), "
+        f"beta_sparse {figures['beta_sparse'] * 1e9:.3f} ns/B, "
+        f"gamma {model.gamma * 1e9:.2f} ns/element (dense add {figures['gamma_dense'] * 1e9:.2f})"
+    )
+    print(f"wrote {path} (algorithm='auto' reads it; SPARCML_CALIBRATION overrides the path)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparcml`` command."""
     parser = argparse.ArgumentParser(
@@ -328,6 +365,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     tr.add_argument("--out", help="output directory (default docs/results/train/RECIPE)")
     tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sub.add_parser("methods", help="list the gradient synchronisation methods")
+    ca = sub.add_parser(
+        "calibrate",
+        help="measure alpha, beta and gamma for algorithm='auto'",
+        description="Ping-pong, dense allreduce and local reduction timings fitted to the "
+        "alpha-beta-gamma model; stored where algorithm='auto' finds them.",
+    )
+    ca.add_argument("-P", "--world-size", type=_positive, default=2, help="local ranks")
+    ca.add_argument(
+        "--env",
+        action="store_true",
+        help="join a job started by torchrun / sparcml cluster instead of spawning",
+    )
+    ca.add_argument("--repeats", type=_positive, default=7)
+    ca.add_argument("--out", help="calibration file (default $SPARCML_CALIBRATION or "
+                    "~/.config/sparcml/calibration.json)")  # fmt: skip
+    ca.add_argument("--json", help="also write every measurement to this file")
     cl = sub.add_parser(
         "cluster",
         help="run a command on P emulated hosts with rate-shaped links (root)",
@@ -350,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train(args)
     if args.command == "cluster":
         return _cluster(args)
+    if args.command == "calibrate":
+        return _calibrate(args)
     if args.command == "methods":
         from .torch.state import methods
 

@@ -1,0 +1,138 @@
+"""``sparcml calibrate``: measure alpha, beta and gamma on the current transport.
+
+The cost model (:mod:`sparcml.costmodel`, paper 000 sec. 5.2) charges
+``alpha + beta L`` for a message of ``L`` bytes and ``gamma`` per element reduced.
+Measured here, on whatever transport the ranks use (loopback, an emulated
+cluster, a real network):
+
+1. **alpha, beta_sparse** — ping-pong between ranks 0 and 1 through sparcml's own
+   point-to-point path (the unknown-size protocol the sparse collectives use),
+   over payloads from 0 bytes to a few MB; the median one-way time of each size
+   is fitted by least squares to ``alpha + beta_sparse L``.
+2. **beta** (dense words) — the transport's dense allreduce of float32 vectors;
+   with ring volume ``2(P-1)/P n isize`` and ``2(P-1)`` messages,
+   ``beta = (T - 2(P-1) alpha - (P-1)/P n gamma_dense) / volume`` (median over sizes).
+3. **gamma** — local cost per element of a sparse-stream sum (merging two sorted
+   streams), the reduction the sparse algorithms perform; the dense add per
+   element is reported alongside.
+
+The result is written where ``algorithm="auto"`` finds it
+(``$SPARCML_CALIBRATION`` or ``~/.config/sparcml/calibration.json``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from .comm import Communicator
+from .costmodel import CostModel
+from .stream import SparseStream
+
+__all__ = ["fit_line", "measure"]
+
+PING_SIZES = (0, 1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+DENSE_SIZES = (1 << 18, 1 << 20, 1 << 22)  # float32 elements
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``; returns ``(a, b)``, ``a`` clamped at 0."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    return max(my - b * mx, 0.0), max(b, 0.0)
+
+
+def _pingpong(comm: Communicator, nbytes: int, repeats: int) -> float:
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):  # the first round warms up
+        comm.barrier()
+        t = time.perf_counter()
+        if comm.rank == 0:
+            comm.send(buf, 1)
+            comm.recv(1)
+        elif comm.rank == 1:
+            got = comm.recv(0)
+            comm.send(got, 0)
+        times.append((time.perf_counter() - t) / 2)
+    return statistics.median(times[1:])
+
+
+def _gamma(repeats: int) -> tuple[float, float]:
+    n, k = 1 << 22, 1 << 18
+    g = torch.Generator().manual_seed(0)
+    a = SparseStream(torch.randperm(n, generator=g)[:k], torch.randn(k, generator=g), n)
+    b = SparseStream(torch.randperm(n, generator=g)[:k], torch.randn(k, generator=g), n)
+    sparse, dense = [], []
+    x, y = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    for _ in range(repeats):
+        t = time.perf_counter()
+        SparseStream.sum([a, b])
+        sparse.append((time.perf_counter() - t) / (2 * k))
+        t = time.perf_counter()
+        x.add_(y)
+        dense.append((time.perf_counter() - t) / n)
+    return statistics.median(sparse), statistics.median(dense)
+
+
+def measure(
+    comm: Communicator,
+    repeats: int = 7,
+    ping_sizes: tuple[int, ...] = PING_SIZES,
+    dense_sizes: tuple[int, ...] = DENSE_SIZES,
+) -> dict[str, Any]:
+    """Steps 1-3 above (a collective: every rank calls it). Returns the figures."""
+    if comm.world_size < 2:
+        raise ValueError("calibration needs at least 2 ranks")
+    pings = [_pingpong(comm, s, repeats) for s in ping_sizes]
+    alpha, beta_sparse = fit_line([float(s) for s in ping_sizes], pings)
+    gamma, gamma_dense = _gamma(repeats)
+    p = comm.world_size
+    betas, dense_times = [], []
+    for n in dense_sizes:
+        x = torch.ones(n)
+        comm.allreduce(x)
+        ts = []
+        for _ in range(repeats):
+            comm.barrier()
+            t = time.perf_counter()
+            comm.allreduce(x)
+            ts.append(time.perf_counter() - t)
+        t_med = statistics.median(ts)
+        dense_times.append(t_med)
+        volume = 2 * (p - 1) / p * n * 4
+        rest = t_med - 2 * (p - 1) * alpha - (p - 1) / p * n * gamma_dense
+        betas.append(max(rest, 0.0) / volume)
+    # every rank must store the same numbers: take rank 0's
+    figures = torch.tensor(
+        [alpha, beta_sparse, statistics.median(betas), gamma, gamma_dense], dtype=torch.float64
+    )
+    figures = comm.allgather(figures)[0]
+    a, bs, b, gm, gd = figures.tolist()
+    return {
+        "alpha": a,
+        "beta": b,
+        "beta_sparse": bs,
+        "gamma": gm,
+        "gamma_dense": gd,
+        "world_size": p,
+        "ping_sizes": list(ping_sizes),
+        "ping_one_way_s": pings,
+        "dense_sizes": list(dense_sizes),
+        "dense_allreduce_s": dense_times,
+    }
+
+
+def to_model(figures: dict[str, Any], source: str = "calibrated") -> CostModel:
+    return CostModel(
+        alpha=figures["alpha"],
+        beta=figures["beta"],
+        gamma=figures["gamma"],
+        beta_sparse=figures["beta_sparse"],
+        source=source,
+    )
