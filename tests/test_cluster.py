@@ -73,3 +73,13 @@ def test_failures_and_timeouts_tear_down(tmp_path: Path) -> None:
     assert code == 124
     assert _ours() == []
     assert main(["cluster", "-P", "2"]) == 2  # no command
+
+
+def test_bench_runs_inside_the_cluster(capsys) -> None:  # type: ignore[no-untyped-def]
+    sparcml = str(Path(sys.executable).parent / "sparcml")
+    code = main(["cluster", "-P", "2", "--rate", "200mbit", "--timeout", "100", "--", sparcml,
+                 "bench", "--env", "-N", "64K", "--repeats", "1", "--experiments", "1", "-q"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "2 ranks of a torch.distributed job (emulated cluster, 200mbit links)" in out
+    assert out.count(" ok ") >= 5 and "WRONG" not in out

@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -110,11 +112,32 @@ def _run(args: argparse.Namespace, title: str) -> int:
     except ValueError as e:
         print(f"sparcml: error: {e}", file=sys.stderr)
         return 2
-    print(
-        f"{title}: {cfg.world_size} local ranks over gloo (loopback)", file=sys.stderr, flush=True
-    )
     t0 = time.monotonic()
-    rows = run_benchmark(cfg)
+    if getattr(args, "env", False):  # one rank of a torchrun / sparcml cluster job
+        import torch.distributed as dist
+
+        from .bench.allreduce import _rank_main
+        from .comm import TorchDistCommunicator
+
+        dist.init_process_group("gloo")
+        comm = TorchDistCommunicator(timeout=cfg.timeout)
+        cfg = dataclasses.replace(cfg, world_size=comm.world_size)
+        got = _rank_main(comm, cfg)
+        comm.close()
+        dist.destroy_process_group()
+        if got is None:
+            return 0
+        rows = got
+        where = os.environ.get("SPARCML_CLUSTER_RATE")
+        print(f"{title}: {cfg.world_size} ranks of a torch.distributed job"
+              + (f" (emulated cluster, {where} links)" if where else ""), flush=True)  # fmt: skip
+    else:
+        print(
+            f"{title}: {cfg.world_size} local ranks over gloo (loopback)",
+            file=sys.stderr,
+            flush=True,
+        )
+        rows = run_benchmark(cfg)
     print(format_table(rows, cfg), flush=True)
     print(f"total {time.monotonic() - t0:.1f} s")
     write_outputs(rows, cfg, getattr(args, "json", None), getattr(args, "csv", None))
@@ -315,6 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_bench_args(bench, repeats=10, size="16M")
     bench.add_argument("--json", help="write results (with config and machine) to this JSON file")
     bench.add_argument("--csv", help="write results to this CSV file")
+    bench.add_argument(
+        "--env",
+        action="store_true",
+        help="join a job started by torchrun / sparcml cluster (-P is ignored)",
+    )
     sub.add_parser("algorithms", help="list the registered sparse allreduce algorithms")
     bt = sub.add_parser(
         "bench-topk",
