@@ -15,6 +15,7 @@ Run with :func:`run_benchmark` (spawns local gloo ranks) or ``sparcml bench``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import platform
@@ -29,6 +30,7 @@ import torch
 
 from ..collectives import algorithms, choose_algorithm, sparse_allreduce
 from ..comm import Communicator
+from ..costmodel import CostModel
 from ..launch import run_processes
 from ..stream import SparseStream
 
@@ -100,6 +102,7 @@ class Row:
     correct: bool
     speedup_vs_dense: float | None = None
     chose: str | None = None
+    predicted: float | None = None  # the cost model's time (stored calibration), seconds
 
     @property
     def algbw_gbps(self) -> float:
@@ -145,10 +148,17 @@ def _rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | N
     show = cfg.progress and comm.rank == 0
     total = cfg.experiments * len(names)
     step = 0
+    model = CostModel.load()
+    predicted: dict[str, list[float]] = {a: [] for a in names}
     for e in range(cfg.experiments):
         stream = gradient_like(
             cfg.size, cfg.density, comm.rank, overlap=cfg.overlap, seed=cfg.seed + e, dtype=dtype
         )
+        ks = [int(t) for t in comm.allgather(torch.tensor([stream.nnz]))]
+        isize = stream.values.element_size()
+        for a in names:
+            with contextlib.suppress(ValueError):  # algorithms without a cost formula
+                predicted[a].append(model.predict(a, comm.world_size, cfg.size, ks, isize))
         ref = comm.allreduce(stream.to_dense().to(torch.float64))
         scale = comm.allreduce(stream.to_dense().to(torch.float64).abs())
         if "auto" in names:
@@ -212,6 +222,7 @@ def _rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | N
                     max_rel_error=float(last[a]["err"]),
                     correct=bool(last[a]["correct"]),
                     chose=chose if a == "auto" else None,
+                    predicted=statistics.median(predicted[a]) if predicted[a] else None,
                     bytes_in=cfg.size * isize,
                 )
             )
@@ -257,20 +268,26 @@ def format_table(rows: Sequence[dict[str, Any]], cfg: BenchConfig) -> str:
     )
     cols = (
         f"{'algorithm':<32} {'p50 ms':>9} {'p25-p75 ms':>17} {'MB sent/rank':>13} "
-        f"{'result nnz':>11} {'max rel err':>11} {'check':>6} {'vs dense':>9}"
+        f"{'result nnz':>11} {'max rel err':>11} {'check':>6} {'vs dense':>9} "
+        f"{'model ms':>9} {'meas/model':>10}"
     )
     lines = [head, cols, "-" * len(cols)]
     for r in rows:
         name = r["algorithm"] + (f" -> {r['chose']}" if r.get("chose") else "")
         speed = f"{r['speedup_vs_dense']:.2f}x" if r.get("speedup_vs_dense") else "-"
         nnz = f"{r['result_nnz']:,}" + (" D" if r["result_dense"] else "")
+        pred = r.get("predicted")
+        model = f"{pred * 1e3:9.2f} {r['p50'] / pred:10.2f}" if pred else f"{'-':>9} {'-':>10}"
         lines.append(
             f"{name:<32.32} {r['p50'] * 1e3:9.2f} "
             f"{r['p25'] * 1e3:8.2f}-{r['p75'] * 1e3:<8.2f} "
             f"{r['bytes_sent'] / 1e6:13.3f} {nnz:>11} {r['max_rel_error']:11.1e} "
-            f"{'ok' if r['correct'] else 'WRONG':>6} {speed:>9}"
+            f"{'ok' if r['correct'] else 'WRONG':>6} {speed:>9} {model}"
         )
-    lines.append("(D: dense result; time = slowest rank, after a barrier; bytes = payload)")
+    lines.append(
+        "(D: dense result; time = slowest rank, after a barrier; bytes = payload; model: "
+        f"alpha-beta-gamma prediction from {CostModel.load().source})"
+    )
     return "\n".join(lines)
 
 
