@@ -17,9 +17,18 @@ def _can_make_namespaces() -> bool:
     if os.geteuid() != 0:
         return False
     probe = f"spclprobe{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return ok
+    steps = [
+        ["ip", "netns", "add", probe],
+        ["ip", "-n", probe, "link", "add", "name", "pa", "type", "veth", "peer", "name", "pb"],
+        ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "pa", "root", "tbf",
+         "rate", "1gbit", "burst", "1mb", "latency", "100ms"],
+    ]  # fmt: skip
+    try:
+        return all(subprocess.run(s, capture_output=True).returncode == 0 for s in steps)
+    except FileNotFoundError:  # no ip / tc
+        return False
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
 
 
 pytestmark = [
@@ -77,8 +86,10 @@ def test_failures_and_timeouts_tear_down(tmp_path: Path) -> None:
 
 def test_bench_runs_inside_the_cluster(capsys) -> None:  # type: ignore[no-untyped-def]
     sparcml = str(Path(sys.executable).parent / "sparcml")
-    code = main(["cluster", "-P", "2", "--rate", "200mbit", "--timeout", "100", "--", sparcml,
-                 "bench", "--env", "-N", "64K", "--repeats", "1", "--experiments", "1", "-q"])  # fmt: skip
+    bench = ["bench", "--env", "-N", "64K", "--repeats", "1", "--experiments", "1", "-q"]
+    code = main(
+        ["cluster", "-P", "2", "--rate", "200mbit", "--timeout", "100", "--", sparcml, *bench]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "2 ranks of a torch.distributed job (emulated cluster, 200mbit links)" in out

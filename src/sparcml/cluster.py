@@ -109,7 +109,7 @@ class Cluster:
         sw = self.switch
         _ip("netns", "add", sw)
         self.created.append(sw)
-        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        _ip("-n", sw, "link", "add", "name", "br0", "type", "bridge")
         _ip("-n", sw, "link", "set", "br0", "up")
         # a burst of at least one rate-millisecond keeps tbf accurate at high rates
         burst = "1mb"
@@ -119,7 +119,19 @@ class Cluster:
             self.created.append(h)
             _ip("-n", h, "link", "set", "lo", "up")
             _ip(
-                "-n", h, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{i}", "netns", sw
+                "-n",
+                h,
+                "link",
+                "add",
+                "name",
+                "eth0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"p{i}",
+                "netns",
+                sw,
             )
             _ip("-n", h, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _ip("-n", h, "link", "set", "eth0", "up")

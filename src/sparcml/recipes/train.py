@@ -199,6 +199,7 @@ def write_report(result: dict[str, Any], out: Path, command: str) -> list[Path]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:  # plots need the bench extra
         return written
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -218,6 +219,7 @@ def write_report(result: dict[str, Any], out: Path, command: str) -> list[Path]:
     axes[0].set_ylabel("training loss (mean over ranks)")
     axes[0].set_yscale("log")
     axes[1].set_xlabel("epoch")
+    axes[1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[1].set_ylabel(f"test {metric}")
     for ax in axes:
         ax.grid(alpha=0.3)
