@@ -139,13 +139,20 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def summary_rows(result: dict[str, Any], warmup: int = 0) -> list[dict[str, Any]]:
+def summary_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Final figures per method; bytes and times averaged over the steps after the
+    dense warm-up (``warmup_steps``), when there is one."""
     metric = result["metric"]
+
+    def warm(run: dict[str, Any]) -> int:
+        return int(run.get("hyper", {}).get("warmup_steps", 0))
+
     dense = result["runs"].get("dense")
-    dense_bytes = _mean(dense["step_bytes"][warmup:]) if dense else None
+    dense_bytes = _mean(dense["step_bytes"][warm(dense) :]) if dense else None
     rows = []
     for method, run in result["runs"].items():
         final = run["evals"][-1]
+        warmup = warm(run)
         b = _mean(run["step_bytes"][warmup:])
         rows.append(
             {
@@ -188,6 +195,11 @@ def write_report(result: dict[str, Any], out: Path, command: str) -> list[Path]:
         f"# {result['recipe']}: {result['world']} ranks, {result['epochs']} epochs",
         "",
         f"Command: `{command}`",
+        "",
+        "Hyperparameters per method: "
+        + "; ".join(f"{m}: {r.get('hyper', {})}" for m, r in result["runs"].items())
+        + " (bytes and ms per step: mean over the steps after any dense warm-up; time per "
+        "step on a shared 2-core machine running all ranks, indicative only)",
         "",
         format_table(result),
         "",
