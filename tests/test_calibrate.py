@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sparcml.calibrate import fit_line, measure, to_model
+from sparcml.calibrate import fit_alpha_beta, fit_line, measure, to_model
 from sparcml.cli import main
 from sparcml.comm import run_ranks
 from sparcml.costmodel import CostModel
@@ -21,6 +21,15 @@ def test_fit_line_recovers_alpha_and_beta() -> None:
         pytest.approx(5.0),
         0.0,
     )  # clamped, no negative beta
+
+
+def test_alpha_is_the_empty_message_and_beta_the_slope_of_the_rest() -> None:
+    sizes = [0.0, 1e3, 1e5, 1e6, 4e6]
+    times = [1e-4 + 8e-9 * s for s in sizes]
+    times[2] = 1e-4  # a shaper's burst: a mid-size message as cheap as an empty one
+    a, b = fit_alpha_beta(sizes, times)
+    assert a == pytest.approx(1e-4)
+    assert b == pytest.approx(8e-9, rel=0.01)
 
 
 def test_measure_gives_the_same_positive_figures_on_every_rank(tmp_path: Path) -> None:

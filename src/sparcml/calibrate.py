@@ -7,8 +7,9 @@ cluster, a real network):
 
 1. **alpha, beta_sparse** — ping-pong between ranks 0 and 1 through sparcml's own
    point-to-point path (the unknown-size protocol the sparse collectives use),
-   over payloads from 0 bytes to a few MB; the median one-way time of each size
-   is fitted by least squares to ``alpha + beta_sparse L``.
+   over payloads from 0 bytes to a few MB: ``alpha`` is the median one-way time of
+   the empty message, ``beta_sparse`` the least-squares slope of the remaining
+   time against the size (:func:`fit_alpha_beta`).
 2. **beta** (dense words) — the transport's dense allreduce of float32 vectors;
    with ring volume ``2(P-1)/P n isize`` and ``2(P-1)`` messages,
    ``beta = (T - 2(P-1) alpha - (P-1)/P n gamma_dense) / volume`` (median over sizes).
@@ -32,7 +33,7 @@ from .comm import Communicator
 from .costmodel import CostModel
 from .stream import SparseStream
 
-__all__ = ["fit_line", "measure"]
+__all__ = ["fit_alpha_beta", "fit_line", "measure"]
 
 PING_SIZES = (0, 1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 DENSE_SIZES = (1 << 18, 1 << 20, 1 << 22)  # float32 elements
@@ -45,6 +46,20 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
     return max(my - b * mx, 0.0), max(b, 0.0)
+
+
+def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
+    """alpha: the one-way time of the empty message (measured, not extrapolated: a
+    shaper's burst makes mid-size messages look cheap and pulls a free intercept
+    to zero); beta: least-squares slope of ``t - alpha`` against the size through
+    the origin, which the large messages dominate. Without an empty message: a
+    free line fit."""
+    if 0.0 not in sizes:
+        return fit_line(sizes, times)
+    alpha = times[sizes.index(0.0)]
+    num = sum(s * (t - alpha) for s, t in zip(sizes, times, strict=True))
+    den = sum(s * s for s in sizes)
+    return alpha, max(num / den, 0.0) if den else 0.0
 
 
 def _pingpong(comm: Communicator, nbytes: int, repeats: int) -> float:
@@ -90,7 +105,7 @@ def measure(
     if comm.world_size < 2:
         raise ValueError("calibration needs at least 2 ranks")
     pings = [_pingpong(comm, s, repeats) for s in ping_sizes]
-    alpha, beta_sparse = fit_line([float(s) for s in ping_sizes], pings)
+    alpha, beta_sparse = fit_alpha_beta([float(s) for s in ping_sizes], pings)
     gamma, gamma_dense = _gamma(repeats)
     p = comm.world_size
     betas, dense_times = [], []
