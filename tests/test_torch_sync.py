@@ -448,3 +448,46 @@ def test_optimizer_wrapper_trains_identically_on_every_rank(world: int) -> None:
         assert state.step == 20 and len(state.step_bytes) == 20
     losses = out[0][1]
     assert sum(losses[-5:]) < sum(losses[:5])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_natural_ina_equals_bidirectional_natural_compression(world: int) -> None:
+    """Paper 004 Alg. 1 through the aggregator: the average of C_M(sum_i C_W(g_i)), where
+    C_W is each worker's natural compression and C_M the aggregator's (nearest here)."""
+    import numpy as np
+
+    from sparcml.ina import AggregatorServer, natural_compress_integers
+    from sparcml.ina.worker import encode_natural, worker_seed
+
+    with AggregatorServer(master_rounding="nearest") as srv:
+        server = f"{srv.address[0]}:{srv.address[1]}"
+
+        def fn(comm):  # type: ignore[no-untyped-def]
+            state = SparcmlState("natural_ina", comm=comm, ina_server=server, ina_job=5)
+            return [
+                reduce_bucket(state, Bucket(_names(), SIZES, _grads(comm.rank, t).float(), t))
+                for t in range(2)
+            ]
+
+        out = run_ranks(world, fn)
+    for t in range(2):
+        total = np.zeros(sum(SIZES), dtype=np.int64)
+        for r in range(world):
+            codes, _ = encode_natural(_grads(r, t).float(), -50, world, worker_seed(0, 5, r, t))
+            c = codes.astype(np.int64)
+            v = np.where((c >> 6) & 1, 0, np.int64(1) << (c & 63))
+            total += np.where((c >> 7) & 1, -v, v)
+        codes, _ = natural_compress_integers(total, None)
+        c = torch.from_numpy(codes.astype(np.int64))
+        ref = torch.ldexp(torch.ones(c.numel()), ((c & 63) - 50).float())
+        ref = torch.where(((c >> 6) & 1).bool(), torch.zeros_like(ref), ref)
+        ref = torch.where(((c >> 7) & 1).bool(), -ref, ref)
+        for o in out:
+            assert torch.equal(o[t], ref / world)
+
+
+def test_natural_ina_needs_an_aggregator_address() -> None:
+    with pytest.raises(ValueError, match="ina_server='host:port'"):
+        SparcmlState("natural_ina")
+    with pytest.raises(ValueError, match="must be 'host:port'"):
+        SparcmlState("natural_ina", ina_server="nohost")

@@ -316,6 +316,59 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ina_server(args: argparse.Namespace) -> int:
+    import logging
+
+    from .ina import AggregatorServer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    srv = AggregatorServer(args.host, args.port, args.slots, args.master_rounding)
+    host, port = srv.address
+    print(f"sparcml ina-server: listening on {host}:{port} (epoch {srv.epoch}); "
+          f"workers use ina_server='{host}:{port}'; Ctrl-C stops", flush=True)  # fmt: skip
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    srv.start()
+    try:
+        while True:
+            time.sleep(args.stats_every)
+            print("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(srv.snapshot().items())),
+                  flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.stop()
+        print("sparcml ina-server: stopped; " + ", ".join(
+            f"{k}={v}" for k, v in sorted(srv.snapshot().items())), flush=True)  # fmt: skip
+    return 0
+
+
+def _ina_stats(args: argparse.Namespace) -> int:
+    import json
+    import socket
+
+    from .ina.packet import FIXED, STATS, STATS_REPLY, Packet, build, parse
+
+    host, _, port = args.address.rpartition(":")
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(2.0)
+    s.sendto(build(Packet(STATS, args.job, 0, 0, 1, 0, FIXED, 0, b"")), (host, int(port)))
+    try:
+        p = parse(s.recv(65535))
+    except (TimeoutError, OSError):
+        print(f"sparcml ina-stats: no answer from {args.address}", file=sys.stderr)
+        return 1
+    if p.kind != STATS_REPLY:
+        print("sparcml ina-stats: unexpected answer", file=sys.stderr)
+        return 1
+    print(json.dumps(json.loads(p.payload), indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparcml`` command."""
     parser = argparse.ArgumentParser(
@@ -393,6 +446,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     tr.add_argument("--out", help="output directory (default docs/results/train/RECIPE)")
     tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sub.add_parser("methods", help="list the gradient synchronisation methods")
+    ina = sub.add_parser(
+        "ina-server",
+        help="run the in-network aggregation service (integer-only aggregator)",
+        description="An aggregator emulating a SwitchML-style switch: sums workers' chunks of "
+        "natural-compression codes (or fixed-point integers) as int64, re-compresses the sum "
+        "and sends it back; rejects and counts malformed packets; prints its counters.",
+    )
+    ina.add_argument("--host", default="127.0.0.1")
+    ina.add_argument("--port", type=int, default=47000, help="UDP port (0: any free port)")
+    ina.add_argument("--slots", type=_positive, default=512, help="slot pool per job")
+    ina.add_argument("--master-rounding", choices=["stochastic", "nearest"], default="stochastic")
+    ina.add_argument("--stats-every", type=float, default=10.0, help="seconds between counters")
+    ist = sub.add_parser("ina-stats", help="read a running aggregator's counters")
+    ist.add_argument("address", help="host:port of the aggregator")
+    ist.add_argument("--job", type=int, default=0, help="also list this job's missing workers")
     ca = sub.add_parser(
         "calibrate",
         help="measure alpha, beta and gamma for algorithm='auto'",
@@ -433,6 +501,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cluster(args)
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "ina-server":
+        return _ina_server(args)
+    if args.command == "ina-stats":
+        return _ina_stats(args)
     if args.command == "methods":
         from .torch.state import methods
 

@@ -112,13 +112,28 @@ def run_recipe(
     runs: dict[str, Any] = {}
     for method in methods:
         h = dict(hyper or {})
-        if method in ("dense", "nonzeros", "qsgd", "natural", "natural_dithering", "dithering"):
+        if method in (
+            "dense", "nonzeros", "qsgd", "natural", "natural_dithering", "dithering",
+            "natural_ina",
+        ):  # fmt: skip
             h.pop("density", None)
+        server = None
+        if method == "natural_ina" and "ina_server" not in h:
+            from ..ina import AggregatorServer
+
+            server = AggregatorServer().start()  # an aggregator for this run, on loopback
+            h["ina_server"] = f"{server.address[0]}:{server.address[1]}"
         t0 = time.monotonic()
-        out = run_processes(
-            world, train_worker, recipe_name, method, h, epochs, seed, options or {}, progress,
-            timeout=600, deadline=6 * 3600,
-        )  # fmt: skip
+        try:
+            out = run_processes(
+                world, train_worker, recipe_name, method, h, epochs, seed, options or {},
+                progress, timeout=600, deadline=6 * 3600,
+            )  # fmt: skip
+        finally:
+            if server is not None:
+                h["aggregator_counters"] = server.snapshot()
+                h.pop("ina_server")
+                server.stop()
         run = out[0]
         run["wall_s"] = time.monotonic() - t0
         run["hyper"] = h

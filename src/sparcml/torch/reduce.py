@@ -110,6 +110,24 @@ def _oktopk(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ig
     return sent, result.stream.to_dense()
 
 
+def _natural_ina(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
+    """Paper 004 Alg. 1 with INA: workers send C_nat(g_i) as integers, the aggregator
+    sums them and returns C_nat(sum) (master-side compression)."""
+    from ..ina import InaStats, ina_allreduce
+
+    assert state.ina_address is not None
+    comm = state.comm
+    stats = InaStats()
+    call = state.ina_calls
+    state.ina_calls += 1
+    total = ina_allreduce(
+        acc, state.ina_address, state.ina_job, comm.rank, comm.world_size, state.ina_mode,
+        seed=state.seed, call=call, timeout=comm.timeout, stats=stats,
+    )  # fmt: skip
+    comm.stats.bytes_sent += stats.bytes_sent  # counted like every method's traffic
+    return None, total
+
+
 def _redsync(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
     return redsync_allgather(state, bucket, acc)
 
@@ -121,6 +139,7 @@ METHODS: dict[str, Method] = {
     "nonzeros": _nonzeros,
     "oktopk": _oktopk,
     "redsync": _redsync,
+    "natural_ina": _natural_ina,
 }
 
 

@@ -28,6 +28,9 @@ _SPECIAL = {
     "nonzeros": "lossless sparse allreduce of the gradient's non-zeros (SparCML on "
     "naturally sparse gradients, e.g. linear models on hashed features)",
     "oktopk": "Ok-Topk SGD: O(k) sparse allreduce with global top-k (paper 001)",
+    "natural_ina": "natural compression summed by an integer-only aggregator "
+    "(sparcml ina-server) that re-compresses the sum: bidirectional compression "
+    "(paper 004 Alg. 1, appendix A); needs ina_server='host:port'",
     "redsync": "RedSync RGC: per-layer trimmed top-k / threshold binary search, "
     "optional ASQ, one packed allgather message per rank (paper 002)",
 }
@@ -105,6 +108,9 @@ class SparcmlState:
         redsync_bsearch_numel: layers with at least this many entries use threshold
             binary search (sampled, unless ASQ), smaller ones trimmed top-k.
         bucket_bytes: bucket size of :func:`~sparcml.torch.sync_gradients`.
+        ina_server / ina_job / ina_mode: ``natural_ina``'s aggregator (``"host:port"``),
+            the job id its workers share (distinct per training job on one
+            aggregator), ``"natural"`` (8-bit codes) or ``"fixed"`` (int32 fixed point).
         seed: seed of random selectors/quantizers (ranks agree where they must).
         comm: the communicator. Default: a dedicated process group of its own when
             torch.distributed is initialised (a collective call: create states in
@@ -135,6 +141,9 @@ class SparcmlState:
         redsync_min_bytes: int = 128 * 1024,
         redsync_bsearch_numel: int = 1 << 20,
         bucket_bytes: int = 25 * 1024 * 1024,
+        ina_server: str | None = None,
+        ina_job: int = 1,
+        ina_mode: str = "natural",
         seed: int = 0,
         comm: Communicator | None = None,
         timeout: float = 300.0,
@@ -167,7 +176,7 @@ class SparcmlState:
         self.density = float(density)
         self.algorithm = algorithm
         self.compressor_params = dict(compressor_params or {})
-        unbiased = self.kind in ("quantized", "dense", "nonzeros")
+        unbiased = self.kind in ("quantized", "dense", "nonzeros", "natural_ina")
         if error_feedback and unbiased:
             raise ValueError(
                 f"error feedback applies to sparse methods; {method!r} sends every entry "
@@ -189,6 +198,20 @@ class SparcmlState:
         self.redsync_min_bytes = redsync_min_bytes
         self.redsync_bsearch_numel = redsync_bsearch_numel
         self.bucket_bytes = bucket_bytes
+        self.ina_address: tuple[str, int] | None = None
+        if self.kind == "natural_ina":
+            if not ina_server:
+                raise ValueError(
+                    "natural_ina needs ina_server='host:port' (start one: sparcml ina-server)"
+                )
+            host, _, port = ina_server.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"ina_server must be 'host:port', got {ina_server!r}")
+            if ina_mode not in ("natural", "fixed"):
+                raise ValueError(f"ina_mode must be 'natural' or 'fixed', got {ina_mode!r}")
+            self.ina_address = (host, int(port))
+        self.ina_job, self.ina_mode = ina_job, ina_mode
+        self.ina_calls = 0
         self.seed = seed
         # Build one operator now so that bad parameters fail here, not mid-training.
         if self.kind in ("sparse", "quantized"):

@@ -1,0 +1,257 @@
+"""The worker side: an allreduce through the aggregator, with loss recovery.
+
+Per call (paper 004 App. A, SwitchML's worker protocol):
+
+1. encode: ``NATURAL`` — natural compression to appendix A's 8-bit codes (sign,
+   zero flag, exponent offset above ``2^e_min``), offsets clipped to
+   ``62 - ceil(log2 P)`` so the aggregator's int64 sums cannot overflow;
+   ``FIXED`` — ``round(x 2^fixed_bits)`` as int32;
+2. split into chunks of ``chunk`` values, one packet each; keep at most
+   ``window`` chunks outstanding;
+3. retransmit a chunk whose result has not come back after ``retransmit``
+   seconds (the aggregator answers a complete chunk from its shadow copy and
+   never counts a worker twice);
+4. check every result's epoch against the first one: a restarted aggregator
+   raises :class:`AggregatorRestartedError` instead of mixing jobs;
+5. decode the results — the same bytes on every worker, so the sum is bitwise
+   identical everywhere.
+
+No progress for ``timeout`` seconds raises :class:`~sparcml.errors.CommTimeoutError`
+naming the workers the aggregator is still waiting for.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..compress.natural import NaturalCompression
+from ..errors import CommError, CommTimeoutError
+from .packet import (
+    DATA,
+    FIXED,
+    NATURAL,
+    RESULT,
+    STATS,
+    STATS_REPLY,
+    Packet,
+    PacketError,
+    build,
+    parse,
+)
+
+__all__ = [
+    "AggregatorRestartedError",
+    "InaStats",
+    "encode_natural",
+    "ina_allreduce",
+    "worker_seed",
+]
+
+
+class AggregatorRestartedError(CommError):
+    """The aggregator's epoch changed during a job: its state was lost."""
+
+
+@dataclass
+class InaStats:
+    packets_sent: int = 0
+    bytes_sent: int = 0
+    retransmissions: int = 0
+    clipped: int = 0
+    epoch: int | None = None
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def ina_allreduce(
+    tensor: torch.Tensor,
+    server: tuple[str, int],
+    job: int,
+    rank: int,
+    world: int,
+    mode: str = "natural",
+    *,
+    e_min: int = -50,
+    fixed_bits: int = 16,
+    chunk: int = 256,
+    window: int = 64,
+    retransmit: float = 0.02,
+    timeout: float = 10.0,
+    seed: int = 0,
+    call: int = 0,
+    stats: InaStats | None = None,
+) -> torch.Tensor:
+    """Sum ``tensor`` over the ``world`` workers of ``job`` through the aggregator.
+
+    Args:
+        tensor: this worker's values (any shape; summed as float32).
+        server: the aggregator's (host, port) (or a relay's).
+        job / rank / world: the job id shared by its workers, this worker, their number.
+        mode: ``"natural"`` (8 bits per value) or ``"fixed"`` (int32 fixed point).
+        e_min: smallest exponent of the natural code (values below round to 0 or 2^e_min).
+        fixed_bits: fractional bits of the fixed-point mode.
+        chunk / window: values per packet, packets in flight.
+        retransmit / timeout: seconds before resending a chunk / before giving up.
+        seed: seed of this worker's stochastic rounding (mixed with rank, job and call).
+        call: this call's number within the job, the same on every worker (0, 1, ...):
+            chunk ids are ``call * 2^32 + i``, so a call never meets an earlier
+            call's results (the aggregator keeps shadow copies of those).
+        stats: an :class:`InaStats` to fill in (packets, bytes, retransmissions, clipping).
+
+    Returns:
+        The sum (``NATURAL``: the aggregator's re-compressed sum), shaped like
+        ``tensor``, the same bits on every worker.
+
+    Raises:
+        CommTimeoutError: no progress for ``timeout`` s (names the missing workers).
+        AggregatorRestartedError: the aggregator restarted during the call.
+        ValueError: bad arguments.
+    """
+    if mode not in ("natural", "fixed"):
+        raise ValueError(f"mode must be 'natural' or 'fixed', got {mode!r}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside a world of {world}")
+    if not 0 <= call < 2**31:
+        raise ValueError(f"call must be in [0, 2^31), got {call}")
+    if not 1 <= chunk <= 1024 or window < 1:
+        raise ValueError(f"chunk must be in [1, 1024] and window >= 1, got {chunk}, {window}")
+    st = stats if stats is not None else InaStats()
+    flat = tensor.detach().reshape(-1).to("cpu", torch.float32)  # the transport boundary
+    n = flat.numel()
+    code = NATURAL if mode == "natural" else FIXED
+    # Step 1: encode.
+    if code == NATURAL:
+        values, clipped = encode_natural(flat, e_min, world, worker_seed(seed, job, rank, call))
+        st.clipped += clipped
+    else:
+        scaled = torch.round(flat.double() * 2.0**fixed_bits)
+        if n and float(scaled.abs().max()) > 2**31 - 1:
+            raise ValueError(f"fixed point: values reach {float(flat.abs().max()):g}, beyond "
+                             f"int32 with {fixed_bits} fractional bits")  # fmt: skip
+        values = scaled.to(torch.int64).numpy().astype(">i4")
+    # Step 2: one packet per chunk.
+    nchunks = (n + chunk - 1) // chunk
+    base = call << 32
+    packets = [
+        build(
+            Packet(
+                DATA,
+                job,
+                0,
+                rank,
+                world,
+                base + c,
+                code,
+                min(chunk, n - c * chunk),
+                values[c * chunk : (c + 1) * chunk].tobytes(),
+            )
+        )
+        for c in range(nchunks)
+    ]
+    results: dict[int, bytes] = {}
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    try:
+        outstanding: dict[int, float] = {}
+        attempts: dict[int, int] = {}
+        nxt = 0
+        last_progress = time.monotonic()
+        while len(results) < nchunks:
+            now = time.monotonic()
+            while nxt < nchunks and len(outstanding) < window:
+                sock.sendto(packets[nxt], server)
+                st.packets_sent += 1
+                st.bytes_sent += len(packets[nxt])
+                outstanding[nxt] = now
+                nxt += 1
+            sock.settimeout(retransmit / 2)
+            try:
+                buf = sock.recv(65535)
+            except TimeoutError:
+                buf = b""
+            if buf:
+                try:
+                    p = parse(buf)
+                except PacketError:
+                    p = None
+                if p is not None and p.kind == RESULT and p.job == job and p.mode == code:
+                    # Step 4: the aggregator's incarnation must not change.
+                    if st.epoch is None:
+                        st.epoch = p.epoch
+                    elif p.epoch != st.epoch:
+                        raise AggregatorRestartedError(
+                            f"worker {rank}: the aggregator restarted during job {job} (epoch "
+                            f"{st.epoch} -> {p.epoch}); its partial sums are lost"
+                        )
+                    c = p.chunk - base
+                    if c in outstanding and c not in results:
+                        results[c] = p.payload
+                        del outstanding[c]
+                        last_progress = time.monotonic()
+            # Step 3: retransmit what is overdue.
+            now = time.monotonic()
+            for c, sent in list(outstanding.items())[:window]:
+                # back off per chunk: a slow aggregator must not be flooded
+                if now - sent > retransmit * 2 ** min(attempts.get(c, 0), 6):
+                    attempts[c] = attempts.get(c, 0) + 1
+                    sock.sendto(packets[c], server)
+                    st.packets_sent += 1
+                    st.bytes_sent += len(packets[c])
+                    st.retransmissions += 1
+                    outstanding[c] = now
+            if now - last_progress > timeout:
+                raise CommTimeoutError(_missing(sock, server, job, rank, timeout), peer=None)
+    finally:
+        sock.close()
+    # Step 5: decode.
+    if code == NATURAL:
+        c = torch.from_numpy(np.frombuffer(b"".join(results[i] for i in range(nchunks)),
+                                           dtype=np.uint8).astype(np.int64))  # fmt: skip
+        out = torch.ldexp(torch.ones(n), ((c & 63) + e_min).float())
+        out = torch.where(((c >> 6) & 1).bool(), torch.zeros_like(out), out)
+        out = torch.where(((c >> 7) & 1).bool(), -out, out)
+    else:
+        sums = np.frombuffer(b"".join(results[i] for i in range(nchunks)), dtype=">i8")
+        out = torch.from_numpy(sums.astype(np.float64)).div_(2.0**fixed_bits).float()
+    return out.reshape(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
+
+
+def worker_seed(seed: int, job: int, rank: int, call: int = 0) -> int:
+    """The seed of a worker's stochastic rounding: distinct per worker, job and call."""
+    return zlib.crc32(f"{seed}/{job}/{rank}/{call}".encode())
+
+
+def encode_natural(flat: torch.Tensor, e_min: int, world: int, seed: int) -> tuple[np.ndarray, int]:
+    """Step 1: 8-bit codes of ``flat`` (offsets clipped for ``world`` workers), clip count."""
+    q = NaturalCompression(format=8, e_min=e_min, seed=seed)
+    body = q.quantize(flat).numpy()[16:].astype(np.int64)
+    bound = 62 - max(0, (world - 1).bit_length())
+    offset = body & 63
+    clipped = int((offset > bound).sum()) + q.clipped
+    return ((body & 0xC0) | np.minimum(offset, bound)).astype(np.uint8), clipped
+
+
+def _missing(
+    sock: socket.socket, server: tuple[str, int], job: int, rank: int, timeout: float
+) -> str:
+    """Ask the aggregator which workers it still waits for (best effort)."""
+    text = f"worker {rank}: no progress for {timeout:g}s in job {job}"
+    try:
+        sock.sendto(build(Packet(STATS, job, 0, 0, 1, 0, FIXED, 0, b"")), server)
+        sock.settimeout(1.0)
+        p = parse(sock.recv(65535))
+        while p.kind != STATS_REPLY:
+            p = parse(sock.recv(65535))
+        missing = json.loads(p.payload)["missing"]
+        workers = sorted({w for ws in missing.values() for w in ws})
+        if workers:
+            return f"{text}: the aggregator is waiting for worker(s) {workers} (dead?)"
+        return f"{text}: the aggregator holds no incomplete chunk (results lost?)"
+    except (OSError, PacketError, ValueError, KeyError):
+        return f"{text}: the aggregator did not answer (is it running?)"

@@ -1,0 +1,220 @@
+"""In-network aggregation: exact integer sums through the aggregator, under loss,
+duplication and reordering (our lossy relay), with the faults the issue names.
+
+References: ``FIXED`` — the exact sum of the workers' int32 values; ``NATURAL`` —
+the sum of the workers' 8-bit codes restored to integers, re-compressed to the
+nearer power of two (the aggregator's ``master_rounding="nearest"``), decoded.
+Both must match bit for bit on every worker.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparcml.errors import CommTimeoutError
+from sparcml.ina import (
+    AggregatorRestartedError,
+    AggregatorServer,
+    InaStats,
+    LossyRelay,
+    PacketError,
+    ina_allreduce,
+    natural_compress_integers,
+    parse,
+)
+from sparcml.ina.packet import DATA, FIXED, HEADER, NATURAL, Packet, build
+from sparcml.ina.worker import encode_natural, worker_seed
+
+JOB = 11
+
+
+def _inputs(world: int, n: int) -> list[torch.Tensor]:
+    return [torch.randn(n, generator=torch.Generator().manual_seed(r)) * 3 for r in range(world)]
+
+
+def _run(world, xs, target, mode, job=JOB, **kw):  # type: ignore[no-untyped-def]
+    outs: list = [None] * world
+    errs: list = [None] * world
+    stats = [InaStats() for _ in range(world)]
+
+    def body(r: int) -> None:
+        try:
+            outs[r] = ina_allreduce(xs[r], target, job, r, world, mode, stats=stats[r], **kw)
+        except Exception as e:
+            errs[r] = e
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return outs, errs, stats
+
+
+def _natural_reference(xs: list[torch.Tensor], world: int, e_min: int = -50) -> torch.Tensor:
+    total = np.zeros(xs[0].numel(), dtype=np.int64)
+    for r, x in enumerate(xs):
+        codes, _ = encode_natural(x, e_min, world, worker_seed(0, JOB, r))
+        c = codes.astype(np.int64)
+        v = np.where((c >> 6) & 1, 0, np.int64(1) << (c & 63))
+        total += np.where((c >> 7) & 1, -v, v)
+    codes, _ = natural_compress_integers(total, None)
+    c = torch.from_numpy(codes.astype(np.int64))
+    out = torch.ldexp(torch.ones(c.numel()), ((c & 63) + e_min).float())
+    out = torch.where(((c >> 6) & 1).bool(), torch.zeros_like(out), out)
+    return torch.where(((c >> 7) & 1).bool(), -out, out)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+@pytest.mark.parametrize("faults", [(0.0, 0.0, 0.0), (0.01, 0.01, 0.01), (0.05, 0.05, 0.05)])
+def test_exact_sums_under_loss_duplication_and_reordering(world: int, faults) -> None:  # type: ignore[no-untyped-def]
+    n = 3000 + world  # not a multiple of the chunk
+    xs = _inputs(world, n)
+    fixed_ref = sum(torch.round(x.double() * 2**16) for x in xs) / 2**16
+    nat_ref = _natural_reference(xs, world)
+    with (
+        AggregatorServer(master_rounding="nearest") as srv,
+        LossyRelay(srv.address, *faults, seed=world) as relay,
+    ):
+        for mode, ref in (("fixed", fixed_ref.float()), ("natural", nat_ref)):
+            outs, errs, stats = _run(
+                world, xs, relay.address, mode, job=JOB if mode == "natural" else JOB + 1
+            )
+            assert errs == [None] * world, errs
+            for o in outs:
+                assert torch.equal(o, ref)
+        counters = srv.snapshot()
+    assert counters.get("rejected", 0) == 0
+    if relay.counts["dropped"]:  # whatever was lost was recovered by retransmission
+        assert sum(s.retransmissions for s in stats) > 0
+
+
+def test_two_jobs_on_one_aggregator_do_not_mix() -> None:
+    xs, ys = _inputs(3, 700), [x * -2 for x in _inputs(3, 700)]
+    with AggregatorServer() as srv:
+        res: dict = {}
+        t1 = threading.Thread(target=lambda: res.update(a=_run(3, xs, srv.address, "fixed", job=1)))
+        t2 = threading.Thread(target=lambda: res.update(b=_run(3, ys, srv.address, "fixed", job=2)))
+        t1.start()
+        t2.start()
+        t1.join()
+        t2.join()
+    ref_a = (sum(torch.round(x.double() * 2**16) for x in xs) / 2**16).float()
+    ref_b = (sum(torch.round(y.double() * 2**16) for y in ys) / 2**16).float()
+    assert all(torch.equal(o, ref_a) for o in res["a"][0])
+    assert all(torch.equal(o, ref_b) for o in res["b"][0])
+
+
+def test_malformed_packets_are_counted_and_service_goes_on() -> None:
+    with AggregatorServer() as srv:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        good = build(Packet(DATA, 5, 0, 0, 2, 0, FIXED, 2, b"\x00" * 8))
+        bad = [
+            b"", b"xx", b"XX" + good[2:],                     # truncated, truncated, bad magic
+            good[:2] + b"\x07" + good[3:],                    # version 7
+            good[:-1],                                        # payload one byte short
+            build(Packet(DATA, 5, 0, 3, 2, 0, FIXED, 2, b"\x00" * 8)),   # worker 3 of 2
+            build(Packet(DATA, 5, 0, 0, 2, 0, NATURAL, 1, b"\x3f")),     # offset 63: overflow
+        ]  # fmt: skip
+        for b in bad:
+            s.sendto(b, srv.address)
+        s.close()
+        xs = _inputs(2, 100)
+        _outs, errs, _ = _run(2, xs, srv.address, "fixed", job=6)
+        assert errs == [None, None]
+        counters = srv.snapshot()
+    assert counters["rejected"] == len(bad)
+    for reason in ("truncated", "bad_magic", "bad_version", "bad_length", "bad_worker"):
+        assert counters.get(f"rejected_{reason}", 0) >= 1
+    assert counters.get("rejected_overflow", 0) == 1
+
+
+def test_a_dead_worker_is_named_by_the_others() -> None:
+    xs = _inputs(3, 500)
+    with AggregatorServer() as srv:
+        outs: list = [None] * 3
+
+        def body(r: int) -> None:
+            try:
+                ina_allreduce(xs[r], srv.address, 9, r, 3, "natural", timeout=1.5)
+            except CommTimeoutError as e:
+                outs[r] = str(e)
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in (0, 2)]  # worker 1 is dead
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    for r in (0, 2):
+        assert outs[r] is not None and "waiting for worker(s) [1]" in outs[r]
+
+
+def test_a_restarted_aggregator_is_detected() -> None:
+    xs = _inputs(2, 5000)
+    with AggregatorServer() as srv:
+        port = srv.address[1]
+        srv.epoch ^= 1
+        errs: list = [None, None]
+
+        def body(r: int) -> None:
+            try:
+                ina_allreduce(xs[r], srv.address, 3, r, 2, "fixed", chunk=64, window=4, timeout=5)
+            except Exception as e:
+                errs[r] = e
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        while srv.snapshot().get("results", 0) < 3:
+            pass
+        srv.epoch ^= 2  # what a restart looks like to the workers: a new incarnation
+        for t in threads:
+            t.join(30)
+    assert port
+    assert all(isinstance(e, AggregatorRestartedError) for e in errs), errs
+
+
+def test_bytes_per_value_on_the_wire() -> None:
+    stats = InaStats()
+    with AggregatorServer() as srv:
+        _run(1, [torch.randn(4096)], srv.address, "natural")
+        ina_allreduce(torch.randn(4096), srv.address, 77, 0, 1, "natural", stats=stats)
+    # one byte per value plus a 28-byte header per 256-value packet: 8.9 bits per value
+    assert stats.bytes_sent * 8 / 4096 <= 8 + 28 * 8 / 256 + 1e-9
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.binary(max_size=200))
+def test_parser_fuzz_never_crashes(data: bytes) -> None:
+    try:
+        p = parse(data)
+    except PacketError:
+        return
+    assert len(data) >= HEADER.size and isinstance(p, Packet)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(min_size=HEADER.size, max_size=HEADER.size + 64))
+def test_parser_fuzz_on_valid_magic(data: bytes) -> None:
+    data = b"SI\x01" + data[3:]
+    try:
+        parse(data)
+    except PacketError as e:
+        assert e.reason
+
+
+def test_repeated_calls_in_one_job_never_meet_old_results() -> None:
+    with AggregatorServer() as srv:
+        for call in range(3):
+            xs = [x * (call + 1) for x in _inputs(3, 900)]
+            outs, errs, _ = _run(3, xs, srv.address, "fixed", job=21, call=call)
+            assert errs == [None] * 3
+            ref = (sum(torch.round(x.double() * 2**16) for x in xs) / 2**16).float()
+            assert all(torch.equal(o, ref) for o in outs)
