@@ -218,3 +218,24 @@ def test_repeated_calls_in_one_job_never_meet_old_results() -> None:
             assert errs == [None] * 3
             ref = (sum(torch.round(x.double() * 2**16) for x in xs) / 2**16).float()
             assert all(torch.equal(o, ref) for o in outs)
+
+
+def test_fuzz_100k_inputs_no_crash_and_still_aggregating() -> None:
+    from sparcml.ina.fuzz import fuzz
+
+    out = fuzz(100_000, seed=3)
+    assert out["inputs"] == 100_000 and out["parsed"] > 1000 and out["rejected"] > 1000
+
+
+@pytest.mark.spawn
+def test_bench_ina_runs_under_torchrun() -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "-m",
+           "sparcml.cli", "bench-ina", "--env", "-N", "8K", "--repeats", "1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2 workers + 1 aggregator host" in done.stdout
+    for name in ("gloo ring all_reduce", "ina natural", "ina fixed"):
+        assert name in done.stdout

@@ -369,6 +369,33 @@ def _ina_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_ina(args: argparse.Namespace) -> int:
+    import json
+
+    import torch.distributed as dist
+
+    from .bench.ina import format_rows, run_ina_bench
+
+    if not args.env:
+        print("sparcml bench-ina: run it inside a job, e.g. sudo sparcml cluster -P 5 --rate "
+              "1gbit -- sparcml bench-ina --env (the last host is the aggregator)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    rows = run_ina_bench(args.size, args.repeats, args.chunk)
+    dist.destroy_process_group()
+    if rows is None:
+        return 0
+    rate = os.environ.get("SPARCML_CLUSTER_RATE", "?")
+    print(format_rows(rows, args.size, world - 1, rate), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": args.size, "workers": world - 1, "rate": rate, "rows": rows}, f,
+                      indent=2)  # fmt: skip
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparcml`` command."""
     parser = argparse.ArgumentParser(
@@ -458,6 +485,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ina.add_argument("--slots", type=_positive, default=512, help="slot pool per job")
     ina.add_argument("--master-rounding", choices=["stochastic", "nearest"], default="stochastic")
     ina.add_argument("--stats-every", type=float, default=10.0, help="seconds between counters")
+    bi = sub.add_parser(
+        "bench-ina",
+        help="the aggregator vs gloo ring all_reduce on the same links (inside sparcml cluster)",
+    )
+    bi.add_argument("--env", action="store_true", help="join the job (required)")
+    bi.add_argument("-N", "--size", type=_size, default=_size("4M"))
+    bi.add_argument("--repeats", type=_positive, default=3)
+    bi.add_argument("--chunk", type=_positive, default=1024, help="values per packet (<= 1024)")
+    bi.add_argument("--json", help="write the rows to this JSON file")
+    fz = sub.add_parser("ina-fuzz", help="fuzz the aggregator's packet parser and handler")
+    fz.add_argument("--count", type=_positive, default=100_000)
+    fz.add_argument("--seed", type=int, default=0)
     ist = sub.add_parser("ina-stats", help="read a running aggregator's counters")
     ist.add_argument("address", help="host:port of the aggregator")
     ist.add_argument("--job", type=int, default=0, help="also list this job's missing workers")
@@ -505,6 +544,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _ina_server(args)
     if args.command == "ina-stats":
         return _ina_stats(args)
+    if args.command == "bench-ina":
+        return _bench_ina(args)
+    if args.command == "ina-fuzz":
+        import logging
+
+        from .ina.fuzz import fuzz
+
+        logging.getLogger("sparcml.ina").setLevel(logging.ERROR)
+        print(fuzz(args.count, args.seed))
+        return 0
     if args.command == "methods":
         from .torch.state import methods
 

@@ -167,7 +167,10 @@ class AggregatorServer:
     def _reject(self, reason: str, detail: str, addr: tuple[str, int]) -> None:
         self.counters["rejected"] += 1
         self.counters[f"rejected_{reason}"] += 1
-        log.warning("rejected a packet from %s:%s: %s: %s", addr[0], addr[1], reason, detail)
+        n = self.counters[f"rejected_{reason}"]
+        if n <= 10 or n % 1000 == 0:  # a flood of garbage must not flood the log
+            log.warning("rejected a packet from %s:%s: %s: %s (%d so far)", addr[0], addr[1],
+                        reason, detail, n)  # fmt: skip
 
     def handle(self, buf: bytes, addr: tuple[str, int]) -> None:
         with self._lock:

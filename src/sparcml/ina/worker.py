@@ -248,10 +248,13 @@ def _missing(
         p = parse(sock.recv(65535))
         while p.kind != STATS_REPLY:
             p = parse(sock.recv(65535))
-        missing = json.loads(p.payload)["missing"]
+        reply = json.loads(p.payload)
+        missing = reply["missing"]
         workers = sorted({w for ws in missing.values() for w in ws})
+        rejects = {k[9:]: v for k, v in reply["counters"].items() if k.startswith("rejected_")}
+        why = f"; it rejected packets: {rejects}" if rejects else ""
         if workers:
-            return f"{text}: the aggregator is waiting for worker(s) {workers} (dead?)"
-        return f"{text}: the aggregator holds no incomplete chunk (results lost?)"
+            return f"{text}: the aggregator is waiting for worker(s) {workers} (dead?){why}"
+        return f"{text}: the aggregator holds no incomplete chunk of this job{why}"
     except (OSError, PacketError, ValueError, KeyError):
         return f"{text}: the aggregator did not answer (is it running?)"
