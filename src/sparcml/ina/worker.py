@@ -97,7 +97,8 @@ def ina_allreduce(
         e_min: smallest exponent of the natural code (values below round to 0 or 2^e_min).
         fixed_bits: fractional bits of the fixed-point mode.
         chunk / window: values per packet, packets in flight.
-        retransmit / timeout: seconds before resending a chunk / before giving up.
+        retransmit / timeout: the least seconds before resending a chunk (the timer
+            follows three smoothed round trips, backing off per chunk) / before giving up.
         seed: seed of this worker's stochastic rounding (mixed with rank, job and call).
         call: this call's number within the job, the same on every worker (0, 1, ...):
             chunk ids are ``call * 2^32 + i``, so a call never meets an earlier
@@ -160,6 +161,8 @@ def ina_allreduce(
     try:
         outstanding: dict[int, float] = {}
         attempts: dict[int, int] = {}
+        first_sent: dict[int, float] = {}
+        srtt: float | None = None  # smoothed round trip, as TCP estimates it (RFC 6298)
         nxt = 0
         last_progress = time.monotonic()
         while len(results) < nchunks:
@@ -169,6 +172,7 @@ def ina_allreduce(
                 st.packets_sent += 1
                 st.bytes_sent += len(packets[nxt])
                 outstanding[nxt] = now
+                first_sent[nxt] = now
                 nxt += 1
             sock.settimeout(retransmit / 2)
             try:
@@ -194,11 +198,17 @@ def ina_allreduce(
                         results[c] = p.payload
                         del outstanding[c]
                         last_progress = time.monotonic()
+                        if c not in attempts:  # Karn: only unambiguous samples
+                            sample = last_progress - first_sent[c]
+                            srtt = sample if srtt is None else 0.875 * srtt + 0.125 * sample
             # Step 3: retransmit what is overdue.
             now = time.monotonic()
+            # before the first sample, wait 0.2 s: a window sent at once queues at the
+            # aggregator, and resending it all would only lengthen the queue
+            rto = max(retransmit, 3 * srtt if srtt is not None else 0.2)
             for c, sent in list(outstanding.items())[:window]:
                 # back off per chunk: a slow aggregator must not be flooded
-                if now - sent > retransmit * 2 ** min(attempts.get(c, 0), 6):
+                if now - sent > rto * 2 ** min(attempts.get(c, 0), 6):
                     attempts[c] = attempts.get(c, 0) + 1
                     sock.sendto(packets[c], server)
                     st.packets_sent += 1
