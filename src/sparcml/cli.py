@@ -228,6 +228,8 @@ def _train(args: argparse.Namespace) -> int:
     hyper: dict = {"density": args.density}
     if args.warmup_steps:
         hyper["warmup_steps"] = args.warmup_steps
+    if args.momentum_correction:
+        hyper["momentum"] = args.momentum_correction
     options = {"limit": args.limit} if args.limit else {}
     command = "sparcml " + " ".join(
         sys.argv[1:] if args.command_line is None else args.command_line
@@ -468,6 +470,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     tr.add_argument("--epochs", type=_positive, help="default: the recipe's")
     tr.add_argument("-d", "--density", type=_fraction, default=0.01)
     tr.add_argument("--warmup-steps", type=int, default=0, help="dense steps first")
+    tr.add_argument(
+        "--momentum-correction",
+        type=float,
+        default=0.0,
+        help="DGC momentum correction with this momentum for the sparse methods "
+        "(the optimizer then runs without momentum)",
+    )
     tr.add_argument("--limit", type=_positive, help="use only this many training examples")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", help="output directory (default docs/results/train/RECIPE)")

@@ -37,7 +37,9 @@ class Recipe(abc.ABC):
         """A fresh model, initialised from ``self.seed`` (the same on every rank)."""
 
     @abc.abstractmethod
-    def optimizer(self, params: Any) -> torch.optim.Optimizer: ...
+    def optimizer(self, params: Any, momentum: bool = True) -> torch.optim.Optimizer:
+        """The optimizer; ``momentum=False`` when the method does DGC momentum correction
+        (the momentum then lives in the sparcml state, RedSync sec. 3.5)."""
 
     @abc.abstractmethod
     def batches(self, epoch: int) -> Iterator[tuple[Any, torch.Tensor]]:

@@ -97,7 +97,7 @@ class Newsgroups(Recipe):
     def model(self) -> torch.nn.Module:
         return LogReg()
 
-    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+    def optimizer(self, params: Any, momentum: bool = True) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.lr)
 
     def steps_per_epoch(self) -> int:

@@ -57,7 +57,8 @@ def train_worker(
     recipe = RECIPES[recipe_name](comm.rank, comm.world_size, seed, **options)
     model = DDP(recipe.model())
     state = st.register(model, method, **hyper)
-    opt = recipe.optimizer(model.parameters())
+    # DGC momentum correction moves the momentum from the optimizer into the state
+    opt = recipe.optimizer(model.parameters(), momentum=not hyper.get("momentum"))
     steps = recipe.steps_per_epoch()
     bar = _Progress(epochs * steps, f"{recipe_name} {method}", progress and comm.rank == 0)
     losses: list[float] = []
@@ -117,6 +118,7 @@ def run_recipe(
             "natural_ina",
         ):  # fmt: skip
             h.pop("density", None)
+            h.pop("momentum", None)  # momentum correction is for sparse methods
         server = None
         if method == "natural_ina" and "ina_server" not in h:
             from ..ina import AggregatorServer
