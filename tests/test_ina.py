@@ -241,3 +241,8 @@ def test_bench_ina_runs_under_torchrun() -> None:
     assert "2 workers + 1 aggregator host" in done.stdout
     for name in ("gloo ring all_reduce", "ina natural", "ina fixed"):
         assert name in done.stdout
+
+
+def test_an_empty_vector_needs_no_aggregator() -> None:
+    out = ina_allreduce(torch.zeros(0), ("127.0.0.1", 9), 1, 0, 2, "natural", timeout=1)
+    assert out.numel() == 0

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..compress.base import make_header
 from ..compress.natural import NaturalCompression
 from ..errors import CommError, CommTimeoutError
 from .packet import (
@@ -126,6 +127,8 @@ def ina_allreduce(
     flat = tensor.detach().reshape(-1).to("cpu", torch.float32)  # the transport boundary
     n = flat.numel()
     code = NATURAL if mode == "natural" else FIXED
+    if n == 0:  # nothing to aggregate: no packet is sent
+        return tensor.detach().clone()
     # Step 1: encode.
     if code == NATURAL:
         values, clipped = encode_natural(flat, e_min, world, worker_seed(seed, job, rank, call))
@@ -221,11 +224,13 @@ def ina_allreduce(
         sock.close()
     # Step 5: decode.
     if code == NATURAL:
-        c = torch.from_numpy(np.frombuffer(b"".join(results[i] for i in range(nchunks)),
-                                           dtype=np.uint8).astype(np.int64))  # fmt: skip
-        out = torch.ldexp(torch.ones(n), ((c & 63) + e_min).float())
-        out = torch.where(((c >> 6) & 1).bool(), torch.zeros_like(out), out)
-        out = torch.where(((c >> 7) & 1).bool(), -out, out)
+        codes = torch.frombuffer(bytearray(b"".join(results[i] for i in range(nchunks))),
+                                 dtype=torch.uint8)  # fmt: skip
+        # the aggregator's codes are appendix A's 8-bit format: decode them as such
+        payload = torch.cat([make_header(3, n), codes])
+        out = NaturalCompression(format=8, e_min=e_min).dequantize(
+            payload, torch.float32, torch.device("cpu")
+        )
     else:
         sums = np.frombuffer(b"".join(results[i] for i in range(nchunks)), dtype=">i8")
         out = torch.from_numpy(sums.astype(np.float64)).div_(2.0**fixed_bits).float()
