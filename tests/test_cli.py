@@ -84,3 +84,34 @@ def test_ddp_example_switches_a_script_in_three_lines(method: str) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[:1500] + done.stderr[-1500:]
     assert "models identical on every rank: True" in done.stdout
+
+
+@pytest.mark.spawn
+def test_bench_peers_and_a_density_sweep_plot(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    files = []
+    for d in ("0.001", "0.3"):
+        f = tmp_path / f"d{d}.json"
+        argv = ["bench", "-P", "2", "-N", "64K", "-d", d, "--repeats", "2", "--peers",
+                "-a", "dense", "-a", "ssar_recursive_double", "-a", "dsar_split_allgather",
+                "--json", str(f), "-q"]  # fmt: skip
+        assert main(argv) == 0
+        files.append(str(f))
+    with open(files[0]) as fh:
+        doc = json.load(fh)
+    rows = {r["algorithm"]: r for r in doc["rows"]}
+    # fp16 rounds within float16 precision; PowerSGD is lossy but the same on every rank
+    assert (
+        rows["torch_fp16_hook"]["correct"] and 0 < rows["torch_fp16_hook"]["max_rel_error"] < 2e-3
+    )
+    assert (
+        rows["torch_powersgd_hook"]["correct"]
+        and rows["torch_powersgd_hook"]["max_rel_error"] > 0.1
+    )
+    # ring volumes: fp16 is half of dense's float32 ring
+    assert rows["torch_fp16_hook"]["bytes_sent"] == pytest.approx(2 * 65536, rel=1e-6)
+    capsys.readouterr()
+    png = tmp_path / "sweep.png"
+    assert main(["bench-plot", *files, "--over", "density", "--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "| density | dense |" in out and "fastest" in out and png.stat().st_size > 1000
+    assert main(["bench-plot", files[0], "--over", "P"]) == 2

@@ -274,6 +274,21 @@ def test_warmup_steps_are_dense(world: int) -> None:
     assert not during[0][1].residuals  # nothing accumulated during warm-up
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_warmup_with_momentum_correction_is_momentum_sgd(world: int) -> None:
+    """Warm-up steps average u = m u + g (the optimizer runs without momentum)."""
+    m = 0.9
+    out = _run(world, "topk", steps=3, density=0.01, warmup_steps=2, momentum=m)
+    u = torch.zeros(sum(SIZES), dtype=torch.float64)
+    for t in range(2):
+        mean = sum(_grads(r, t) for r in range(world)) / world
+        u = m * u + mean
+        assert torch.allclose(out[0][0][t], u, rtol=0, atol=1e-12)
+    # the momentum carries into the first sparse step: u = m u + g before selection
+    assert not torch.equal(out[0][0][2], _run(world, "topk", steps=3, density=0.01,
+                                              momentum=m)[0][0][2])  # fmt: skip
+
+
 def test_local_clipping_scales_by_one_over_sqrt_p() -> None:
     def fn(comm):  # type: ignore[no-untyped-def]
         g = torch.full((100,), 10.0, dtype=torch.float64)  # norm 100

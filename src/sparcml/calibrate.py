@@ -149,5 +149,6 @@ def to_model(figures: dict[str, Any], source: str = "calibrated") -> CostModel:
         beta=figures["beta"],
         gamma=figures["gamma"],
         beta_sparse=figures["beta_sparse"],
+        gamma_dense=figures.get("gamma_dense"),
         source=source,
     )

@@ -100,7 +100,37 @@ def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         seed=args.seed,
         timeout=args.timeout,
         progress=not args.quiet,
+        peers=getattr(args, "peers", False),
     )
+
+
+def _bench_plot(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .bench.allreduce import crossovers, plot_sweep, sweep_table
+
+    docs = []
+    for f in args.files:
+        try:
+            docs.append(json.loads(Path(f).read_text()))
+        except (OSError, ValueError) as e:
+            print(f"sparcml bench-plot: cannot read {f}: {e}", file=sys.stderr)
+            return 2
+    key = {"P": "world_size", "density": "density"}[args.over]
+    if len({d["config"][key] for d in docs}) < 2:
+        print(f"sparcml bench-plot: the files must differ in {args.over}", file=sys.stderr)
+        return 2
+    table, best, series = sweep_table(docs, args.over)
+    print(table)
+    for line in crossovers(best) or ["no crossover: one algorithm is fastest everywhere"]:
+        print("crossover " + line if line.startswith("between") else line)
+    if args.out:
+        c = docs[0]["config"]
+        fixed = f"d={c['density']:g}" if args.over == "P" else f"P={c['world_size']}"
+        title = args.title or f"time vs {args.over}, N={c['size']:,}, {fixed}"
+        print(f"wrote {plot_sweep(series, args.over, Path(args.out), title)}")
+    return 0
 
 
 def _run(args: argparse.Namespace, title: str) -> int:
@@ -197,9 +227,28 @@ def _bench_topk(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"sparcml: error: {e}", file=sys.stderr)
         return 2
-    print(f"sparcml bench-topk: {cfg.world_size} local ranks over gloo (loopback)", flush=True)
     t0 = time.monotonic()
-    rows = run_topk_benchmark(cfg)
+    if args.env:  # one rank of a torchrun / sparcml cluster job
+        import torch.distributed as dist
+
+        from .bench.topk import _rank_main
+        from .comm import TorchDistCommunicator
+
+        dist.init_process_group("gloo")
+        comm = TorchDistCommunicator(timeout=cfg.timeout)
+        cfg = dataclasses.replace(cfg, world_size=comm.world_size)
+        got = _rank_main(comm, cfg)
+        comm.close()
+        dist.destroy_process_group()
+        if got is None:
+            return 0
+        rows = got
+        where = os.environ.get("SPARCML_CLUSTER_RATE")
+        print(f"sparcml bench-topk: {cfg.world_size} ranks of a torch.distributed job"
+              + (f" (emulated cluster, {where} links)" if where else ""), flush=True)  # fmt: skip
+    else:
+        print(f"sparcml bench-topk: {cfg.world_size} local ranks over gloo (loopback)", flush=True)
+        rows = run_topk_benchmark(cfg)
     print(format_table(rows, cfg), flush=True)  # type: ignore[arg-type]
     print(f"total {time.monotonic() - t0:.1f} s")
     if args.json:
@@ -318,6 +367,74 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    import json
+    import shlex
+    from pathlib import Path
+
+    import torch
+
+    from .costmodel import CostModel
+    from .simulate import (
+        SimConfig,
+        format_sim_table,
+        quadratic_cost_note,
+        run_simulation,
+        validate_against,
+        write_simulation,
+    )
+
+    torch.set_num_threads(1)  # thousands of rank threads: no intra-op pools
+    model = CostModel.load(args.calibration) if args.calibration else CostModel.load()
+    if args.validate:
+        print(f"model: {model.source}")
+        print("| measured file | P | algorithm | measured ms | simulated ms | model ms | error |")
+        print("|---|---:|---|---:|---:|---:|---:|")
+        out = []
+        for f in args.validate:
+            for r in validate_against(
+                Path(f), model, args.quadratic_limit, args.compute, args.cores
+            ):
+                r["file"] = f
+                out.append(r)
+                print(
+                    f"| {Path(f).name} | {r['P']} | {r['algorithm']} "
+                    f"| {r['measured_s'] * 1e3:,.1f} | {r['simulated_s'] * 1e3:,.1f} "
+                    f"| {(r['model_s'] or 0) * 1e3:,.1f} | {r['error']:+.0%} |",
+                    flush=True,
+                )
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        return 0
+    cfg = SimConfig(
+        world_sizes=tuple(args.world_sizes),
+        size=args.size,
+        density=args.density,
+        overlap=args.overlap,
+        algorithms=tuple(a for a in (args.algorithms or "").split(",") if a),
+        sim_elements=args.sim_elements,
+        quadratic_limit=args.quadratic_limit,
+        calibration=args.calibration,
+        seed=args.seed,
+        progress=not args.quiet,
+        compute=args.compute,
+        cores=args.cores,
+    )
+    try:
+        cfg.validate()
+    except ValueError as e:
+        print(f"sparcml simulate: {e}", file=sys.stderr)
+        return 2
+    rows = run_simulation(cfg)
+    print(format_sim_table(rows, model))
+    print(quadratic_cost_note(cfg.quadratic_limit))
+    if args.out:
+        command = "sparcml " + shlex.join(args.command_line or sys.argv[1:])
+        for path in write_simulation(rows, cfg, Path(args.out), command):
+            print(f"wrote {path}")
+    return 0
+
+
 def _ina_server(args: argparse.Namespace) -> int:
     import logging
 
@@ -421,6 +538,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--json", help="write results (with config and machine) to this JSON file")
     bench.add_argument("--csv", help="write results to this CSV file")
     bench.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run PyTorch's fp16 and PowerSGD DDP hooks on the same vectors",
+    )
+    bp = sub.add_parser(
+        "bench-plot",
+        help="combine bench JSON files into a time-vs-P or time-vs-density log-log plot",
+        description="Reads `sparcml bench --json` files that differ in P or in density, prints "
+        "p50 per algorithm, the fastest one at each point and the crossovers, and plots.",
+    )
+    bp.add_argument("files", nargs="+")
+    bp.add_argument("--over", choices=["P", "density"], required=True)
+    bp.add_argument("--out", help="PNG to write")
+    bp.add_argument("--title")
+    bench.add_argument(
         "--env",
         action="store_true",
         help="join a job started by torchrun / sparcml cluster (-P is ignored)",
@@ -440,6 +572,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bt.add_argument("--seed", type=int, default=0)
     bt.add_argument("--timeout", type=float, default=300.0)
     bt.add_argument("--json", help="write the rows to this JSON file")
+    bt.add_argument(
+        "--env",
+        action="store_true",
+        help="join a job started by torchrun / sparcml cluster (-P is ignored)",
+    )
     bt.add_argument("-q", "--quiet", action="store_true")
     bc = sub.add_parser(
         "bench-compress",
@@ -509,6 +646,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     ist = sub.add_parser("ina-stats", help="read a running aggregator's counters")
     ist.add_argument("address", help="host:port of the aggregator")
     ist.add_argument("--job", type=int, default=0, help="also list this job's missing workers")
+    si = sub.add_parser(
+        "simulate",
+        help="the real collectives on a virtual clock under the calibrated model, up to P=4096",
+        description="Runs every algorithm on P simulated ranks (threads) whose transport keeps "
+        "time by the alpha-beta-gamma model; data scaled down N/s, costs charged at N. Prints "
+        "simulated and closed-form times, bytes and fill-in; --validate compares with a "
+        "measured `sparcml bench --json` file.",
+    )
+    si.add_argument(
+        "-P",
+        "--world-sizes",
+        type=_positive,
+        nargs="+",
+        default=[4, 8, 16, 64, 256, 1024, 4096],
+    )
+    si.add_argument("-N", "--size", type=_size, default=_size("16M"))
+    si.add_argument("-d", "--density", type=_fraction, default=0.00781)
+    si.add_argument("--overlap", type=_fraction, default=0.0, help="share from a common hot set")
+    si.add_argument("--algorithms", help="comma-separated (default: all simulated ones)")
+    si.add_argument("--calibration", help="calibration JSON (default: the stored one)")
+    si.add_argument(
+        "--sim-elements",
+        type=_size,
+        default=_size("64M"),
+        help="memory budget: scaled elements over all ranks (default 64M)",
+    )
+    si.add_argument("--quadratic-limit", type=_positive, default=1024,
+                    help="largest P for P^2-work algorithms (model beyond)")  # fmt: skip
+    si.add_argument(
+        "--compute",
+        choices=["model", "measured"],
+        default="model",
+        help="local work: gamma per element (model) or timed for real (measured)",
+    )
+    si.add_argument(
+        "--cores",
+        type=_positive,
+        help="measured compute: cores the P ranks share on the predicted machine",
+    )
+    si.add_argument("--seed", type=int, default=0)
+    si.add_argument("--out", help="write simulate.md/.json/.png into this directory")
+    si.add_argument("--validate", nargs="+", metavar="BENCH_JSON",
+                    help="simulate these measured bench runs and report the error")  # fmt: skip
+    si.add_argument("--json", help="with --validate: write the comparison here")
+    si.add_argument("-q", "--quiet", action="store_true")
     ca = sub.add_parser(
         "calibrate",
         help="measure alpha, beta and gamma for algorithm='auto'",
@@ -549,6 +731,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cluster(args)
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "simulate":
+        return _simulate(args)
+    if args.command == "bench-plot":
+        return _bench_plot(args)
     if args.command == "ina-server":
         return _ina_server(args)
     if args.command == "ina-stats":

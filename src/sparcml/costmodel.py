@@ -4,6 +4,8 @@ Sending ``L`` bytes costs ``alpha + beta * L`` (paper 000, sec. 5.2, "Analytical
 Model"; ``beta`` per byte here, so sparse pairs cost ``(c + isize) * beta`` and
 dense words ``isize * beta``; a separate ``beta_sparse`` may be calibrated when
 sparse traffic moves at another rate). ``gamma`` is the local cost per element
+merged in a sparse reduction, ``gamma_dense`` per element of a dense addition
+(two orders of magnitude apart on a CPU: a sorted merge against a vector add);
 reduced.
 
 The fill-in ``K`` of the reduced result is estimated with the closed form of
@@ -69,7 +71,8 @@ class CostModel:
     Attributes:
         alpha: latency of one message, seconds.
         beta: transfer time per byte of dense data, seconds.
-        gamma: local reduction time per element, seconds.
+        gamma: local reduction time per element of a sparse merge, seconds.
+        gamma_dense: time per element of a dense addition (default: ``gamma``).
         beta_sparse: transfer time per byte of sparse pairs (default: ``beta``).
         source: where the numbers came from (``default`` or a file path).
     """
@@ -79,6 +82,12 @@ class CostModel:
     gamma: float = 1e-9
     beta_sparse: float | None = None
     source: str = "default"
+    gamma_dense: float | None = None
+
+    @property
+    def gamma_add(self) -> float:
+        """Per-element cost of a dense addition."""
+        return self.gamma if self.gamma_dense is None else self.gamma_dense
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> CostModel:
@@ -98,6 +107,9 @@ class CostModel:
                 gamma=float(data.get("gamma", cls.gamma)),
                 beta_sparse=(
                     float(data["beta_sparse"]) if data.get("beta_sparse") is not None else None
+                ),
+                gamma_dense=(
+                    float(data["gamma_dense"]) if data.get("gamma_dense") is not None else None
                 ),
                 source=str(p),
             )
@@ -137,6 +149,8 @@ class CostModel:
         p, n = world_size, size
         if p == 1:
             return 0.0
+        if algorithm == "topkdsa":  # TopkDSA is SparCML's SSAR_Split_allgather
+            algorithm = "ssar_split_allgather"
         k = max(ks) if ks else 0
         k_mean = sum(ks) / len(ks) if ks else 0.0
         fill = expected_fill_in(n, ks)
@@ -146,7 +160,7 @@ class CostModel:
             return (
                 2 * (p - 1) * self.alpha
                 + 2 * (p - 1) / p * n * isize * self.beta
-                + (p - 1) / p * n * self.gamma
+                + (p - 1) / p * n * self.gamma_add
             )
         if algorithm == "ssar_recursive_double":
             t = fold * self._msg(k, n, isize)
@@ -168,6 +182,32 @@ class CostModel:
             return t + self.gamma * fill
         if algorithm == "dsar_split_allgather":
             return split + (p - 1) * self.alpha + (p - 1) / p * n * isize * self.beta
+        pair = index_bytes(n) + isize
+        beta_s = self.beta_sparse if self.beta_sparse is not None else self.beta
+        log_p = math.ceil(math.log2(p))
+        if algorithm in ("topka", "sparse_allgather"):
+            # recursive-doubling allgather of every rank's k pairs (paper 001, Table 1:
+            # TopkA log P alpha + 2(P-1) k beta in words), then the merge
+            return (
+                (log_p + fold) * self.alpha
+                + beta_s * (p - 1) * k_mean * pair
+                + self.gamma * p * k_mean
+            )
+        if algorithm == "gtopk":
+            # tree reduction keeping k per level, then broadcast (paper 001, Table 1:
+            # 2 log P alpha + 4k log P beta in words)
+            return 2 * log_p * (self.alpha + beta_s * k * pair) + self.gamma * 2 * k * log_p
+        if algorithm == "oktopk":
+            # steady state (thresholds and boundaries reused): split and reduce
+            # ((P-1) alpha + k (P-1)/P pairs), counts allgather ((P-1) alpha), share
+            # redistribution (<= 2 messages of ~k/P), recursive-doubling allgather of the
+            # k kept pairs (log P alpha + k (P-1)/P pairs): paper 001, sec. 3.1-3.2,
+            # total <= (2P + 2 log P) alpha + 6k (P-1)/P beta in words
+            return (
+                (2 * (p - 1) + 2 + log_p) * self.alpha
+                + beta_s * pair * (2 * k * (p - 1) / p + k / p)
+                + self.gamma * 2 * k
+            )
         raise ValueError(f"no cost formula for algorithm {algorithm!r}")
 
     def choose(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import platform
 import statistics
@@ -33,6 +34,7 @@ from ..comm import Communicator
 from ..costmodel import CostModel
 from ..launch import run_processes
 from ..stream import SparseStream
+from .peers import PEERS, PeerRunner
 
 __all__ = ["BenchConfig", "Row", "format_table", "gradient_like", "run_benchmark"]
 
@@ -53,6 +55,7 @@ class BenchConfig:
     seed: int = 0
     timeout: float = 120.0
     progress: bool = True
+    peers: bool = False  # PyTorch's fp16 and PowerSGD DDP hooks on the same vectors
 
     def validate(self) -> None:
         if self.world_size < 1:
@@ -67,13 +70,15 @@ class BenchConfig:
             raise ValueError("repeats and experiments must be >= 1, warmup >= 0")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        known = set(algorithms(exact=True)) | {"auto"}
+        known = set(algorithms(exact=True)) | {"auto"} | set(PEERS)
         unknown = [a for a in self.algorithms if a not in known]
         if unknown:
             raise ValueError(f"unknown algorithms {unknown}; known: {sorted(known)}")
 
     def algorithm_list(self) -> list[str]:
         names = list(self.algorithms) or [*algorithms(exact=True), "auto"]
+        if self.peers:
+            names += [p for p in PEERS if p not in names]
         # the dense baseline first: speedups are relative to it
         return sorted(names, key=lambda a: a != "dense")
 
@@ -150,6 +155,13 @@ def _rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | N
     step = 0
     model = CostModel.load()
     predicted: dict[str, list[float]] = {a: [] for a in names}
+    peers: dict[str, PeerRunner] = {}
+    for a in names:
+        if a in PEERS:
+            group = getattr(comm, "group", None)
+            if group is None:
+                raise ValueError(f"{a} needs a torch.distributed process group (gloo or NCCL)")
+            peers[a] = PeerRunner(a, group, comm.world_size)
     for e in range(cfg.experiments):
         stream = gradient_like(
             cfg.size, cfg.density, comm.rank, overlap=cfg.overlap, seed=cfg.seed + e, dtype=dtype
@@ -163,23 +175,54 @@ def _rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | N
         scale = comm.allreduce(stream.to_dense().to(torch.float64).abs())
         if "auto" in names:
             chose = choose_algorithm(stream, comm)
+        # the peers take DDP's dense buckets: densified once, outside the timing
+        dense_in = stream.to_dense() if peers else None
         for name in names:
             step += 1
+            peer = peers.get(name)
+
+            def call(
+                peer: PeerRunner | None = peer,
+                name: str = name,
+                stream: SparseStream = stream,
+                dense_in: torch.Tensor | None = dense_in,
+            ) -> SparseStream:
+                if peer is None:
+                    return sparse_allreduce(stream, comm, algorithm=name)
+                assert dense_in is not None
+                return SparseStream.dense(peer(dense_in).to(dtype))
+
             for _ in range(cfg.warmup):
-                sparse_allreduce(stream, comm, algorithm=name)
+                call()
             for _ in range(cfg.repeats):
                 comm.barrier()
                 before = comm.stats.bytes_sent
                 t0 = time.perf_counter()
-                result = sparse_allreduce(stream, comm, algorithm=name)
+                result = call()
                 elapsed = time.perf_counter() - t0
-                sent[name].append(comm.stats.bytes_sent - before)
+                sent[name].append(
+                    comm.stats.bytes_sent - before
+                    if peer is None
+                    else round(peer.bytes_sent(cfg.size))
+                )
                 slowest = comm.allreduce(torch.tensor([elapsed], dtype=torch.float64), op="max")
                 times[name].append(float(slowest))
             err = (result.to_dense().to(torch.float64) - ref).abs()
             rel = float((err / scale.clamp_min(1e-30)).max()) if err.numel() else 0.0
             tol = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 4e-2}[cfg.dtype]
-            ok = bool(comm.allreduce(torch.tensor([rel <= tol], dtype=torch.int32), op="min"))
+            if peer is not None:
+                # the peers' error in norm: float16 flushes tiny values to subnormals,
+                # PowerSGD is a low-rank approximation
+                rel = float(err.norm() / ref.norm().clamp_min(1e-30))
+            if name == "torch_fp16_hook":
+                tol = max(tol, 2e-3)  # float16 rounding of the values and the ring's sums
+            if name == "torch_powersgd_hook":
+                # no accuracy bound to check: every rank must hold the same bits
+                dense_out = result.to_dense().double()
+                digest = torch.stack([dense_out.sum(), (dense_out * dense_out).sum()])
+                ok = all(torch.equal(d, digest) for d in comm.allgather(digest))
+            else:
+                ok = bool(comm.allreduce(torch.tensor([rel <= tol], dtype=torch.int32), op="min"))
             prev = last.get(name, {"correct": True, "err": 0.0})
             last[name] = {
                 "nnz": result.count_nonzero(),
@@ -312,3 +355,76 @@ def write_outputs(
                 w.writerow(
                     {"world_size": cfg.world_size, "size": cfg.size, "density": cfg.density, **r}
                 )
+
+
+def sweep_table(
+    docs: Sequence[dict[str, Any]], over: str
+) -> tuple[str, list[tuple[float, str]], dict[str, list[tuple[float, float, float, float]]]]:
+    """Combine bench JSON documents along ``over`` (``P`` or ``density``).
+
+    Returns:
+        A markdown table (p50 ms per algorithm and x), the fastest algorithm at
+        each x (its changes are the crossovers), and per algorithm the points
+        ``(x, p25, p50, p75)``.
+    """
+    key = {"P": "world_size", "density": "density"}[over]
+    series: dict[str, list[tuple[float, float, float, float]]] = {}
+    for doc in sorted(docs, key=lambda d: d["config"][key]):
+        x = float(doc["config"][key])
+        for r in doc["rows"]:
+            if r["algorithm"] == "auto":
+                continue
+            series.setdefault(r["algorithm"], []).append((x, r["p25"], r["p50"], r["p75"]))
+    xs = sorted({pt[0] for pts in series.values() for pt in pts})
+    algs = sorted(series, key=lambda a: (a != "dense", a))
+    lines = [
+        f"| {over} | " + " | ".join(algs) + " | fastest |",
+        "|---:|" + "---:|" * len(algs) + "---|",
+    ]
+    best: list[tuple[float, str]] = []
+    for x in xs:
+        at = {a: next((pt[2] for pt in series[a] if pt[0] == x), None) for a in algs}
+        have = {a: t for a, t in at.items() if t is not None}
+        fastest = min(have, key=lambda a: have[a])
+        best.append((x, fastest))
+        cells = " | ".join("-" if at[a] is None else f"{at[a] * 1e3:,.1f}" for a in algs)
+        lines.append(f"| {x:g} | {cells} | {fastest} |")
+    return "\n".join(lines), best, series
+
+
+def crossovers(best: Sequence[tuple[float, str]]) -> list[str]:
+    """Where the fastest algorithm changes between neighbouring x values."""
+    out = []
+    for (x0, a0), (x1, a1) in itertools.pairwise(best):
+        if a0 != a1:
+            out.append(f"between {x0:g} and {x1:g}: {a0} -> {a1}")
+    return out
+
+
+def plot_sweep(
+    series: dict[str, list[tuple[float, float, float, float]]], over: str, path: Path, title: str
+) -> Path:
+    """Log-log plot of p50 with p25-p75 bars, as SparCML's Fig. 3."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for a, pts in sorted(series.items()):
+        pts = sorted(pts)
+        x = [p[0] for p in pts]
+        y = [p[2] for p in pts]
+        err = [[p[2] - p[1] for p in pts], [p[3] - p[2] for p in pts]]
+        style = "k-" if a == "dense" else "-"
+        ax.errorbar(x, y, yerr=err, fmt=style + "o", capsize=3, label=a, markersize=4)
+    ax.set_xscale("log", base=2 if over == "P" else 10)
+    ax.set_yscale("log")
+    ax.set(xlabel=over, ylabel="time [s] (p50, p25-p75)", title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

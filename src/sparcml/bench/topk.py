@@ -32,6 +32,7 @@ from ..collectives import OkTopkState, oktopk_allreduce, sparse_allreduce
 from ..comm import Communicator
 from ..compress.gaussiank import GaussianK
 from ..compress.topk import TopK
+from ..costmodel import CostModel
 from ..launch import run_processes
 from ..stream import SparseStream
 
@@ -177,8 +178,13 @@ def _rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]]
     if comm.rank != 0:
         return None
     out = list(rows.values())
+    model = CostModel.load()
     for r in out:
         r["speedup_vs_dense"] = rows["dense"]["p50"] / r["p50"]
+        try:  # the calibrated alpha-beta-gamma formula for k pairs per rank
+            r["predicted"] = model.predict(r["algorithm"], p, n, [k] * p, 4)
+        except ValueError:
+            r["predicted"] = None
     out.append(
         {
             "algorithm": "(exact local top-k)",

@@ -5,7 +5,8 @@ or a group of parameters in :func:`~sparcml.torch.sync_gradients`). Per bucket a
 step, on every rank (the steps of SparCML's Alg. 1 and RedSync's Alg. 1, with
 DGC's additions as RedSync sec. 3.5 describes them):
 
-1. warm-up: during the first ``warmup_steps`` steps, a dense allreduce, nothing else;
+1. warm-up: during the first ``warmup_steps`` steps, a dense allreduce, nothing else
+   (with momentum correction: of the momentum ``u = m u + g``, i.e. momentum SGD);
 2. NaN policy: with ``nan_policy="raise"``, every rank learns which ranks and
    parameters hold NaN/Inf, and all raise the same error;
 3. local gradient clipping to ``clip_norm / sqrt(P)``;
@@ -205,6 +206,13 @@ def reduce_bucket(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
         if bucket.step < state.warmup_steps or state.kind == "dense":
             if state.nan_policy == "raise":
                 _check_finite(state, bucket, g)
+            if state.momentum and state.kind != "dense":
+                # with momentum correction the optimizer has no momentum: warm-up
+                # steps are dense momentum SGD, u = m u + g, averaged (no masking)
+                u = _gather(state.momenta, bucket, g)
+                u.mul_(state.momentum).add_(g)
+                _scatter(state.momenta, bucket, u)
+                return comm.allreduce(u) / p
             return comm.allreduce(g) / p
         # Step 2: NaN policy.
         if state.nan_policy == "raise":

@@ -1,0 +1,651 @@
+"""A simulated transport with a virtual clock: the real collective code, timed by the model.
+
+:func:`simulate_ranks` runs an SPMD function on ``P`` in-process ranks (threads,
+like :func:`~sparcml.comm.local.run_ranks`) whose communicators move the real
+payloads but keep time on a **virtual clock** driven by the calibrated
+alpha-beta-gamma model (paper 000, sec. 5.2, "Analytical Model"), not by the
+wall clock. How long the threads really take does not matter: every rank's
+time is computed from message timestamps, so the prediction is deterministic.
+
+Point-to-point messages (recursive doubling, gTopk's tree, Ok-Topk's balanced
+allgather):
+
+* A send of ``L`` bytes at rank clock ``t`` starts when the rank's outgoing link
+  is free, ``s = max(t, tx_free)``; the link is busy until ``s + beta L``; the
+  message is ready at the receiver at ``s + alpha + beta L``. Waiting for the
+  send moves the sender's clock to ``s + beta L``.
+* A receive completes at ``a = max(ready, rx_free + beta L)`` (the incoming link
+  carries one message at a time, in the order the code receives them); the
+  receiver's clock becomes ``max(clock, a) + gamma E`` for the ``E`` elements the
+  message carries (the local reduction the model charges per element).
+
+Collectives the transport offers as a whole (dense ``allreduce`` and
+``allgather``, ``allgatherv``, ``alltoallv``) are *synchronising*: they start
+when the last rank arrives and cost the closed form of the ring / direct
+algorithm a real backend would run (written at each method). Doing them as a
+rendezvous keeps the simulation at ``O(P)`` Python work per collective instead of
+``O(P^2)`` messages.
+
+**Scaled data** (memory-light, for thousands of ranks): the ranks hold vectors of
+``N / s`` with ``k / s`` pairs; the transport charges what the full-size message
+would cost. Sparse-stream messages (:mod:`sparcml.wire`) are parsed: ``nnz``
+and dense lengths are multiplied by ``s`` and indices are charged at the width
+the full dimension needs. Other point-to-point payloads (Ok-Topk's fixed-width
+records) are charged ``s`` times their length. A dense-collective payload of at
+least ``N / (s P)`` elements (a partition of the vector or more) is data and
+charged ``s`` times; smaller ones (counts, thresholds, quantiles) are control
+and charged as they are. Uniformly random indices keep their expected fill-in
+fraction under this scaling (Appendix B.1's formula depends on ``k / N`` only).
+
+**Local work** is either modelled (``gamma`` per received element, the default)
+or *measured* (``compute="measured"``): a rank's time between communication calls
+is timed for real — only one rank runs at a time, on one core — and charged
+times ``cpu_share`` (ranks sharing a core on the machine predicted). Measured
+compute includes what the model leaves out (selection, encoding, Python
+overhead) and is as noisy as the machine running the simulation.
+
+What is not modelled: contention inside the switch (links are full duplex and
+the switch non-blocking), and overlap of a rank's receives with its own compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import queue
+import struct
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from ..costmodel import CostModel
+from ..errors import CommTimeoutError, RankAbortedError
+from ..stream import index_bytes
+from .base import _REDUCERS, Communicator, Handle, _check_payload
+
+__all__ = ["SimCommunicator", "SimResult", "SimWorld", "charge", "simulate_ranks"]
+
+T = TypeVar("T")
+
+_HEADER = struct.Struct("<3sBBBBBQQ")
+_BUNDLE_HEADER = struct.Struct("<3sBI")
+_BUNDLE_ENTRY = struct.Struct("<iQ")
+_ISIZE = {1: 4, 2: 2, 3: 2, 4: 8}
+_POLL_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Charge:
+    """What a payload costs at full scale: bytes on the wire, elements to reduce, dense?"""
+
+    nbytes: float
+    elements: float
+    dense: bool
+
+
+def _stream_charge(buf: torch.Tensor, offset: int, scale: int) -> tuple[Charge, int] | None:
+    """Charge of the sparse stream encoded at ``buf[offset:]``; None if it is not one."""
+    if buf.numel() - offset < _HEADER.size:
+        return None
+    magic, _v, flags, c, code, _r, size, nnz = _HEADER.unpack(
+        bytes(buf[offset : offset + _HEADER.size].tolist())
+    )
+    if magic != b"SpS" or code not in _ISIZE:
+        return None
+    isize = _ISIZE[code]
+    if flags & 1:
+        length = _HEADER.size + size * isize
+        return Charge(_HEADER.size + size * scale * isize, size * scale, True), length
+    length = _HEADER.size + nnz * (c + isize)
+    full_c = index_bytes(size * scale)
+    return Charge(_HEADER.size + nnz * scale * (full_c + isize), nnz * scale, False), length
+
+
+def charge(buf: torch.Tensor, scale: int = 1) -> Charge:
+    """The full-scale cost of a point-to-point payload (see the module docstring).
+
+    Example:
+        >>> from sparcml.stream import SparseStream
+        >>> from sparcml.wire import encode
+        >>> s = SparseStream(torch.tensor([1, 5]), torch.tensor([1.0, 2.0]), 65536)
+        >>> charge(encode(s), scale=4)  # 8 pairs of a 262144-vector: 4-byte indices
+        Charge(nbytes=88, elements=8, dense=False)
+    """
+    n = buf.numel()
+    if n == 0:
+        return Charge(0, 0, False)
+    got = _stream_charge(buf, 0, scale)
+    if got is not None:
+        return got[0]
+    if n >= _BUNDLE_HEADER.size:
+        magic, _v, count = _BUNDLE_HEADER.unpack(bytes(buf[: _BUNDLE_HEADER.size].tolist()))
+        table_end = _BUNDLE_HEADER.size + count * _BUNDLE_ENTRY.size
+        if magic == b"SpB" and n >= table_end:
+            table = bytes(buf[_BUNDLE_HEADER.size : table_end].tolist())
+            nbytes, elements, offset = float(table_end), 0.0, table_end
+            for i in range(count):
+                _owner, length = _BUNDLE_ENTRY.unpack_from(table, i * _BUNDLE_ENTRY.size)
+                entry = _stream_charge(buf, offset, scale)
+                if entry is None:
+                    nbytes += length * scale
+                else:
+                    nbytes += entry[0].nbytes
+                    elements += entry[0].elements
+                offset += length
+            return Charge(nbytes, elements, False)
+    # fixed-width (index, value) records, e.g. Ok-Topk's balanced allgather
+    return Charge(n * scale, n * scale / 8, False)
+
+
+class SimWorld:
+    """Mailboxes, rendezvous slots and the model shared by the ranks of one simulation."""
+
+    def __init__(
+        self,
+        world_size: int,
+        model: CostModel,
+        scale: int = 1,
+        size: int | None = None,
+        compute: str = "model",
+        cpu_share: float = 1.0,
+    ) -> None:
+        if scale < 1:
+            raise ValueError(f"scale must be a positive integer, got {scale}")
+        if compute not in ("model", "measured"):
+            raise ValueError(f"compute must be 'model' or 'measured', got {compute!r}")
+        if cpu_share <= 0:
+            raise ValueError(f"cpu_share must be positive, got {cpu_share}")
+        # "measured": a rank's local work between communication calls is timed for
+        # real (one rank runs at a time, on one core) and charged times cpu_share
+        # (ranks per core on the machine being predicted); the model's gamma terms
+        # for received elements are then dropped, the measurement includes them
+        self.measure = compute == "measured"
+        self.cpu_share = float(cpu_share)
+        self.gamma_scale = 0.0 if self.measure else 1.0
+        self.world_size = world_size
+        self.model = model
+        self.scale = int(scale)
+        # elements of the scaled vector; dense-collective payloads of at least
+        # size / P elements are data, smaller ones control
+        self.size = size
+        self.aborted = threading.Event()
+        self._lock = threading.Lock()
+        self._boxes: dict[tuple[int, int, int], queue.SimpleQueue[Any]] = defaultdict(
+            queue.SimpleQueue
+        )
+        self._cond = threading.Condition()
+        self._slots: dict[int, dict[str, Any]] = {}
+        # Cooperative scheduling: a rank runs only while it holds this lock and
+        # gives it up while it waits for a message or a collective. Thousands of
+        # threads then never compete for the GIL (whose hand-over after every
+        # small tensor op would otherwise cost up to the switch interval).
+        self.run_lock = threading.Lock()
+        # waiting ranks wake up this often to look for an abort; fewer wake-ups with
+        # many ranks, or they would keep taking the GIL from the one that runs
+        self.poll_s = _POLL_S * max(1.0, world_size / 64)
+
+    @property
+    def beta_sparse(self) -> float:
+        m = self.model
+        return m.beta_sparse if m.beta_sparse is not None else m.beta
+
+    def box(self, src: int, dst: int, tag: int) -> queue.SimpleQueue[Any]:
+        with self._lock:
+            return self._boxes[(src, dst, tag)]
+
+    def is_data(self, numel: int) -> bool:
+        if self.size is None:
+            return True
+        return numel * self.world_size >= self.size
+
+    def rendezvous(
+        self,
+        rank: int,
+        key: int,
+        clock: float,
+        contribution: Any,
+        finish: Callable[[float, list[Any]], list[tuple[float, Any]]],
+        timeout: float,
+    ) -> tuple[float, Any]:
+        """Deposit ``contribution``; the last rank runs ``finish(start, all)`` for everyone.
+
+        ``start`` is the latest arrival clock; ``finish`` returns per rank its
+        new clock and its output.
+        """
+        deadline = time.monotonic() + timeout
+        self.run_lock.release()
+        try:
+            return self._rendezvous(rank, key, clock, contribution, finish, deadline, timeout)
+        finally:
+            self.run_lock.acquire()
+
+    def _rendezvous(
+        self,
+        rank: int,
+        key: int,
+        clock: float,
+        contribution: Any,
+        finish: Callable[[float, list[Any]], list[tuple[float, Any]]],
+        deadline: float,
+        timeout: float,
+    ) -> tuple[float, Any]:
+        p = self.world_size
+        with self._cond:
+            slot = self._slots.setdefault(key, {"in": [None] * p, "clock": [0.0] * p, "n": 0})
+            slot["in"][rank] = contribution
+            slot["clock"][rank] = clock
+            slot["n"] += 1
+            if slot["n"] == p:
+                try:
+                    slot["out"] = finish(max(slot["clock"]), slot["in"])
+                except BaseException as e:  # every rank re-raises it
+                    slot["error"] = e
+                slot["left"] = p
+                self._cond.notify_all()
+            while "out" not in slot and "error" not in slot:
+                if self.aborted.is_set():
+                    raise RankAbortedError(
+                        f"rank {rank}: aborted in a collective because another rank failed"
+                    )
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(p) if slot["in"][r] is None]
+                    raise CommTimeoutError(
+                        f"rank {rank}: timed out after {timeout:g}s in a collective waiting "
+                        f"for rank(s) {missing[:8]}",
+                        peer=missing[0] if missing else None,
+                    )
+                self._cond.wait(self.poll_s)
+            slot["left"] -= 1
+            if slot["left"] == 0:
+                del self._slots[key]
+            if "error" in slot:
+                raise slot["error"]
+            out: tuple[float, Any] = slot["out"][rank]
+            return out
+
+
+class SimCommunicator(Communicator):
+    """One rank of a :class:`SimWorld`: real payloads, virtual time.
+
+    Attributes:
+        clock: this rank's virtual time in seconds.
+        charged_bytes: full-scale bytes this rank sent (what ``stats`` would count
+            at full size).
+    """
+
+    def __init__(self, world: SimWorld, rank: int, timeout: float = 600.0) -> None:
+        super().__init__(rank, world.world_size, timeout)
+        self.world = world
+        self.device = torch.device("cpu")
+        self.clock = 0.0
+        self.tx_free = 0.0
+        self.rx_free = 0.0
+        self.charged_bytes = 0.0
+        self.messages = 0
+        self.compute_s = 0.0
+        self._collectives = 0
+        self._mark = time.perf_counter()
+
+    def _charge_compute(self) -> None:
+        """Add the local work done since the last mark (measured mode) to the clock."""
+        now = time.perf_counter()
+        if self.world.measure and self._mark < now:
+            spent = (now - self._mark) * self.world.cpu_share
+            self.clock += spent
+            self.compute_s += spent
+        self._mark = now
+
+    def stop_clock(self) -> None:
+        """Charge the local work done so far; what follows is not timed until the next call."""
+        self._charge_compute()
+        self._mark = math.inf
+
+    def _mark_compute(self) -> None:
+        """Start timing local work now (after a wait that was not this rank's work)."""
+        self._mark = time.perf_counter()
+
+    def reset_clock(self) -> None:
+        """Start a new measured phase: a collective that sets every rank's clock,
+        link times and counters to zero (call it on every rank)."""
+        p = self.world_size
+        if p > 1:
+            self._collective(None, lambda start, _: [(0.0, None)] * p)
+        self.clock = self.tx_free = self.rx_free = 0.0
+        self.charged_bytes = 0.0
+        self.messages = 0
+        self.compute_s = 0.0
+        self._mark_compute()
+
+    # ------------------------------------------------------------------ p2p
+    def _beta(self, c: Charge) -> float:
+        return self.world.model.beta if c.dense else self.world.beta_sparse
+
+    def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
+        if self.world.aborted.is_set():
+            raise RankAbortedError(f"rank {self.rank}: aborted because another rank failed")
+        self._charge_compute()
+        c = charge(buf, self.world.scale)
+        wire = self._beta(c) * c.nbytes
+        start = max(self.clock, self.tx_free)
+        self.tx_free = start + wire
+        ready = start + self.world.model.alpha + wire
+        self.charged_bytes += c.nbytes
+        self.messages += 1
+        self.world.box(self.rank, dst, tag).put((buf.to("cpu", copy=True), ready, c, wire))
+        done = self.tx_free
+
+        def wait() -> None:
+            self._charge_compute()
+            self.clock = max(self.clock, done)
+
+        return Handle(wait)
+
+    def _irecv(self, src: int, tag: int) -> Handle:
+        box = self.world.box(src, self.rank, tag)
+
+        def wait() -> torch.Tensor:
+            self._charge_compute()
+            try:
+                buf, ready, c, wire = box.get_nowait()
+            except queue.Empty:
+                self.world.run_lock.release()
+                try:
+                    buf, ready, c, wire = self._wait_for(box, src, tag)
+                finally:
+                    self.world.run_lock.acquire()
+            arrival = max(ready, self.rx_free + wire)
+            self.rx_free = arrival
+            self._mark_compute()
+            gamma = self.world.model.gamma_add if c.dense else self.world.model.gamma
+            self.clock = max(self.clock, arrival) + self.world.gamma_scale * gamma * c.elements
+            return buf
+
+        return Handle(wait)
+
+    def _wait_for(self, box: queue.SimpleQueue[Any], src: int, tag: int) -> Any:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.world.aborted.is_set():
+                raise RankAbortedError(
+                    f"rank {self.rank}: aborted while waiting for rank {src} "
+                    "because another rank failed",
+                    peer=src,
+                )
+            try:
+                return box.get(timeout=self.world.poll_s)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise CommTimeoutError(
+                        f"rank {self.rank}: timed out after {self.timeout:g}s waiting "
+                        f"for a message from rank {src} (tag {tag})",
+                        peer=src,
+                    ) from None
+
+    # ------------------------------------------------------------------ collectives
+    def _collective(
+        self, contribution: Any, finish: Callable[[float, list[Any]], list[tuple[float, Any]]]
+    ) -> Any:
+        if self.world.aborted.is_set():
+            raise RankAbortedError(f"rank {self.rank}: aborted because another rank failed")
+        self._collectives += 1
+        self._charge_compute()
+        clock, out = self.world.rendezvous(
+            self.rank, self._collectives, self.clock, contribution, finish, self.timeout
+        )
+        self._mark_compute()
+        self.clock = clock
+        return out
+
+    def _dense_bytes(self, numel: int, element_size: int) -> float:
+        w = self.world
+        return float(numel * element_size * (w.scale if w.is_data(numel) else 1))
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", tag: int = 0) -> torch.Tensor:
+        """Ring allreduce from the last arrival: ``2(P-1) a + 2(P-1)/P n b + (P-1)/P n g``.
+
+        Reduced once in rank order, so every rank receives the same bits.
+        """
+        reducer = _REDUCERS.get(op)
+        if reducer is None:
+            raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
+        flat = tensor.detach().contiguous().reshape(-1).clone()
+        p, m = self.world_size, self.world.model
+        if p == 1:
+            return flat.reshape(tensor.shape)
+        nbytes = self._dense_bytes(flat.numel(), flat.element_size())
+        elements = nbytes / flat.element_size()
+        sent = 2 * (p - 1) / p * nbytes
+        self.charged_bytes += sent
+        self.messages += 2 * (p - 1)
+
+        def finish(start: float, parts: list[torch.Tensor]) -> list[tuple[float, Any]]:
+            if len({t.numel() for t in parts}) != 1:
+                raise ValueError("allreduce: tensors of different sizes across ranks")
+            acc = parts[0]
+            for t in parts[1:]:
+                acc = reducer(acc, t)
+            end = (
+                start + 2 * (p - 1) * m.alpha + sent * m.beta + (p - 1) / p * elements * m.gamma_add
+            )
+            return [(end, acc)] * p
+
+        out: torch.Tensor = self._collective(flat, finish)
+        return out.clone().reshape(tensor.shape)
+
+    def allgatherv(self, buf: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
+        """Ring allgather of any sizes: ``(P-1) alpha + beta * (bytes of the others)``."""
+        buf = _check_payload(buf)
+        p, m = self.world_size, self.world.model
+        if p == 1:
+            return [buf]
+        mine = charge(buf, self.world.scale)
+        self.charged_bytes += (p - 1) * mine.nbytes  # each block crosses P-1 links
+        self.messages += p - 1
+
+        def finish(start: float, bufs: list[torch.Tensor]) -> list[tuple[float, Any]]:
+            charges = [charge(b, self.world.scale) for b in bufs]
+            total_bytes = sum(c.nbytes * self._beta(c) for c in charges)
+            out = list(bufs)
+            return [
+                (
+                    start
+                    + (p - 1) * m.alpha
+                    + total_bytes
+                    - charges[r].nbytes * self._beta(charges[r]),
+                    out,
+                )
+                for r in range(p)
+            ]
+
+        got: list[torch.Tensor] = self._collective(buf, finish)
+        return list(got)
+
+    def allgather(self, tensor: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
+        """Dense allgather of equal shapes: ``(P-1) alpha + (P-1) n beta``."""
+        flat = tensor.detach().contiguous().reshape(-1).clone()
+        p, m = self.world_size, self.world.model
+        if p == 1:
+            return [flat.reshape(tensor.shape)]
+        nbytes = self._dense_bytes(flat.numel(), flat.element_size())
+        self.charged_bytes += (p - 1) * nbytes
+        self.messages += p - 1
+
+        def finish(start: float, parts: list[torch.Tensor]) -> list[tuple[float, Any]]:
+            sizes = {t.numel() for t in parts}
+            if len(sizes) != 1:
+                raise ValueError(
+                    f"allgather: ranks sent {sorted(sizes)} elements (shapes differ across ranks)"
+                )
+            end = start + (p - 1) * (m.alpha + nbytes * m.beta)
+            return [(end, parts)] * p
+
+        parts: list[torch.Tensor] = self._collective(flat, finish)
+        return [t.reshape(tensor.shape) for t in parts]
+
+    def alltoallv(self, parts: Sequence[torch.Tensor], tag: int = 0) -> list[torch.Tensor]:
+        """Direct personalised all-to-all.
+
+        Rank ``r`` finishes at ``start + (P-1) alpha + max(out_r, in_r) + gamma E_r``:
+        its outgoing and incoming links work in parallel (``out_r``/``in_r``: its
+        bytes times beta), ``E_r`` the elements it receives.
+        """
+        p, me = self.world_size, self.rank
+        if len(parts) != p:
+            raise ValueError(f"alltoallv needs {p} parts (one per rank), got {len(parts)}")
+        mine = [_check_payload(t) for t in parts]
+        if p == 1:
+            return mine
+        scale, m = self.world.scale, self.world.model
+        charges = [charge(t, scale) if j != me else Charge(0, 0, False) for j, t in enumerate(mine)]
+        self.charged_bytes += sum(c.nbytes for c in charges)
+        self.messages += p - 1
+        contribution = (
+            mine,
+            [c.nbytes * self._beta(c) for c in charges],
+            [c.elements for c in charges],
+        )
+
+        def finish(start: float, rows: list[Any]) -> list[tuple[float, Any]]:
+            out = []
+            for r in range(p):
+                tx = sum(rows[r][1])
+                rx = math.fsum(rows[i][1][r] for i in range(p))
+                elements = math.fsum(rows[i][2][r] for i in range(p))
+                end = start + (p - 1) * m.alpha + max(tx, rx) + m.gamma * elements
+                out.append((end, [rows[i][0][r] for i in range(p)]))
+            return out
+
+        got: list[torch.Tensor] = self._collective(contribution, finish)
+        return got
+
+    def barrier(self) -> None:
+        """All ranks leave at the latest arrival plus ``2 log2(P) alpha`` (dissemination)."""
+        p, m = self.world_size, self.world.model
+        if p == 1:
+            return
+        hops = math.ceil(math.log2(p))
+        self._collective(None, lambda start, _: [(start + 2 * hops * m.alpha, None)] * p)
+
+
+@dataclasses.dataclass
+class SimResult:
+    """Per rank: the function's result, virtual finish time, charged bytes and messages."""
+
+    results: list[Any]
+    clocks: list[float]
+    charged_bytes: list[float]
+    messages: list[int]
+    wall_s: float
+    compute_s: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def time(self) -> float:
+        """The collective's time: the slowest rank's clock."""
+        return max(self.clocks) if self.clocks else 0.0
+
+
+def simulate_ranks(
+    world_size: int,
+    fn: Callable[..., T],
+    *args: Any,
+    model: CostModel | None = None,
+    scale: int = 1,
+    size: int | None = None,
+    timeout: float = 600.0,
+    stack_kib: int = 1024,
+    compute: str = "model",
+    cpu_share: float = 1.0,
+) -> SimResult:
+    """Run ``fn(comm, *args)`` on ``world_size`` simulated ranks under ``model``.
+
+    Args:
+        world_size: ranks (threads), at least 1; thousands are fine.
+        fn: the SPMD function; its first argument is the rank's :class:`SimCommunicator`.
+            Each rank's clock starts at 0; reset ``comm.clock`` (and the link times)
+            with :meth:`SimCommunicator.reset_clock` between phases.
+        model: alpha, beta(, beta_sparse), gamma (default: the stored calibration).
+        scale: the data scale ``s``: ranks hold ``N / s``, messages are charged at ``N``.
+        size: the scaled vector length (tells data from control in dense collectives).
+        timeout: real seconds a rank waits for a peer before failing.
+        stack_kib: thread stack size.
+        compute: ``"model"`` charges ``gamma`` per received element; ``"measured"``
+            times each rank's local work between communication calls instead.
+        cpu_share: with measured compute, its multiplier (ranks sharing one core).
+
+    Raises:
+        The first exception of any rank (annotated with the rank), as ``run_ranks``.
+
+    Example:
+        >>> from sparcml.costmodel import CostModel
+        >>> res = simulate_ranks(4, lambda c: c.allreduce(torch.ones(256)),
+        ...                      model=CostModel(alpha=1e-6, beta=1e-9, gamma=0.0))
+        >>> round(res.time * 1e6, 3)  # 6 alpha + 1.5 * 1024 B * beta
+        7.536
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    world = SimWorld(
+        world_size,
+        model if model is not None else CostModel.load(),
+        scale,
+        size,
+        compute=compute,
+        cpu_share=cpu_share,
+    )
+    comms = [SimCommunicator(world, r, timeout) for r in range(world_size)]
+    results: list[Any] = [None] * world_size
+    errors: list[tuple[float, int, BaseException]] = []
+    lock = threading.Lock()
+
+    def body(r: int) -> None:
+        world.run_lock.acquire()
+        try:
+            comms[r]._mark_compute()
+            results[r] = fn(comms[r], *args)
+            comms[r]._charge_compute()
+        except BaseException as e:
+            with lock:
+                errors.append((time.monotonic(), r, e))
+            world.aborted.set()
+        finally:
+            world.run_lock.release()
+            comms[r].close()
+
+    t0 = time.perf_counter()
+    # millions of short-lived tensors and lists at large P: the cyclic collector
+    # would rescan them over and over (nothing here makes cycles that matter)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    old = threading.stack_size()
+    threading.stack_size(stack_kib * 1024)
+    try:
+        threads = [
+            threading.Thread(target=body, args=(r,), name=f"sparcml-sim-{r}", daemon=True)
+            for r in range(world_size)
+        ]
+        for t in threads:
+            t.start()
+    finally:
+        threading.stack_size(old)
+    for t in threads:
+        t.join()
+    if gc_was_enabled:
+        gc.enable()
+    if errors:
+        primary = [e for e in errors if not isinstance(e[2], RankAbortedError)] or errors
+        _, rank, exc = min(primary, key=lambda e: e[0])
+        exc.add_note(f"(raised on simulated rank {rank} of {world_size})")
+        raise exc
+    return SimResult(
+        results=results,
+        clocks=[c.clock for c in comms],
+        charged_bytes=[c.charged_bytes for c in comms],
+        messages=[c.messages for c in comms],
+        wall_s=time.perf_counter() - t0,
+        compute_s=[c.compute_s for c in comms],
+    )

@@ -1,0 +1,444 @@
+"""``sparcml simulate``: the real collectives on a virtual clock, for up to thousands of ranks.
+
+For every world size and algorithm, :func:`run_simulation` starts ``P`` simulated
+ranks (:mod:`sparcml.comm.sim`), lets every rank generate its own scaled-down
+vector (``N / s`` elements, ``k / s`` pairs, uniform random indices unless an
+``overlap`` share comes from a common hot set, as in ``sparcml bench``), runs
+the registered algorithm on them and reads the slowest rank's virtual clock.
+Results are checked: exact algorithms against the dense sum of the same inputs,
+every algorithm for bitwise-identical results on every rank.
+
+Printed per row: simulated time, the closed-form alpha-beta-gamma prediction of
+:class:`~sparcml.costmodel.CostModel` (the formula ``auto`` decides with), the
+largest rank's full-scale bytes sent, the result's nnz (scaled back) next to
+Appendix B.1's expected fill-in ``E[K] = N (1 - prod_i (1 - k_i/N))``.
+
+Ok-Topk runs on dense accumulators (its input) twice per row: the first call
+computes thresholds and region boundaries, the second, the steady state that
+``tau``/``tau'`` make typical, is the one reported.
+
+Algorithms whose Python work grows like ``P^2`` (the split-allgather family and
+Ok-Topk split every vector into ``P`` pieces on every rank; TopkA decodes ``P``
+streams on every rank) are simulated up to
+``quadratic_limit`` ranks; beyond it their row shows the closed-form model only
+(``source = model``), so the curves still reach 4096.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .bench.allreduce import gradient_like, machine_info
+from .collectives.oktopk import OkTopkState, oktopk_allreduce
+from .collectives.registry import get_algorithm
+from .comm.sim import SimCommunicator, simulate_ranks
+from .costmodel import CostModel, expected_fill_in
+from .stream import SparseStream
+
+__all__ = ["SIM_ALGORITHMS", "SimConfig", "format_sim_table", "plot_simulation", "run_simulation"]
+
+SIM_ALGORITHMS = (
+    "dense",
+    "ssar_recursive_double",
+    "ssar_split_allgather",
+    "dsar_split_allgather",
+    "topka",
+    "gtopk",
+    "oktopk",
+)
+# every rank splits its vector into P pieces, or decodes P streams (TopkA's allgather)
+QUADRATIC = frozenset(
+    {"ssar_split_allgather", "dsar_split_allgather", "oktopk", "topkdsa", "topka"}
+)
+EXACT = frozenset(
+    {"dense", "ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "topka"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """What to simulate.
+
+    Attributes:
+        world_sizes: the ``P`` values.
+        size: the full vector length ``N`` whose costs are charged.
+        density: ``d``: every rank holds ``k = d N`` pairs.
+        overlap: share of each rank's indices from a common hot set (0: uniform).
+        algorithms: algorithm names (default :data:`SIM_ALGORITHMS`).
+        sim_elements: memory budget: ranks together hold about this many
+            scaled elements (``N / s * P``); ``s`` is the smallest power of two
+            that keeps within it, and ``N / s`` is at least ``min_sim_size``.
+        min_sim_size: smallest scaled vector.
+        quadratic_limit: largest ``P`` at which ``P^2``-work algorithms run.
+        compute: ``"model"`` (gamma per element) or ``"measured"`` local work.
+        cores: with measured compute, cores of the predicted machine shared by
+            all ranks (e.g. 2 for the emulated cluster on this machine); None:
+            one core per rank.
+        calibration: a calibration JSON (default: the stored one, else defaults).
+        seed: data seed.
+        progress: print one line per row on stderr.
+    """
+
+    world_sizes: tuple[int, ...] = (4, 8, 16, 64, 256, 1024, 4096)
+    size: int = 1 << 24
+    density: float = 0.00781
+    overlap: float = 0.0
+    algorithms: tuple[str, ...] = ()
+    sim_elements: int = 1 << 26
+    min_sim_size: int = 1 << 14
+    quadratic_limit: int = 1024
+    calibration: str | None = None
+    seed: int = 0
+    progress: bool = True
+    compute: str = "model"
+    cores: int | None = None
+
+    def cpu_share(self, world_size: int) -> float:
+        """Ranks per core on the predicted machine (measured compute), at least 1."""
+        return 1.0 if not self.cores else max(1.0, world_size / self.cores)
+
+    def validate(self) -> None:
+        if not self.world_sizes or min(self.world_sizes) < 1:
+            raise ValueError(f"world sizes must be >= 1, got {self.world_sizes}")
+        if self.size < 1:
+            raise ValueError(f"size must be positive, got {self.size}")
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {self.density}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
+        if self.compute not in ("model", "measured"):
+            raise ValueError(f"compute must be 'model' or 'measured', got {self.compute!r}")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"cores must be >= 1, got {self.cores}")
+        unknown = [a for a in self.algorithms if a not in SIM_ALGORITHMS and a != "topkdsa"]
+        if unknown:
+            raise ValueError(f"cannot simulate {unknown}; choose from {', '.join(SIM_ALGORITHMS)}")
+
+    def algorithm_list(self) -> list[str]:
+        return list(self.algorithms or SIM_ALGORITHMS)
+
+    def scale_for(self, world_size: int) -> int:
+        """The data scale ``s`` at ``P`` ranks (a power of two, dividing the work)."""
+        s = 1
+        while (
+            self.size // (2 * s) >= self.min_sim_size
+            and (self.size // s) * world_size > self.sim_elements
+        ):
+            s *= 2
+        return s
+
+
+def model_time(model: CostModel, algorithm: str, p: int, n: int, k: int, isize: int = 4) -> float:
+    """The closed-form prediction (``CostModel.predict``) for ``P`` ranks of ``k`` pairs."""
+    return model.predict(algorithm, p, n, [k] * p, isize)
+
+
+def _sparse_rank(comm: SimCommunicator, cfg: SimConfig, algorithm: str, n: int) -> Any:
+    stream = gradient_like(n, cfg.density, comm.rank, overlap=cfg.overlap, seed=cfg.seed)
+    fn = get_algorithm(algorithm)
+    if cfg.compute == "measured":
+        fn(stream, comm)  # warm-up: first calls pay one-time costs, as in `sparcml bench`
+    comm.reset_clock()  # making the data is not part of the collective
+    out = fn(stream, comm)
+    return _digest(out, comm)
+
+
+def _oktopk_rank(comm: SimCommunicator, cfg: SimConfig, n: int) -> Any:
+    gen = torch.Generator().manual_seed(cfg.seed * 7_919 + 1_000_003 * (comm.rank + 1))
+    acc = torch.randn(n, generator=gen)
+    k = max(1, round(cfg.density * n))
+    state = OkTopkState()
+    comm.reset_clock()
+    oktopk_allreduce(acc, k, comm, state)  # thresholds and boundaries
+    acc = torch.randn(n, generator=gen)
+    comm.reset_clock()
+    out = oktopk_allreduce(acc, k, comm, state).stream
+    return _digest(out, comm)
+
+
+def _digest(
+    s: SparseStream, comm: SimCommunicator
+) -> tuple[int, float, float, SparseStream | None, float]:
+    """Enough to tell results apart bit for bit, rank 0's whole result, the finish time.
+
+    The clock is read first: checking the result is not part of the collective.
+    """
+    comm.stop_clock()
+    finish = comm.clock
+    keep = comm.rank == 0
+    d = s.to_dense().double()
+    pos = torch.arange(d.numel(), dtype=torch.float64)
+    return s.nnz, float(d.sum()), float((d * pos).sum()), s if keep else None, finish
+
+
+def _reference(cfg: SimConfig, p: int, n: int) -> torch.Tensor:
+    ref = torch.zeros(n, dtype=torch.float64)
+    for r in range(p):
+        s = gradient_like(n, cfg.density, r, overlap=cfg.overlap, seed=cfg.seed)
+        ref.index_add_(0, s.indices, s.values.double())
+    return ref
+
+
+def run_simulation(cfg: SimConfig) -> list[dict[str, Any]]:
+    """Simulate every (P, algorithm) of ``cfg``; one dict per row (see the module docstring)."""
+    cfg.validate()
+    model = CostModel.load(cfg.calibration) if cfg.calibration else CostModel.load()
+    rows: list[dict[str, Any]] = []
+    total = len(cfg.world_sizes) * len(cfg.algorithm_list())
+    done = 0
+    for p in cfg.world_sizes:
+        s = cfg.scale_for(p)
+        n = cfg.size // s
+        ref: torch.Tensor | None = None
+        for algorithm in cfg.algorithm_list():
+            done += 1
+            k_full = round(cfg.density * cfg.size)
+            row: dict[str, Any] = {
+                "P": p,
+                "algorithm": algorithm,
+                "N": cfg.size,
+                "density": cfg.density,
+                "scale": s,
+                "sim_size": n,
+                "expected_fill_in": expected_fill_in(cfg.size, [k_full] * p),
+            }
+            try:
+                row["model_s"] = model_time(model, algorithm, p, cfg.size, k_full)
+            except ValueError:
+                row["model_s"] = None
+            if p > 1 and algorithm in QUADRATIC and p > cfg.quadratic_limit:
+                row.update(source="model", time_s=row["model_s"])
+                rows.append(row)
+                _progress(cfg, done, total, row)
+                continue
+            mode: dict[str, Any] = {"compute": cfg.compute, "cpu_share": cfg.cpu_share(p)}
+            if algorithm == "oktopk":
+                res = simulate_ranks(p, _oktopk_rank, cfg, n, model=model, scale=s, size=n, **mode)
+            else:
+                res = simulate_ranks(
+                    p, _sparse_rank, cfg, algorithm, n, model=model, scale=s, size=n, **mode
+                )
+            digests = [r[:3] for r in res.results]
+            identical = all(d == digests[0] for d in digests)
+            correct: bool | None = None
+            err: float | None = None
+            if algorithm in EXACT:
+                if ref is None:
+                    ref = _reference(cfg, p, n)
+                got = res.results[0][3].to_dense().double()
+                err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                correct = err < 1e-5
+            row.update(
+                source="simulated",
+                time_s=max(r[4] for r in res.results),
+                bytes_sent_max=max(res.charged_bytes),
+                messages_max=max(res.messages),
+                result_nnz=res.results[0][0] * s,
+                identical_on_all_ranks=identical,
+                correct=correct,
+                max_rel_error=err,
+                wall_s=res.wall_s,
+                compute_s_max=max(res.compute_s) if res.compute_s else 0.0,
+            )
+            if not identical or correct is False:
+                raise AssertionError(
+                    f"simulated {algorithm} at P={p}: results differ across ranks "
+                    f"(identical={identical}) or from the dense sum (rel. error {err})"
+                )
+            rows.append(row)
+            _progress(cfg, done, total, row)
+    return rows
+
+
+def _progress(cfg: SimConfig, done: int, total: int, row: dict[str, Any]) -> None:
+    if not cfg.progress:
+        return
+    t = row["time_s"]
+    wall = f", {row['wall_s']:.1f} s wall" if "wall_s" in row else ""
+    shown = "n/a" if t is None else f"{t * 1e3:.1f} ms"
+    print(
+        f"[{done}/{total}] P={row['P']} {row['algorithm']}: {shown} ({row['source']}{wall})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:,.2f}"
+
+
+def format_sim_table(rows: Sequence[dict[str, Any]], model: CostModel) -> str:
+    """A markdown table of the rows, grouped by ``P``."""
+    lines = [
+        f"model: alpha {model.alpha * 1e6:.1f} us, beta {model.beta * 1e9:.3f} ns/B, "
+        f"beta_sparse {(model.beta_sparse or model.beta) * 1e9:.3f} ns/B, "
+        f"gamma {model.gamma * 1e9:.2f} ns/element ({model.source})",
+        "",
+        "| P | algorithm | source | time ms | model ms | sim/model | MB sent (max rank) "
+        "| result nnz | E[K] (App. B) | scale s | wall s |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        t, m = r["time_s"], r.get("model_s")
+        ratio = "-" if t is None or not m or r["source"] == "model" else f"{t / m:.2f}"
+        mb = f"{r['bytes_sent_max'] / 1e6:,.2f}" if "bytes_sent_max" in r else "-"
+        nnz = f"{r['result_nnz']:,}" if "result_nnz" in r else "-"
+        wall = f"{r['wall_s']:.1f}" if "wall_s" in r else "-"
+        lines.append(
+            f"| {r['P']} | {r['algorithm']} | {r['source']} | {_ms(t)} | {_ms(m)} | {ratio} "
+            f"| {mb} | {nnz} | {r['expected_fill_in']:,.0f} | {r['scale']} | {wall} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_simulation(rows: Sequence[dict[str, Any]], path: Path, title: str) -> list[Path]:
+    """Log-log plots: time vs P (simulated solid, model dashed) and bytes vs P."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    algs = sorted({r["algorithm"] for r in rows})
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, a in enumerate(algs):
+        color = f"C{i}"
+        sim = [r for r in rows if r["algorithm"] == a and r["source"] == "simulated"]
+        mod = [r for r in rows if r["algorithm"] == a and r.get("model_s")]
+        if sim:
+            ax_t.plot([r["P"] for r in sim], [r["time_s"] for r in sim], "o-", color=color, label=a)
+            ax_b.plot(
+                [r["P"] for r in sim],
+                [r["bytes_sent_max"] for r in sim],
+                "o-",
+                color=color,
+                label=a,
+            )
+        if mod:
+            ax_t.plot(
+                [r["P"] for r in mod], [r["model_s"] for r in mod], "--", color=color, alpha=0.6
+            )
+    ps = sorted({r["P"] for r in rows if r["P"] > 1})
+    if ps and rows:
+        k = rows[0]["density"] * rows[0]["N"]
+        ax_b.plot(ps, [6 * k * (p - 1) / p * 4 for p in ps], "k:", label="6k(P-1)/P words")
+    ax_t.set(xscale="log", yscale="log", xlabel="P", ylabel="time [s]", title="time (-- model)")
+    ax_b.set(xscale="log", yscale="log", xlabel="P", ylabel="bytes sent, largest rank")
+    ax_t.set_xscale("log", base=2)
+    ax_b.set_xscale("log", base=2)
+    for ax in (ax_t, ax_b):
+        ax.grid(True, which="both", alpha=0.3)
+    ax_b.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def write_simulation(
+    rows: Sequence[dict[str, Any]], cfg: SimConfig, out: Path, command: str
+) -> list[Path]:
+    """Write ``simulate.md`` (table and command), ``simulate.json``, ``simulate.png`` to ``out``."""
+    model = CostModel.load(cfg.calibration) if cfg.calibration else CostModel.load()
+    out.mkdir(parents=True, exist_ok=True)
+    title = (
+        f"simulated, N={cfg.size:,}, d={cfg.density:g}, overlap={cfg.overlap:g}"
+        f" ({Path(model.source).name})"
+    )
+    md = out / "simulate.md"
+    md.write_text(
+        f"# {title}\n\nCommand: `{command}`\n\n{format_sim_table(rows, model)}\n\n"
+        "![time and bytes vs P](simulate.png)\n"
+    )
+    js = out / "simulate.json"
+    js.write_text(
+        json.dumps(
+            {
+                "config": dataclasses.asdict(cfg),
+                "model": dataclasses.asdict(model),
+                "machine": machine_info(),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                "rows": [{k: v for k, v in r.items()} for r in rows],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return [md, js, *plot_simulation(rows, out / "simulate.png", title)]
+
+
+def validate_against(
+    measured_json: Path,
+    model: CostModel,
+    quadratic_limit: int = 1024,
+    compute: str = "model",
+    cores: int | None = None,
+) -> list[dict[str, Any]]:
+    """Simulate the configuration of a ``sparcml bench --json`` file; rows with both times.
+
+    Uses the bench's own data generator, size, density, overlap and seed, at
+    full scale (``s = 1``), so the simulated ranks send exactly the measured messages.
+    """
+    data = json.loads(Path(measured_json).read_text())
+    c = data["config"]
+    p, n = int(c["world_size"]), int(c["size"])
+    out = []
+    for m in data["rows"]:
+        a = m["algorithm"]
+        if a not in SIM_ALGORITHMS and a != "topkdsa":
+            continue
+        cfg = SimConfig(
+            world_sizes=(p,),
+            size=n,
+            density=float(c["density"]),
+            overlap=float(c.get("overlap", 0.0)),
+            algorithms=(a,),
+            sim_elements=n * p,
+            quadratic_limit=quadratic_limit,
+            seed=int(c.get("seed", 0)),
+            progress=False,
+            compute=compute,
+            cores=cores,
+        )
+        sim = _simulate_with(cfg, model)[0]
+        out.append(
+            {
+                "P": p,
+                "algorithm": a,
+                "measured_s": float(m["p50"]),
+                "simulated_s": sim["time_s"],
+                "model_s": sim.get("model_s"),
+                "error": sim["time_s"] / float(m["p50"]) - 1.0,
+            }
+        )
+    return out
+
+
+def _simulate_with(cfg: SimConfig, model: CostModel) -> list[dict[str, Any]]:
+    path = Path(model.source)
+    if model.source != "default" and path.exists():
+        return run_simulation(dataclasses.replace(cfg, calibration=str(path)))
+    return run_simulation(cfg)
+
+
+def quadratic_cost_note(limit: int) -> str:
+    return (
+        f"P^2-work algorithms ({', '.join(sorted(QUADRATIC))}) are simulated up to P={limit}; "
+        "beyond, their rows are the closed-form model"
+    )
+
+
+def fill_in_ratio(row: dict[str, Any]) -> float:
+    """Observed over expected fill-in (1 within noise for uniform indices)."""
+    e = row["expected_fill_in"]
+    return math.nan if not e or "result_nnz" not in row else row["result_nnz"] / e

@@ -1,0 +1,205 @@
+"""The simulated transport (virtual clock) and ``sparcml simulate``.
+
+Times are checked against the model's closed forms exactly (to 1e-12 s) where
+the schedule is simple, and results against the dense sum (1e-5 relative, float32).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from sparcml.bench.allreduce import gradient_like
+from sparcml.cli import main
+from sparcml.collectives.registry import get_algorithm
+from sparcml.comm.sim import charge, simulate_ranks
+from sparcml.costmodel import CostModel
+from sparcml.errors import CommTimeoutError
+from sparcml.simulate import SimConfig, run_simulation
+from sparcml.stream import SparseStream
+from sparcml.wire import encode, pack
+
+pytestmark = pytest.mark.timeout(300)
+
+M = CostModel(alpha=10e-6, beta=1e-9, gamma=2e-9, beta_sparse=0.5e-9)
+
+
+def test_charge_of_streams_bundles_and_records() -> None:
+    s = SparseStream(torch.tensor([1, 7, 9]), torch.ones(3), 1000)
+    buf = encode(s)  # 24 + 3 * (2 + 4)
+    assert charge(buf) == type(charge(buf))(42, 3, False)
+    # scaled: 3*8 pairs of a 1000*100-vector: 4-byte indices
+    assert charge(buf, 100).nbytes == 24 + 300 * 8 and charge(buf, 100).elements == 300
+    d = charge(encode(SparseStream.dense(torch.ones(10))), 4)
+    assert (d.nbytes, d.elements, d.dense) == (24 + 40 * 4, 40, True)
+    b = pack([(0, buf), (3, buf)])
+    cb = charge(b, 100)
+    assert cb.nbytes == b.numel() - 2 * buf.numel() + 2 * (24 + 300 * 8)
+    assert cb.elements == 600
+    raw = torch.zeros(16, dtype=torch.uint8)
+    assert charge(raw, 10).nbytes == 160
+    assert charge(torch.zeros(0, dtype=torch.uint8)).nbytes == 0
+
+
+def test_ping_pong_follows_alpha_beta_gamma_exactly() -> None:
+    payload = torch.zeros(1000, dtype=torch.uint8)  # raw records: 125 elements
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 0:
+            comm.send(payload, 1)
+            comm.recv(1)
+        else:
+            comm.recv(0)
+            comm.send(payload, 0)
+        return comm.clock
+
+    res = simulate_ranks(2, fn, model=M)
+    hop = M.alpha + 1000 * 0.5e-9 + 125 * M.gamma
+    assert res.clocks[0] == pytest.approx(2 * hop, abs=1e-12)
+    assert res.clocks[1] == pytest.approx(hop + 1000 * 0.5e-9, abs=1e-12)
+    assert res.charged_bytes == [1000, 1000]
+
+
+def test_outgoing_link_serialises_sends_and_incoming_link_receives() -> None:
+    payload = torch.zeros(8000, dtype=torch.uint8)
+    a, w = 1e-6, 8000e-9
+
+    def fan_out(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 0:
+            for dst in (1, 2):
+                comm.send(payload, dst)
+        else:
+            comm.recv(0)
+        return comm.clock
+
+    def fan_in(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 0:
+            comm.recv(1)
+            comm.recv(2)
+        else:
+            comm.send(payload, 0)
+        return comm.clock
+
+    m = CostModel(alpha=a, beta=1e-9, gamma=0.0)
+    out = simulate_ranks(3, fan_out, model=m).clocks
+    # rank 2's copy leaves after rank 1's: one outgoing link
+    assert out == pytest.approx([2 * w, a + w, a + 2 * w], abs=1e-12)
+    into = simulate_ranks(3, fan_in, model=m).clocks
+    # both leave at 0, but one incoming link carries them one after the other
+    assert into == pytest.approx([a + 2 * w, w, w], abs=1e-12)
+
+
+def test_dense_collectives_cost_their_closed_forms() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        out = comm.allreduce(torch.full((256,), float(comm.rank)))
+        t1 = comm.clock
+        comm.reset_clock()
+        got = comm.allgather(torch.tensor([comm.rank]))
+        return out, t1, comm.clock, got
+
+    res = simulate_ranks(5, fn, model=M)
+    for out, t1, t2, got in res.results:
+        assert torch.equal(out, torch.full((256,), 10.0))
+        assert t1 == pytest.approx(8 * M.alpha + 1.6 * 1024 * M.beta + 0.8 * 256 * M.gamma)
+        assert t2 == pytest.approx(4 * (M.alpha + 8 * M.beta))
+        assert [int(g) for g in got] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize(
+    "algorithm", ["ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "topka"]
+)
+def test_real_algorithms_on_the_simulated_transport_are_exact(p: int, algorithm: str) -> None:
+    n = 4096
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = gradient_like(n, 0.02, comm.rank, overlap=0.3, seed=3)
+        return get_algorithm(algorithm)(s, comm).to_dense()
+
+    res = simulate_ranks(p, fn, model=M)
+    ref = torch.zeros(n, dtype=torch.float64)
+    for r in range(p):
+        s = gradient_like(n, 0.02, r, overlap=0.3, seed=3)
+        ref.index_add_(0, s.indices, s.values.double())
+    for out in res.results:
+        assert torch.equal(out, res.results[0])
+    assert torch.allclose(res.results[0].double(), ref, rtol=0, atol=1e-5)
+    # deterministic: the virtual time does not depend on how threads were scheduled
+    assert simulate_ranks(p, fn, model=M).clocks == res.clocks
+
+
+def test_a_silent_rank_is_named_by_the_timeout() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 0:
+            comm.recv(2)
+
+    with pytest.raises(CommTimeoutError, match="from rank 2") as e:
+        simulate_ranks(3, fn, model=M, timeout=1.0)
+    assert e.value.peer == 2
+
+
+def test_simulation_agrees_with_the_model_and_scaling_keeps_times() -> None:
+    base = dict(size=1 << 20, density=0.01, algorithms=("ssar_split_allgather", "dense"))
+    full = run_simulation(SimConfig(world_sizes=(8,), sim_elements=1 << 30, progress=False, **base))
+    scaled = run_simulation(
+        SimConfig(
+            world_sizes=(8,), sim_elements=1 << 20, min_sim_size=1 << 12, progress=False, **base
+        )
+    )
+    assert full[0]["scale"] == 1 and scaled[0]["scale"] == 8
+    for f, s in zip(full, scaled, strict=True):
+        assert f["correct"] and s["correct"] and f["identical_on_all_ranks"]
+        assert 0.7 < f["time_s"] / f["model_s"] < 1.3
+        assert s["time_s"] == pytest.approx(f["time_s"], rel=0.1)
+        assert s["bytes_sent_max"] == pytest.approx(f["bytes_sent_max"], rel=0.1)
+    # the fill-in of uniform indices matches Appendix B.1's expectation
+    assert full[0]["result_nnz"] == pytest.approx(full[0]["expected_fill_in"], rel=0.02)
+
+
+def test_oktopk_volume_stays_below_6k_while_topka_grows() -> None:
+    n, d = 1 << 16, 0.01
+    k = d * n
+    rows = run_simulation(
+        SimConfig(
+            world_sizes=(4, 16, 32),
+            size=n,
+            density=d,
+            algorithms=("oktopk", "topka"),
+            progress=False,
+        )
+    )
+    ok = {r["P"]: r["bytes_sent_max"] for r in rows if r["algorithm"] == "oktopk"}
+    ta = {r["P"]: r["bytes_sent_max"] for r in rows if r["algorithm"] == "topka"}
+    for p in ok:
+        assert ok[p] <= 6 * k * (p - 1) / p * 4 * 1.1  # 10% for headers and boundaries
+    assert ta[32] > 4 * ta[4]
+
+
+def test_quadratic_algorithms_switch_to_the_model_above_the_limit() -> None:
+    rows = run_simulation(
+        SimConfig(
+            world_sizes=(64,),
+            size=1 << 16,
+            algorithms=("ssar_split_allgather",),
+            quadratic_limit=32,
+            progress=False,
+        )
+    )
+    assert rows[0]["source"] == "model" and rows[0]["time_s"] == rows[0]["model_s"]
+
+
+def test_cli_simulate_writes_table_json_and_plot(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "sim"
+    algs = "dense,ssar_recursive_double,gtopk"
+    argv = ["simulate", "-P", "4", "32", "-N", "64K", "-d", "0.01", "--algorithms", algs]
+    rc = main([*argv, "--out", str(out), "-q"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| 32 | ssar_recursive_double | simulated |" in text
+    data = json.loads((out / "simulate.json").read_text())
+    assert len(data["rows"]) == 6 and (out / "simulate.png").stat().st_size > 1000
+    assert all(math.isfinite(r["time_s"]) for r in data["rows"])
+    assert main(["simulate", "--algorithms", "nope", "-P", "4"]) == 2
