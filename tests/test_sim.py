@@ -103,8 +103,11 @@ def test_dense_collectives_cost_their_closed_forms() -> None:
     res = simulate_ranks(5, fn, model=M)
     for out, t1, t2, got in res.results:
         assert torch.equal(out, torch.full((256,), 10.0))
-        assert t1 == pytest.approx(8 * M.alpha + 1.6 * 1024 * M.beta + 0.8 * 256 * M.gamma)
-        assert t2 == pytest.approx(4 * (M.alpha + 8 * M.beta))
+        # 1 KB over 5 ranks: recursive doubling (3 hops) beats the ring's 8 messages
+        ring = 8 * M.alpha + 1.6 * 1024 * M.beta + 0.8 * 256 * M.gamma
+        doubling = 3 * (M.alpha + 1024 * M.beta + 256 * M.gamma)
+        assert doubling < ring and t1 == pytest.approx(doubling)
+        assert t2 == pytest.approx(3 * M.alpha + 4 * 8 * M.beta)
         assert [int(g) for g in got] == [0, 1, 2, 3, 4]
 
 

@@ -21,8 +21,9 @@ allgather):
 
 Collectives the transport offers as a whole (dense ``allreduce`` and
 ``allgather``, ``allgatherv``, ``alltoallv``) are *synchronising*: they start
-when the last rank arrives and cost the closed form of the ring / direct
-algorithm a real backend would run (written at each method). Doing them as a
+when the last rank arrives and cost the closed form of the algorithm a library
+would pick (ring or recursive doubling for allreduce, recursive doubling for
+allgather, direct for all-to-all; written at each method). Doing them as a
 rendezvous keeps the simulation at ``O(P)`` Python work per collective instead of
 ``O(P^2)`` messages.
 
@@ -406,9 +407,12 @@ class SimCommunicator(Communicator):
         return float(numel * element_size * (w.scale if w.is_data(numel) else 1))
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", tag: int = 0) -> torch.Tensor:
-        """Ring allreduce from the last arrival: ``2(P-1) a + 2(P-1)/P n b + (P-1)/P n g``.
+        """Dense allreduce from the last arrival, the cheaper of two algorithms.
 
-        Reduced once in rank order, so every rank receives the same bits.
+        Ring: ``2(P-1) alpha + 2(P-1)/P L beta + (P-1)/P n gamma_dense``; recursive
+        doubling: ``ceil(log2 P) (alpha + L beta + n gamma_dense)`` (what an MPI
+        library picks for small payloads such as counts and thresholds). Reduced
+        once in rank order, so every rank receives the same bits.
         """
         reducer = _REDUCERS.get(op)
         if reducer is None:
@@ -419,9 +423,19 @@ class SimCommunicator(Communicator):
             return flat.reshape(tensor.shape)
         nbytes = self._dense_bytes(flat.numel(), flat.element_size())
         elements = nbytes / flat.element_size()
-        sent = 2 * (p - 1) / p * nbytes
+        hops = math.ceil(math.log2(p))
+        ring = (
+            2 * (p - 1) * m.alpha
+            + 2 * (p - 1) / p * nbytes * m.beta
+            + (p - 1) / p * elements * m.gamma_add
+        )
+        doubling = hops * (m.alpha + nbytes * m.beta + elements * m.gamma_add)
+        if ring <= doubling:
+            cost, sent, messages = ring, 2 * (p - 1) / p * nbytes, 2 * (p - 1)
+        else:
+            cost, sent, messages = doubling, hops * nbytes, hops
         self.charged_bytes += sent
-        self.messages += 2 * (p - 1)
+        self.messages += messages
 
         def finish(start: float, parts: list[torch.Tensor]) -> list[tuple[float, Any]]:
             if len({t.numel() for t in parts}) != 1:
@@ -429,16 +443,16 @@ class SimCommunicator(Communicator):
             acc = parts[0]
             for t in parts[1:]:
                 acc = reducer(acc, t)
-            end = (
-                start + 2 * (p - 1) * m.alpha + sent * m.beta + (p - 1) / p * elements * m.gamma_add
-            )
-            return [(end, acc)] * p
+            return [(start + cost, acc)] * p
 
         out: torch.Tensor = self._collective(flat, finish)
         return out.clone().reshape(tensor.shape)
 
     def allgatherv(self, buf: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
-        """Ring allgather of any sizes: ``(P-1) alpha + beta * (bytes of the others)``."""
+        """Allgather of any sizes: ``ceil(log2 P) alpha + beta * (bytes of the others)``.
+
+        (Recursive doubling's latency; every rank receives the others' bytes once.)
+        """
         buf = _check_payload(buf)
         p, m = self.world_size, self.world.model
         if p == 1:
@@ -454,7 +468,7 @@ class SimCommunicator(Communicator):
             return [
                 (
                     start
-                    + (p - 1) * m.alpha
+                    + math.ceil(math.log2(p)) * m.alpha
                     + total_bytes
                     - charges[r].nbytes * self._beta(charges[r]),
                     out,
@@ -466,7 +480,7 @@ class SimCommunicator(Communicator):
         return list(got)
 
     def allgather(self, tensor: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
-        """Dense allgather of equal shapes: ``(P-1) alpha + (P-1) n beta``."""
+        """Dense allgather of equal shapes: ``ceil(log2 P) alpha + (P-1) L beta``."""
         flat = tensor.detach().contiguous().reshape(-1).clone()
         p, m = self.world_size, self.world.model
         if p == 1:
@@ -481,7 +495,7 @@ class SimCommunicator(Communicator):
                 raise ValueError(
                     f"allgather: ranks sent {sorted(sizes)} elements (shapes differ across ranks)"
                 )
-            end = start + (p - 1) * (m.alpha + nbytes * m.beta)
+            end = start + math.ceil(math.log2(p)) * m.alpha + (p - 1) * nbytes * m.beta
             return [(end, parts)] * p
 
         parts: list[torch.Tensor] = self._collective(flat, finish)
@@ -584,8 +598,8 @@ def simulate_ranks(
         >>> from sparcml.costmodel import CostModel
         >>> res = simulate_ranks(4, lambda c: c.allreduce(torch.ones(256)),
         ...                      model=CostModel(alpha=1e-6, beta=1e-9, gamma=0.0))
-        >>> round(res.time * 1e6, 3)  # 6 alpha + 1.5 * 1024 B * beta
-        7.536
+        >>> round(res.time * 1e6, 3)  # recursive doubling: 2 (alpha + 1024 B * beta)
+        4.048
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
