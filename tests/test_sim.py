@@ -44,6 +44,17 @@ def test_charge_of_streams_bundles_and_records() -> None:
     assert charge(torch.zeros(0, dtype=torch.uint8)).nbytes == 0
 
 
+def test_control_traffic_is_not_scaled() -> None:
+    from sparcml.collectives.allreduce import check_consistent
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        check_consistent(SparseStream.empty(1000), comm)
+        return comm.charged_bytes
+
+    # three int64 to each of the 4 others, not 100x that
+    assert simulate_ranks(5, fn, model=M, scale=100).results == [4 * 24.0] * 5
+
+
 def test_ping_pong_follows_alpha_beta_gamma_exactly() -> None:
     payload = torch.zeros(1000, dtype=torch.uint8)  # raw records: 125 elements
 

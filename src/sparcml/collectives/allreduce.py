@@ -43,7 +43,8 @@ def check_consistent(stream: SparseStream, comm: Communicator) -> list[int]:
     """
     meta = torch.tensor([stream.size, dtype_code(stream.dtype), stream.nnz], dtype=torch.int64)
     payload = meta.view(torch.uint8)
-    got = comm.alltoallv([payload] * comm.world_size)
+    with comm.control():
+        got = comm.alltoallv([payload] * comm.world_size)
     rows = []
     for r, buf in enumerate(got):
         if buf.numel() != payload.numel():

@@ -25,9 +25,10 @@ unknown-size protocol separately.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -121,6 +122,18 @@ class Communicator(abc.ABC):
         self._engine: Any = None
         self._engine_lock = threading.Lock()
         self._sequence = 0
+        self._control = 0
+
+    @contextlib.contextmanager
+    def control(self) -> Iterator[None]:
+        """Mark the messages sent inside as control traffic (metadata whose size does not
+        grow with the vector). Real transports ignore the mark; the simulated one
+        (:mod:`sparcml.comm.sim`) then does not scale their cost with the data."""
+        self._control += 1
+        try:
+            yield
+        finally:
+            self._control -= 1
 
     def next_sequence(self) -> int:
         """Number the collective calls: every rank calls them in the same order."""

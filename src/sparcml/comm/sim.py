@@ -32,7 +32,9 @@ rendezvous keeps the simulation at ``O(P)`` Python work per collective instead o
 would cost. Sparse-stream messages (:mod:`sparcml.wire`) are parsed: ``nnz``
 and dense lengths are multiplied by ``s`` and indices are charged at the width
 the full dimension needs. Other point-to-point payloads (Ok-Topk's fixed-width
-records) are charged ``s`` times their length. A dense-collective payload of at
+records) are charged ``s`` times their length, unless sent inside
+:meth:`~sparcml.comm.base.Communicator.control` (metadata such as
+``sparse_allreduce``'s consistency check). A dense-collective payload of at
 least ``N / (s P)`` elements (a partition of the vector or more) is data and
 charged ``s`` times; smaller ones (counts, thresholds, quantiles) are control
 and charged as they are. Uniformly random indices keep their expected fill-in
@@ -330,7 +332,7 @@ class SimCommunicator(Communicator):
         if self.world.aborted.is_set():
             raise RankAbortedError(f"rank {self.rank}: aborted because another rank failed")
         self._charge_compute()
-        c = charge(buf, self.world.scale)
+        c = charge(buf, 1 if self._control else self.world.scale)
         wire = self._beta(c) * c.nbytes
         start = max(self.clock, self.tx_free)
         self.tx_free = start + wire
@@ -404,7 +406,8 @@ class SimCommunicator(Communicator):
 
     def _dense_bytes(self, numel: int, element_size: int) -> float:
         w = self.world
-        return float(numel * element_size * (w.scale if w.is_data(numel) else 1))
+        data = w.is_data(numel) and not self._control
+        return float(numel * element_size * (w.scale if data else 1))
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", tag: int = 0) -> torch.Tensor:
         """Dense allreduce from the last arrival, the cheaper of two algorithms.
@@ -514,7 +517,7 @@ class SimCommunicator(Communicator):
         mine = [_check_payload(t) for t in parts]
         if p == 1:
             return mine
-        scale, m = self.world.scale, self.world.model
+        scale, m = (1 if self._control else self.world.scale), self.world.model
         charges = [charge(t, scale) if j != me else Charge(0, 0, False) for j, t in enumerate(mine)]
         self.charged_bytes += sum(c.nbytes for c in charges)
         self.messages += p - 1
