@@ -279,6 +279,8 @@ def _train(args: argparse.Namespace) -> int:
         hyper["warmup_steps"] = args.warmup_steps
     if args.momentum_correction:
         hyper["momentum"] = args.momentum_correction
+    if args.index_coding != "fixed":
+        hyper["index_coding"] = args.index_coding
     options = {"limit": args.limit} if args.limit else {}
     command = "sparcml " + " ".join(
         sys.argv[1:] if args.command_line is None else args.command_line
@@ -607,6 +609,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     tr.add_argument("--epochs", type=_positive, help="default: the recipe's")
     tr.add_argument("-d", "--density", type=_fraction, default=0.01)
     tr.add_argument("--warmup-steps", type=int, default=0, help="dense steps first")
+    tr.add_argument(
+        "--index-coding",
+        choices=["fixed", "delta"],
+        default="fixed",
+        help="indices of quantized sparse messages: c-byte words or varints of the gaps",
+    )
     tr.add_argument(
         "--momentum-correction",
         type=float,

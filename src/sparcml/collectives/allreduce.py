@@ -93,7 +93,12 @@ def _run(
     codec: StreamCodec,
     options: dict[str, Any],
 ) -> SparseStream:
-    codec = StreamCodec(codec.quantizer, codec.quantize, sequence=comm.next_sequence())
+    codec = StreamCodec(
+        codec.quantizer,
+        codec.quantize,
+        sequence=comm.next_sequence(),
+        index_coding=codec.index_coding,
+    )
     if algorithm == "auto":
         algorithm = choose_algorithm(stream, comm, model, exclude_dense=codec.lossy)
         log.debug("sparse_allreduce auto chose %s", algorithm)
@@ -111,6 +116,7 @@ def sparse_allreduce(
     *,
     quantizer: Quantizer | str | None = ...,
     quantize: str = ...,
+    index_coding: str = ...,
     cost_model: CostModel | None = ...,
     **options: Any,
 ) -> SparseStream: ...
@@ -125,6 +131,7 @@ def sparse_allreduce(
     *,
     quantizer: Quantizer | str | None = ...,
     quantize: str = ...,
+    index_coding: str = ...,
     cost_model: CostModel | None = ...,
     **options: Any,
 ) -> Work: ...
@@ -138,6 +145,7 @@ def sparse_allreduce(
     *,
     quantizer: Quantizer | str | None = None,
     quantize: str = "dense",
+    index_coding: str = "fixed",
     cost_model: CostModel | None = None,
     **options: Any,
 ) -> SparseStream | Work:
@@ -159,6 +167,9 @@ def sparse_allreduce(
             so results stay bitwise identical.
         quantize: ``"dense"`` (SparCML sec. 6: only messages carrying dense streams,
             e.g. DSAR's second phase) or ``"all"`` (the sparse phases too).
+        index_coding: ``"delta"`` sends the indices of quantized sparse messages as
+            varints of their gaps (about 1.3 bytes each at 1% density instead of 4);
+            lossless, so results are unchanged.
         cost_model: the model ``auto`` uses (default: stored calibration or defaults).
         **options: algorithm-specific options, e.g. ``k=`` and ``state=`` for
             ``oktopk`` and ``k=`` for ``gaussiank`` (whose input is the accumulator).
@@ -190,7 +201,7 @@ def sparse_allreduce(
         from ..compress import get
 
         quantizer = get(quantizer)  # type: ignore[assignment]
-    codec = StreamCodec(quantizer, quantize)  # type: ignore[arg-type]
+    codec = StreamCodec(quantizer, quantize, index_coding=index_coding)  # type: ignore[arg-type]
     if codec.lossy and algorithm == "dense":
         raise ValueError(
             "the dense algorithm cannot quantize; use algorithm='dsar_split_allgather' "

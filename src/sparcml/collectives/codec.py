@@ -34,10 +34,17 @@ class StreamCodec:
     Args:
         quantizer: a value quantizer (``sparcml.compress.get("qsgd", bits=4)``), or None.
         quantize: ``"dense"`` or ``"all"``.
+        index_coding: indices of quantized sparse messages as ``c``-byte words
+            (``"fixed"``) or varints of their gaps (``"delta"``); exact messages
+            keep the fixed format.
     """
 
     def __init__(
-        self, quantizer: Quantizer | None = None, quantize: str = "dense", sequence: int = 0
+        self,
+        quantizer: Quantizer | None = None,
+        quantize: str = "dense",
+        sequence: int = 0,
+        index_coding: str = "fixed",
     ) -> None:
         if quantizer is not None and not isinstance(quantizer, Quantizer):
             raise TypeError(
@@ -46,8 +53,11 @@ class StreamCodec:
             )
         if quantize not in ("dense", "all"):
             raise ValueError(f"quantize must be 'dense' or 'all', got {quantize!r}")
+        if index_coding not in ("fixed", "delta"):
+            raise ValueError(f"index_coding must be 'fixed' or 'delta', got {index_coding!r}")
         self.quantizer = quantizer
         self.quantize = quantize
+        self.index_coding = index_coding
         self.sequence = sequence  # the collective call's number, equal on every rank
 
     def shared_seed(self, *parts: int) -> int:
@@ -77,7 +87,7 @@ class StreamCodec:
             if shared_seed is not None:
                 gen = torch.Generator(device=stream.device)
                 gen.manual_seed(shared_seed & (2**63 - 1))
-            return encode_quantized_stream(stream, self.quantizer, gen)
+            return encode_quantized_stream(stream, self.quantizer, gen, self.index_coding)
         return encode(stream)
 
     @staticmethod

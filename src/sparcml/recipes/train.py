@@ -119,6 +119,7 @@ def run_recipe(
         ):  # fmt: skip
             h.pop("density", None)
             h.pop("momentum", None)  # momentum correction is for sparse methods
+            h.pop("index_coding", None)
         server = None
         if method == "natural_ina" and "ina_server" not in h:
             from ..ina import AggregatorServer

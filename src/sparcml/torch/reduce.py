@@ -75,6 +75,7 @@ def _sparse(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ig
         algorithm=state.algorithm,
         quantizer=quantizer,
         quantize="all" if quantizer is not None else "dense",
+        index_coding=state.index_coding,
     )
     return selected, total.to_dense()
 

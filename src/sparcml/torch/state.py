@@ -103,6 +103,8 @@ class SparcmlState:
             tiny allreduce per bucket).
         oktopk_tau / oktopk_tau_prime: Ok-Topk's re-estimation periods (paper 001).
         redsync_asq: RedSync's alternating-sign quantization on top of the selection.
+        index_coding: ``"delta"``: indices of quantized sparse messages (``topk+natural``
+            and other ``selector+quantizer`` methods) as varints of their gaps.
         redsync_min_bytes: layers smaller than this are not compressed (sent dense),
             RedSync's 128 KB (sec. 3.2's hybrid strategy).
         redsync_bsearch_numel: layers with at least this many entries use threshold
@@ -139,6 +141,7 @@ class SparcmlState:
         oktopk_tau_prime: int = 32,
         redsync_asq: bool = False,
         redsync_min_bytes: int = 128 * 1024,
+        index_coding: str = "fixed",
         redsync_bsearch_numel: int = 1 << 20,
         bucket_bytes: int = 25 * 1024 * 1024,
         ina_server: str | None = None,
@@ -171,6 +174,8 @@ class SparcmlState:
             raise ValueError(f"nan_policy must be 'propagate' or 'raise', got {nan_policy!r}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if index_coding not in ("fixed", "delta"):
+            raise ValueError(f"index_coding must be 'fixed' or 'delta', got {index_coding!r}")
         if redsync_min_bytes < 0 or redsync_bsearch_numel < 1:
             raise ValueError("redsync_min_bytes must be >= 0 and redsync_bsearch_numel >= 1")
         self.density = float(density)
@@ -196,6 +201,7 @@ class SparcmlState:
         OkTopkState(tau=oktopk_tau, tau_prime=oktopk_tau_prime)  # validates them
         self.redsync_asq = redsync_asq
         self.redsync_min_bytes = redsync_min_bytes
+        self.index_coding = index_coding
         self.redsync_bsearch_numel = redsync_bsearch_numel
         self.bucket_bytes = bucket_bytes
         self.ina_address: tuple[str, int] | None = None
