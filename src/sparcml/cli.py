@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main"]
 
@@ -133,6 +134,29 @@ def _bench_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _in_job(rank_main: Any, cfg: Any, title: str) -> tuple[Any, list[dict[str, Any]] | None]:
+    """Run one rank of a benchmark inside a torchrun / ``sparcml cluster`` job.
+
+    Returns the configuration with the job's world size and, on rank 0, the rows
+    (None on the other ranks).
+    """
+    import torch.distributed as dist
+
+    from .comm import TorchDistCommunicator
+
+    dist.init_process_group("gloo")
+    comm = TorchDistCommunicator(timeout=cfg.timeout)
+    cfg = dataclasses.replace(cfg, world_size=comm.world_size)
+    rows = rank_main(comm, cfg)
+    comm.close()
+    dist.destroy_process_group()
+    if rows is not None:
+        where = os.environ.get("SPARCML_CLUSTER_RATE")
+        print(f"{title}: {cfg.world_size} ranks of a torch.distributed job"
+              + (f" (emulated cluster, {where} links)" if where else ""), flush=True)  # fmt: skip
+    return cfg, rows
+
+
 def _run(args: argparse.Namespace, title: str) -> int:
     from .bench import format_table, run_benchmark, write_outputs
 
@@ -144,23 +168,12 @@ def _run(args: argparse.Namespace, title: str) -> int:
         return 2
     t0 = time.monotonic()
     if getattr(args, "env", False):  # one rank of a torchrun / sparcml cluster job
-        import torch.distributed as dist
-
         from .bench.allreduce import _rank_main
-        from .comm import TorchDistCommunicator
 
-        dist.init_process_group("gloo")
-        comm = TorchDistCommunicator(timeout=cfg.timeout)
-        cfg = dataclasses.replace(cfg, world_size=comm.world_size)
-        got = _rank_main(comm, cfg)
-        comm.close()
-        dist.destroy_process_group()
+        cfg, got = _in_job(_rank_main, cfg, title)
         if got is None:
             return 0
         rows = got
-        where = os.environ.get("SPARCML_CLUSTER_RATE")
-        print(f"{title}: {cfg.world_size} ranks of a torch.distributed job"
-              + (f" (emulated cluster, {where} links)" if where else ""), flush=True)  # fmt: skip
     else:
         print(
             f"{title}: {cfg.world_size} local ranks over gloo (loopback)",
@@ -229,23 +242,12 @@ def _bench_topk(args: argparse.Namespace) -> int:
         return 2
     t0 = time.monotonic()
     if args.env:  # one rank of a torchrun / sparcml cluster job
-        import torch.distributed as dist
-
         from .bench.topk import _rank_main
-        from .comm import TorchDistCommunicator
 
-        dist.init_process_group("gloo")
-        comm = TorchDistCommunicator(timeout=cfg.timeout)
-        cfg = dataclasses.replace(cfg, world_size=comm.world_size)
-        got = _rank_main(comm, cfg)
-        comm.close()
-        dist.destroy_process_group()
+        cfg, got = _in_job(_rank_main, cfg, "sparcml bench-topk")
         if got is None:
             return 0
         rows = got
-        where = os.environ.get("SPARCML_CLUSTER_RATE")
-        print(f"sparcml bench-topk: {cfg.world_size} ranks of a torch.distributed job"
-              + (f" (emulated cluster, {where} links)" if where else ""), flush=True)  # fmt: skip
     else:
         print(f"sparcml bench-topk: {cfg.world_size} local ranks over gloo (loopback)", flush=True)
         rows = run_topk_benchmark(cfg)
