@@ -44,6 +44,39 @@ class LocalWorld:
             return self._boxes[(src, dst, tag)]
 
 
+def wait_for_message(
+    box: queue.SimpleQueue[Any],
+    aborted: threading.Event,
+    rank: int,
+    src: int,
+    tag: int,
+    timeout: float,
+    poll_s: float = _POLL_S,
+) -> Any:
+    """Block on ``box`` until a message arrives, another rank fails, or ``timeout`` passes.
+
+    Raises:
+        RankAbortedError: another rank of the world failed.
+        CommTimeoutError: nothing came from ``src`` within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if aborted.is_set():
+            raise RankAbortedError(
+                f"rank {rank}: aborted while waiting for rank {src} because another rank failed",
+                peer=src,
+            )
+        try:
+            return box.get(timeout=poll_s)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"rank {rank}: timed out after {timeout:g}s waiting "
+                    f"for a message from rank {src} (tag {tag})",
+                    peer=src,
+                ) from None
+
+
 class LocalCommunicator(Communicator):
     """One rank of a :class:`LocalWorld`. Payloads are copied on send (no aliasing)."""
 
@@ -62,23 +95,10 @@ class LocalCommunicator(Communicator):
         box = self.world.box(src, self.rank, tag)
 
         def wait() -> torch.Tensor:
-            deadline = time.monotonic() + self.timeout
-            while True:
-                if self.world.aborted.is_set():
-                    raise RankAbortedError(
-                        f"rank {self.rank}: aborted while waiting for rank {src} "
-                        "because another rank failed",
-                        peer=src,
-                    )
-                try:
-                    return box.get(timeout=_POLL_S)
-                except queue.Empty:
-                    if time.monotonic() > deadline:
-                        raise CommTimeoutError(
-                            f"rank {self.rank}: timed out after {self.timeout:g}s waiting "
-                            f"for a message from rank {src} (tag {tag})",
-                            peer=src,
-                        ) from None
+            got: torch.Tensor = wait_for_message(
+                box, self.world.aborted, self.rank, src, tag, self.timeout
+            )
+            return got
 
         return Handle(wait)
 

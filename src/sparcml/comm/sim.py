@@ -70,6 +70,7 @@ from ..costmodel import CostModel
 from ..errors import CommTimeoutError, RankAbortedError
 from ..stream import index_bytes
 from .base import _REDUCERS, Communicator, Handle, _check_payload
+from .local import wait_for_message
 
 __all__ = ["SimCommunicator", "SimResult", "SimWorld", "charge", "simulate_ranks"]
 
@@ -221,13 +222,13 @@ class SimWorld:
         new clock and its output.
         """
         deadline = time.monotonic() + timeout
-        self.run_lock.release()
+        self.run_lock.release()  # let other ranks run while this one waits
         try:
-            return self._rendezvous(rank, key, clock, contribution, finish, deadline, timeout)
+            return self._await_slot(rank, key, clock, contribution, finish, deadline, timeout)
         finally:
             self.run_lock.acquire()
 
-    def _rendezvous(
+    def _await_slot(
         self,
         rank: int,
         key: int,
@@ -358,7 +359,15 @@ class SimCommunicator(Communicator):
             except queue.Empty:
                 self.world.run_lock.release()
                 try:
-                    buf, ready, c, wire = self._wait_for(box, src, tag)
+                    buf, ready, c, wire = wait_for_message(
+                        box,
+                        self.world.aborted,
+                        self.rank,
+                        src,
+                        tag,
+                        self.timeout,
+                        self.world.poll_s,
+                    )
                 finally:
                     self.world.run_lock.acquire()
             arrival = max(ready, self.rx_free + wire)
@@ -369,25 +378,6 @@ class SimCommunicator(Communicator):
             return buf
 
         return Handle(wait)
-
-    def _wait_for(self, box: queue.SimpleQueue[Any], src: int, tag: int) -> Any:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if self.world.aborted.is_set():
-                raise RankAbortedError(
-                    f"rank {self.rank}: aborted while waiting for rank {src} "
-                    "because another rank failed",
-                    peer=src,
-                )
-            try:
-                return box.get(timeout=self.world.poll_s)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise CommTimeoutError(
-                        f"rank {self.rank}: timed out after {self.timeout:g}s waiting "
-                        f"for a message from rank {src} (tag {tag})",
-                        peer=src,
-                    ) from None
 
     # ------------------------------------------------------------------ collectives
     def _collective(
