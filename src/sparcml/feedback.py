@@ -44,7 +44,12 @@ class ErrorFeedback:
         Raises:
             ValueError: ``grad``'s shape, dtype or device differ from the stored residual.
         """
-        acc = grad.detach() * lr if lr is not None else grad.detach().clone()
+        # Row-major whatever the gradient's layout (channels_last, transposed views):
+        # residuals and sent streams index the flattened tensor.
+        g = grad.detach()
+        acc = torch.mul(g, lr) if lr is not None else g.clone()
+        if not acc.is_contiguous():
+            acc = acc.contiguous()
         r = self._residuals.get(name)
         if r is not None:
             if r.shape != acc.shape or r.dtype != acc.dtype or r.device != acc.device:
@@ -77,7 +82,7 @@ class ErrorFeedback:
             )
         r = self._residuals.get(name)
         if r is None or r.shape != acc.shape or r.dtype != acc.dtype or r.device != acc.device:
-            r = torch.empty_like(acc)
+            r = torch.empty(acc.shape, dtype=acc.dtype, device=acc.device)
             self._residuals[name] = r
         r.copy_(acc)
         if isinstance(sent, SparseStream):

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .reinterpret import dense_1d
+
 __all__ = [
     "SUPPORTED_DTYPES",
     "SparseStream",
@@ -162,7 +164,7 @@ class SparseStream:
                 raise ValueError(f"index {bad} out of range for a stream of size {size}")
             if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
                 indices, values = _coalesce(indices, values)
-        self._set_sparse(indices.contiguous(), values.contiguous(), size)
+        self._set_sparse(dense_1d(indices), dense_1d(values), size)
         self._maybe_densify()
 
     # ------------------------------------------------------------------ builders
@@ -188,7 +190,7 @@ class SparseStream:
         s._size = tensor.numel()
         s._dense = True
         s._indices = None
-        s._values = tensor.contiguous()
+        s._values = dense_1d(tensor)
         return s
 
     @classmethod

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from .errors import WireFormatError
+from .reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from .stream import SparseStream, index_bytes
 
 __all__ = ["HEADER_BYTES", "decode", "encode", "encoded_nbytes", "pack", "unpack"]
@@ -100,13 +101,13 @@ def encode(stream: SparseStream) -> torch.Tensor:
         header = _HEADER.pack(
             MAGIC, VERSION, 1, 0, dtype_code(stream.dtype), 0, stream.size, stream.size
         )
-        return torch.cat([_bytes_tensor(header, device), values.view(torch.uint8)])
+        return torch.cat([_bytes_tensor(header, device), as_bytes(values)])
     c = index_bytes(stream.size)
     header = _HEADER.pack(
         MAGIC, VERSION, 0, c, dtype_code(stream.dtype), 0, stream.size, stream.nnz
     )
-    idx = stream.indices.view(torch.uint8).reshape(-1, 8)[:, :c].reshape(-1)
-    return torch.cat([_bytes_tensor(header, device), idx, values.view(torch.uint8)])
+    idx = index_low_bytes(stream.indices, c)
+    return torch.cat([_bytes_tensor(header, device), idx, as_bytes(values)])
 
 
 def _read_header(buf: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -172,13 +173,8 @@ def decode(
     body = buf[HEADER_BYTES:].to(target)
     if dense:
         return SparseStream.dense(body.clone().view(dtype))
-    idx_bytes = body[: nnz * c].reshape(nnz, c)
-    if c < 8:
-        idx_bytes = torch.cat(
-            [idx_bytes, torch.zeros(nnz, 8 - c, dtype=torch.uint8, device=target)], dim=1
-        )
-    indices = idx_bytes.contiguous().view(torch.int64).reshape(-1)
-    values = body[nnz * c :].clone().view(dtype)
+    indices = indices_from_low_bytes(body[: nnz * c], c)
+    values = bytes_as(body[nnz * c :].clone(), dtype)
     if nnz:
         if c == 8 and int(indices.min()) < 0:
             raise WireFormatError("negative index in message")

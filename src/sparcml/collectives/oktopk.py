@@ -42,6 +42,7 @@ from ..comm import Communicator, resolve
 from ..compress._selection import select_above
 from ..compress.threshold_reuse import kth_largest
 from ..errors import RankMismatchError
+from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from ..stream import SparseStream, index_bytes
 from ._common import split_and_reduce
 from .allreduce import check_consistent
@@ -208,21 +209,23 @@ def oktopk_allreduce(
     # region that went dense holds zeros that nobody selected)
     t_global = state.global_threshold
     keep = select_above(region.values, t_global, strict=t_global == 0)
+    # (kept as raw pairs, never a stream: a stream past delta would turn dense over
+    # the whole N and claim positions of other ranks' regions)
     kept_idx = region.indices[keep] + bounds[me]
-    kept = SparseStream._trusted(kept_idx, region.values[keep], n)
     # Step 5: balanced allgather: counts, equal shares, allgather of the shares
-    indices, values = _balanced_allgather(kept, comm)
+    indices, values = _balanced_allgather(kept_idx, region.values[keep], n, comm)
     state.calls += 1
     state.last_local_indices = idx[torch.isin(idx, indices)]
     return OkTopkResult(SparseStream._trusted(indices, values, n), state.last_local_indices)
 
 
 def _balanced_allgather(
-    kept: SparseStream, comm: Communicator
+    kept_idx: torch.Tensor, kept_val: torch.Tensor, size: int, comm: Communicator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 5: every rank ends with the concatenation of all ranks' kept entries."""
     p, me = comm.world_size, comm.rank
-    counts = [int(c) for c in comm.allgather(torch.tensor([kept.nnz], dtype=torch.int64))]
+    nnz, device = kept_idx.numel(), kept_val.device
+    counts = [int(c) for c in comm.allgather(torch.tensor([nnz], dtype=torch.int64))]
     total = sum(counts)
     offsets = [0]
     for c in counts:
@@ -240,7 +243,7 @@ def _balanced_allgather(
         lo, hi = overlap(me, j)
         if j != me and hi > lo:
             sl = slice(lo - offsets[me], hi - offsets[me])
-            sends.append(comm.isend(_pairs(kept.indices[sl], kept.values[sl], kept.size), j))
+            sends.append(comm.isend(_pairs(kept_idx[sl], kept_val[sl], size), j))
     pieces = []
     for j in range(p):  # my share, in source order = global order
         lo, hi = overlap(j, me)
@@ -248,17 +251,17 @@ def _balanced_allgather(
             continue
         if j == me:
             sl = slice(lo - offsets[me], hi - offsets[me])
-            pieces.append(_pairs(kept.indices[sl], kept.values[sl], kept.size))
+            pieces.append(_pairs(kept_idx[sl], kept_val[sl], size))
         else:
-            pieces.append(comm.recv(j).to(kept.device))
+            pieces.append(comm.recv(j).to(device))
     for h in sends:
         h.wait()
-    held = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=kept.device)
+    held = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
     # Allgather of the equal shares by recursive doubling (log2 P rounds); rank
     # order is region order, so the concatenation is sorted.
     blocks = allgather_buffers(held, comm)
-    pairs = torch.cat(blocks).to(kept.device)
-    indices, values = _unpairs(pairs, kept.dtype, kept.size)
+    pairs = torch.cat(blocks).to(device)
+    indices, values = _unpairs(pairs, kept_val.dtype, size)
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
         raise RankMismatchError("oktopk: gathered entries out of order (do ranks agree on N?)")
     return indices, values
@@ -267,8 +270,8 @@ def _balanced_allgather(
 def _pairs(indices: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
     """Fixed-width records (``c``-byte index, value), so shares can be cut anywhere."""
     c = index_bytes(size)
-    idx = indices.to(torch.int64).view(torch.uint8).reshape(-1, 8)[:, :c]
-    val = values.contiguous().view(torch.uint8).reshape(-1, values.element_size())
+    idx = index_low_bytes(indices, c).reshape(-1, c)
+    val = as_bytes(values).reshape(-1, values.element_size())
     return torch.cat([idx, val], dim=1).reshape(-1)
 
 
@@ -276,9 +279,9 @@ def _unpairs(buf: torch.Tensor, dtype: torch.dtype, size: int) -> tuple[torch.Te
     c = index_bytes(size)
     isize = torch.empty((), dtype=dtype).element_size()
     rec = buf.reshape(-1, c + isize)
-    pad = torch.zeros(rec.shape[0], 8 - c, dtype=torch.uint8, device=rec.device)
-    indices = torch.cat([rec[:, :c], pad], dim=1).contiguous().view(torch.int64).reshape(-1)
-    values = rec[:, c:].contiguous().view(dtype).reshape(-1)
+    # Columns of records are strided: both copies are compact, then reinterpreted.
+    indices = indices_from_low_bytes(rec[:, :c].reshape(-1), c)
+    values = bytes_as(rec[:, c:].reshape(-1), dtype)
     return indices, values
 
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from ..reinterpret import as_bytes, bytes_as, dense_1d
+
 __all__ = ["CommStats", "Communicator", "Handle", "SelfCommunicator"]
 
 
@@ -242,8 +244,8 @@ class Communicator(abc.ABC):
     # ----------------------------------------------------------- dense collectives
     def allgather(self, tensor: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
         """Dense allgather of equally shaped tensors; returns the list in rank order."""
-        flat = tensor.contiguous().reshape(-1)
-        got = self.allgatherv(flat.view(torch.uint8), tag)
+        flat = dense_1d(tensor)
+        got = self.allgatherv(as_bytes(flat), tag)
         out = []
         for i, g in enumerate(got):
             if g.numel() != flat.numel() * flat.element_size():
@@ -251,7 +253,7 @@ class Communicator(abc.ABC):
                     f"allgather: rank {i} sent {g.numel()} bytes, rank {self.rank} "
                     f"expected {flat.numel() * flat.element_size()} (shapes differ across ranks)"
                 )
-            out.append(g.to(tensor.device).view(tensor.dtype).reshape(tensor.shape))
+            out.append(bytes_as(g.to(tensor.device), tensor.dtype).reshape(tensor.shape))
         return out
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", tag: int = 0) -> torch.Tensor:
@@ -278,15 +280,15 @@ class Communicator(abc.ABC):
         # Reduce-scatter: after P-1 steps, rank r holds the full sum of chunk (r+1) % P.
         for s in range(p - 1):
             send_idx, recv_idx = (me - s) % p, (me - s - 1) % p
-            h = self.isend(chunks[send_idx].view(torch.uint8), right, tag)
-            got = self.recv(left, tag).to(flat.device).view(flat.dtype)
+            h = self.isend(as_bytes(chunks[send_idx]), right, tag)
+            got = bytes_as(self.recv(left, tag).to(flat.device), flat.dtype)
             chunks[recv_idx] = reducer(got, chunks[recv_idx])
             h.wait()
         # Allgather of the reduced chunks.
         for s in range(p - 1):
             send_idx, recv_idx = (me + 1 - s) % p, (me - s) % p
-            h = self.isend(chunks[send_idx].view(torch.uint8), right, tag)
-            chunks[recv_idx] = self.recv(left, tag).to(flat.device).view(flat.dtype)
+            h = self.isend(as_bytes(chunks[send_idx]), right, tag)
+            chunks[recv_idx] = bytes_as(self.recv(left, tag).to(flat.device), flat.dtype)
             h.wait()
         return torch.cat(chunks).reshape(tensor.shape)
 

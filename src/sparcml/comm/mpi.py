@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import CommError, CommTimeoutError
+from ..reinterpret import as_bytes
 from .base import Communicator, Handle
 
 __all__ = ["MPICommunicator", "mpi_available"]
@@ -168,7 +169,7 @@ class MPICommunicator(Communicator):
     def allgather(self, tensor: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
         src = self._host(tensor)
         p = self.world_size
-        flat = src.reshape(-1).view(torch.uint8)
+        flat = as_bytes(src)
         out = torch.empty(p, flat.numel(), dtype=torch.uint8)
         if p > 1:
             self.stats.bytes_sent += (p - 1) * flat.numel()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import WireFormatError
+from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from ..stream import SparseStream, index_bytes
 from ._selection import KSpec
 from .base import Compressor, Context, check_input, make_header, read_header, register
@@ -61,13 +62,13 @@ class ASQ(Compressor):
         n = s.size
         mean = s.values[:1].float() if s.nnz else torch.zeros(1, device=s.device)
         c = index_bytes(n)
-        idx = s.indices.view(torch.uint8).reshape(-1, 8)[:, :c].reshape(-1)
-        count = torch.tensor([s.nnz], dtype=torch.int64).view(torch.uint8).to(s.device)
+        idx = index_low_bytes(s.indices, c)
+        count = as_bytes(torch.tensor([s.nnz], dtype=torch.int64)).to(s.device)
         return (
             torch.cat(
                 [
                     make_header(self.code, n, flags=parity, device=s.device),
-                    mean.view(torch.uint8),
+                    as_bytes(mean),
                     count,
                     idx,
                 ]
@@ -80,14 +81,12 @@ class ASQ(Compressor):
         if n != ctx.numel or body.numel() < 12:
             raise WireFormatError(f"asq: payload for {n} values, local tensor has {ctx.numel}")
         body = body.to(ctx.device)
-        mean = body[:4].clone().view(torch.float32)
-        k = int(body[4:12].cpu().clone().view(torch.int64))
+        mean = bytes_as(body[:4], torch.float32)
+        k = int(bytes_as(body[4:12].cpu(), torch.int64)[0])
         c = index_bytes(n)
         if k < 0 or body.numel() != 12 + k * c:
             raise WireFormatError(f"asq: malformed payload ({body.numel()} bytes, k={k})")
-        raw = body[12:].reshape(k, c)
-        raw = torch.cat([raw, torch.zeros(k, 8 - c, dtype=torch.uint8, device=raw.device)], 1)
-        idx = raw.contiguous().view(torch.int64).reshape(-1)
+        idx = indices_from_low_bytes(body[12:], c)
         if k and (int(idx.max()) >= n or int(idx.min()) < 0):
             raise WireFormatError("asq: index out of range")
         out = torch.zeros(n, dtype=ctx.dtype, device=ctx.device)

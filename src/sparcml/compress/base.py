@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import WireFormatError
+from ..reinterpret import as_bytes, bytes_as, dense_1d, index_low_bytes, indices_from_low_bytes
 from ..stream import SUPPORTED_DTYPES, SparseStream, index_bytes
 from .packing import decode_index_deltas, encode_index_deltas
 
@@ -107,7 +108,7 @@ def check_input(tensor: torch.Tensor, what: str) -> torch.Tensor:
         raise TypeError(
             f"{what} compresses float32, float16, bfloat16 or float64 tensors, got {tensor.dtype}"
         )
-    return tensor.detach().reshape(-1)
+    return dense_1d(tensor.detach())
 
 
 def check_finite(values: torch.Tensor, what: str) -> None:
@@ -287,13 +288,13 @@ def encode_quantized_stream(
     if stream.is_dense:
         parts = [make_header(QUANTIZED_STREAM_CODE, n, flags=1, device=device)]
     else:
-        nnz = torch.tensor([stream.nnz], dtype=torch.int64).view(torch.uint8).to(device)
+        nnz = as_bytes(torch.tensor([stream.nnz], dtype=torch.int64)).to(device)
         if index_coding == "delta":
             idx = encode_index_deltas(stream.indices)
             flags = 2
         else:
             c = index_bytes(n)
-            idx = stream.indices.view(torch.uint8).reshape(-1, 8)[:, :c].reshape(-1)
+            idx = index_low_bytes(stream.indices, c)
             flags = 0
         parts = [make_header(QUANTIZED_STREAM_CODE, n, flags=flags, device=device), nnz, idx]
     parts.append(quantizer.quantize(stream.values, generator))
@@ -317,7 +318,7 @@ def decode_quantized_stream(
         return SparseStream.dense(values)
     if body.numel() < 8:
         raise WireFormatError(f"{what}: truncated payload")
-    nnz = int(body[:8].cpu().clone().view(torch.int64))
+    nnz = int(bytes_as(body[:8].cpu(), torch.int64)[0])
     if flags & 2:
         if nnz < 0 or nnz > n:
             raise WireFormatError(f"{what}: malformed payload (nnz={nnz}, n={n})")
@@ -331,9 +332,7 @@ def decode_quantized_stream(
     c = index_bytes(n)
     if nnz < 0 or nnz > n or body.numel() < 8 + nnz * c:
         raise WireFormatError(f"{what}: malformed payload (nnz={nnz}, n={n})")
-    raw = body[8 : 8 + nnz * c].to(device).reshape(nnz, c)
-    raw = torch.cat([raw, torch.zeros(nnz, 8 - c, dtype=torch.uint8, device=device)], dim=1)
-    indices = raw.contiguous().view(torch.int64).reshape(-1)
+    indices = indices_from_low_bytes(body[8 : 8 + nnz * c].to(device), c)
     values = quantizer.dequantize(body[8 + nnz * c :], dtype, device)
     if values.numel() != nnz:
         raise WireFormatError(f"{what}: {values.numel()} values for {nnz} indices")

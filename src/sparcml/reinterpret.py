@@ -1,0 +1,85 @@
+"""Reinterpreting tensors as bytes and back: the one place that does it.
+
+Every wire format of the library (sparse streams, bundles, quantized payloads,
+Ok-Topk's records) turns values and indices into ``uint8`` and back. Doing that
+with ``tensor.view(dtype)`` directly has two traps that valid input hits:
+
+* ``view`` between element sizes needs ``stride(-1) == 1`` literally, and
+  ``tensor.contiguous()`` returns a one-element view with any stride unchanged
+  (one element is "contiguous" whatever its stride): ``torch.arange(10)[3::5][:1]``;
+* viewing bytes as a wider dtype needs the byte offset in the storage to be a
+  multiple of the element size: a record cut out of a received buffer (one
+  Ok-Topk survivor, an 8-byte index behind a 24-byte header in a bundle) is not.
+
+:func:`as_bytes` and :func:`bytes_as` view when they can and copy only when they
+must; :func:`index_low_bytes` / :func:`indices_from_low_bytes` are the ``c``-byte
+index encoding every format shares (little-endian, the low ``c`` bytes of the
+``int64``). Pure tensor code: CPU or CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["as_bytes", "bytes_as", "dense_1d", "index_low_bytes", "indices_from_low_bytes"]
+
+
+def dense_1d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened to 1-D with unit stride (a view when it already is one).
+
+    Unlike ``contiguous()``, this also fixes the stride of zero- and one-element
+    views, which ``view(dtype)`` checks.
+    """
+    t = t.reshape(-1)
+    if t.stride(0) == 1:
+        return t
+    if t.numel() <= 1:
+        # Same storage, same element: only the stride changes.
+        return t.as_strided((t.numel(),), (1,))
+    return t.contiguous()
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s elements in order, as a 1-D uint8 tensor.
+
+    Example:
+        >>> as_bytes(torch.tensor([1.0, 2.0, 3.0])[::2][1:]).tolist()
+        [0, 0, 64, 64]
+    """
+    return dense_1d(t).view(torch.uint8)
+
+
+def bytes_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D uint8 tensor read as ``dtype`` values (a view when aligned, else a copy).
+
+    Raises:
+        ValueError: the byte count is not a multiple of the element size.
+
+    Example:
+        >>> raw = torch.cat([torch.zeros(1, dtype=torch.uint8), as_bytes(torch.tensor([2.5]))])
+        >>> bytes_as(raw[1:], torch.float32).tolist()  # byte offset 1: copied
+        [2.5]
+    """
+    isize = torch.empty((), dtype=dtype).element_size()
+    buf = dense_1d(buf)
+    if buf.numel() % isize:
+        raise ValueError(f"{buf.numel()} bytes do not hold whole {dtype} values")
+    if buf.storage_offset() % isize:
+        buf = buf.clone()
+    return buf.view(dtype)
+
+
+def index_low_bytes(indices: torch.Tensor, c: int) -> torch.Tensor:
+    """The low ``c`` bytes of each index (little-endian), flattened: the wire's index field."""
+    words = as_bytes(indices.to(torch.int64)).reshape(-1, 8)
+    return words[:, :c].reshape(-1) if c < 8 else words.reshape(-1)
+
+
+def indices_from_low_bytes(raw: torch.Tensor, c: int) -> torch.Tensor:
+    """Inverse of :func:`index_low_bytes`: ``int64`` indices from ``c``-byte fields."""
+    raw = dense_1d(raw)
+    if c == 8:
+        return bytes_as(raw, torch.int64)
+    rows = raw.reshape(-1, c)
+    pad = torch.zeros(rows.shape[0], 8 - c, dtype=torch.uint8, device=raw.device)
+    return torch.cat([rows, pad], dim=1).view(torch.int64).reshape(-1)
