@@ -104,16 +104,31 @@ def test_threshold_bsearch_between_k_and_2k_and_contains_topk() -> None:
 
 
 def test_sampled_bsearch_and_threshold_reuse_refresh_on_schedule() -> None:
+    # A slowly changing gradient (as between training steps): the reused
+    # thresholds keep the count in band, so only the schedule refreshes.
     sampled = C.get("sampled_threshold_bsearch", k=20)
     reuse = C.get("threshold_reuse", k=20, interval=3)
+    base = _x(5000, 99)
     for step in range(11):
-        x = _x(5000, step)
+        x = base + 1e-3 * _x(5000, step)
         sampled.select(x)
         s = reuse.select(x)
         if step % 3 == 0:  # a refresh step: exact top-k
             assert torch.equal(s.indices, C.get("topk", k=20).select(x).indices)
     assert sampled.searches == math.ceil(11 / 5)  # calls 0, 5, 10
     assert reuse.refreshes == math.ceil(11 / 3)  # calls 0, 3, 6, 9
+
+
+def test_reused_thresholds_search_again_when_the_gradient_drifts() -> None:
+    # Beyond the papers: a reused threshold whose count leaves the band triggers
+    # a new search at once (RedSync's [k, 2k]; threshold reuse's [k/2, 2k]).
+    sampled = C.get("sampled_threshold_bsearch", k=20)
+    reuse = C.get("threshold_reuse", k=20, interval=32)
+    for step in range(6):
+        x = _x(5000, step) * (4.0**step)  # the scale grows 4x per step
+        a, b = sampled.select(x), reuse.select(x)
+        assert 20 <= a.nnz <= 40 and 10 <= b.nnz <= 40, (step, a.nnz, b.nnz)
+    assert sampled.searches == 6 and reuse.refreshes == 6
 
 
 def test_randomk_seeded_agreement() -> None:

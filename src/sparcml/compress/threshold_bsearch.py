@@ -4,17 +4,29 @@ Steps:
 
 1. ``l = 0``, ``r = max |x|``.
 2. ``t = (l + r) / 2``; count ``|x| > t``: fewer than ``k`` -> ``r = t``; more than
-   ``2k`` -> ``l = t``; otherwise stop.
-3. Stop as well when ``r - l < eps * max|x|`` (``eps`` relative, default 1e-3).
-4. Select every entry with ``|x| > t`` (with ``t = l`` if the search stopped on
-   ``eps``, so that at least ``k`` entries pass).
+   ``2k`` -> ``l = t``; otherwise stop and select ``|x| > t``.
+3. Stop as well when ``r - l <= eps * r`` (``eps`` relative, default 1e-3).
+4. Stopped on ``eps``: the entries between ``l`` and ``r`` are (nearly) tied, and
+   ``|x| > l`` would select more than ``2k``. Select every ``|x| > r`` (fewer
+   than ``k``) and fill up to exactly ``k`` with the entries in ``(l, r]`` in
+   index order.
 
-The selection contains the exact top-k and, unless ties or ``eps`` cut the
-search short, between ``k`` and ``2k`` entries. No top-k (radix select) at all:
-only reductions and one compaction.
+Count band (RedSync's own criterion, for any input distribution): between ``k``
+and ``2k`` entries, the exact top-k among them; exactly ``k`` when ties stop the
+search; every non-zero entry when there are at most ``2k`` (zeros are never
+selected: they carry nothing). NaN counts as the largest magnitude.
+
+Beyond the paper: Alg. 3 stops when ``r - l < eps`` with ``eps`` absolute (this
+library used ``eps * max|x|``). With one outlier the search then stopped on
+``l = 0`` and selected *everything* (n = 2^20, density 0.1%, one entry 1e4: all
+1,048,576 entries for k = 1048). The tolerance here is relative to the current
+right border, so the search keeps halving towards the bulk of the values, and
+step 4 replaces "select ``|x| > l``", so ties cannot inflate the selection.
 
 *Sampled* variant (``interval > 1``, RedSync recommends 5): the threshold found
-by a search is reused for the next ``interval - 1`` calls.
+by a search is reused for the next ``interval - 1`` calls. Beyond the paper: a
+reused threshold whose count leaves ``[k, 2k]`` (the gradient drifted) triggers
+a new search at once, so the band holds on every call.
 """
 
 from __future__ import annotations
@@ -30,15 +42,28 @@ from .base import Selector, check_input, register
 __all__ = ["SampledThresholdBinarySearch", "ThresholdBinarySearch", "bsearch_threshold"]
 
 
+def _fill_ties(
+    x: torch.Tensor, cand_idx: torch.Tensor, cand_mag: torch.Tensor, hi: float, k: int
+) -> torch.Tensor:
+    """Step 4: every candidate above ``hi``, then the first candidates at or below it, k in all."""
+    above = ~(cand_mag <= hi)  # NaN counts as above
+    need = k - int(above.sum())
+    if need > 0:
+        tied = (~above).nonzero().flatten()[:need]
+        above[tied] = True
+    return cand_idx[above]
+
+
 def bsearch_threshold(
     x: torch.Tensor, k: int, eps: float, max_steps: int = 64
 ) -> tuple[float, torch.Tensor]:
-    """Alg. 3: a threshold ``t`` with ``k <= count(|x| > t) <= 2k`` where the data allows.
+    """Alg. 3: a threshold ``t`` and the sorted positions it selects (see the module doc).
 
-    Returns ``t`` and the sorted positions with ``|x| > t`` (NaN included). The
-    thresholds and counts are exactly Alg. 3's; once a step has raised the left
-    border ``l``, only the entries above ``l`` can matter, so they are kept aside
-    and later counts (and the final selection) look at them alone.
+    Returns ``t`` and the selected positions: ``k <= count <= 2k`` (exactly ``k``
+    on ties; all non-zeros when there are at most ``2k``). The thresholds and
+    counts are Alg. 3's; once a step has raised the left border ``l``, only the
+    entries above ``l`` can matter, so they are kept aside and later counts (and
+    the final selection) look at them alone.
     """
     top = max_magnitude(x)
     has_nan = top != top
@@ -46,12 +71,23 @@ def bsearch_threshold(
         finite = x[torch.isfinite(x)]
         top = max_magnitude(finite) if finite.numel() else 0.0
     lo, hi = 0.0, top
-    tol = eps * top
     cand_idx: torch.Tensor | None = None  # positions above lo, once narrowed
     cand_mag = torch.empty(0)
+    checked_nonzeros = False
     for _ in range(max_steps):
-        if hi - lo <= tol:
-            break
+        if hi - lo <= eps * hi:
+            if cand_idx is not None:
+                return lo, _fill_ties(x, cand_idx, cand_mag, hi, k)
+            if checked_nonzeros:
+                break
+            # Still on l = 0 after the interval shrank below eps: maybe fewer than
+            # 2k non-zeros exist at all (a mostly-zero gradient); then send them all.
+            checked_nonzeros = True
+            nonzero = select_above(x, 0.0, nan=has_nan)
+            if nonzero.numel() <= 2 * k:
+                return 0.0, nonzero
+            cand_idx, cand_mag = nonzero, x[nonzero].abs()
+            continue
         mid = 0.5 * (lo + hi)
         if cand_idx is None:
             above_idx = select_above(x, mid, nan=has_nan)
@@ -70,7 +106,9 @@ def bsearch_threshold(
             lo, cand_idx = mid, above_idx
         else:
             return mid, above_idx
-    return lo, cand_idx if cand_idx is not None else select_above(x, lo, nan=has_nan)
+    if cand_idx is None:  # only zeros (or nothing finite) above lo = 0
+        return lo, select_above(x, lo, nan=has_nan)
+    return lo, _fill_ties(x, cand_idx, cand_mag, hi, k)
 
 
 @register("threshold_bsearch")
@@ -106,11 +144,14 @@ class ThresholdBinarySearch(Selector):
         k = self.spec.of(x.numel())
         if k == 0:
             return SparseStream.empty(x.numel(), x.dtype, x.device)
-        if self.threshold is None or self.calls % self.interval == 0:
+        idx = None
+        if self.threshold is not None and self.calls % self.interval != 0:
+            idx = select_above(x, self.threshold)
+            if not k <= idx.numel() <= 2 * k:
+                idx = None  # the gradient drifted out of the band: search again now
+        if idx is None:
             self.threshold, idx = bsearch_threshold(x, k, self.eps)
             self.searches += 1
-        else:
-            idx = select_above(x, self.threshold)
         self.calls += 1
         return SparseStream._trusted(idx, x[idx], x.numel())
 

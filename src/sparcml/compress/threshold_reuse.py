@@ -1,9 +1,16 @@
 """Top-k by a reused threshold (Ok-Topk, paper 001: "threshold reuse").
 
-The exact k-th largest magnitude is computed every ``interval`` calls (Ok-Topk's
-tau'); the calls in between select ``|x| >= t`` with the stored ``t``, one
+The exact k-th largest magnitude ``t`` is computed every ``interval`` calls
+(Ok-Topk's tau'); that call selects exactly the top-k (ties at ``t`` broken by
+position). The calls in between select ``|x| >= t`` with the stored ``t``, one
 comparison pass instead of a top-k. Gradients change slowly between iterations,
 so the count stays close to ``k``.
+
+Count band: exactly ``k`` on a refresh call; ``[k/2, 2k]`` on a reuse call.
+Beyond the paper: a reuse call whose count leaves that band (the gradient
+drifted, or many entries tie at ``t``) refreshes at once, so the band holds on
+every call. Zeros are never selected (a zero threshold selects ``|x| > 0``), so
+a tensor with fewer than ``k`` non-zeros gives all of them.
 """
 
 from __future__ import annotations
@@ -14,12 +21,28 @@ from ..stream import SparseStream
 from ._selection import KSpec, magnitude, select_above
 from .base import Selector, check_input, register
 
-__all__ = ["ThresholdReuse", "kth_largest"]
+__all__ = ["ThresholdReuse", "kth_largest", "top_k_positions"]
 
 
 def kth_largest(mag: torch.Tensor, k: int) -> float:
     """The exact ``k``-th largest value of ``mag`` (``k >= 1``)."""
     return float(torch.topk(mag, k, sorted=False).values.min())
+
+
+def top_k_positions(mag: torch.Tensor, t: float, k: int) -> torch.Tensor:
+    """Sorted positions of the top-k of ``mag`` given its k-th largest value ``t``.
+
+    Every entry above ``t``, then the first entries equal to ``t`` in index order
+    up to ``k`` in all (deterministic ties); with ``t = 0`` only the non-zeros.
+    """
+    above = select_above(mag, t, nan=False)
+    if t == 0:
+        return above
+    need = k - above.numel()
+    if need <= 0:
+        return above
+    tied = (mag == t).nonzero().flatten()[:need]
+    return torch.sort(torch.cat([above, tied])).values
 
 
 @register("threshold_reuse")
@@ -47,9 +70,17 @@ class ThresholdReuse(Selector):
         k = self.spec.of(x.numel())
         if k == 0:
             return SparseStream.empty(x.numel(), x.dtype, x.device)
-        if self.threshold is None or self.calls % self.interval == 0:
-            self.threshold = kth_largest(magnitude(x), k)
+        idx = None
+        if self.threshold is not None and self.calls % self.interval != 0:
+            idx = select_above(x, self.threshold, strict=self.threshold == 0)
+            if not (k + 1) // 2 <= idx.numel() <= 2 * k and not (
+                self.threshold == 0 and idx.numel() < k
+            ):
+                idx = None  # out of the band: refresh now
+        if idx is None:
+            mag = magnitude(x)
+            self.threshold = kth_largest(mag, k)
             self.refreshes += 1
+            idx = top_k_positions(mag, self.threshold, k)
         self.calls += 1
-        idx = select_above(x, self.threshold, strict=False)
         return SparseStream._trusted(idx, x[idx], x.numel())
