@@ -46,8 +46,9 @@ def topk_sgd_step(
         comm: the communicator (default: the default process group, or a world of one).
         selector: the sparsifier (default ``topk`` with ``k`` or ``density``).
         k / density: for the default top-k selector.
-        quantizer: value quantizer ``Q`` applied to the selected values (all
-            messages' values are quantized), or None.
+        quantizer: value quantizer ``Q`` applied to the selected values, or None.
+            As in Alg. 1, each rank's ``Q(TopK(acc))`` is quantized once and the
+            partial sums travel exactly (``quantize="contributions"``).
         lr: the learning rate ``alpha`` of Alg. 1 (multiplied into the gradient),
             or None to accumulate raw gradients and apply ``lr`` yourself.
         algorithm: sparse allreduce algorithm (``"auto"``).
@@ -77,6 +78,6 @@ def topk_sgd_step(
         comm,
         algorithm=algorithm,
         quantizer=quantizer,
-        quantize="all" if quantizer is not None else "dense",
+        quantize="contributions" if quantizer is not None else "dense",
     )
     return total.to_dense().reshape(grad.shape)

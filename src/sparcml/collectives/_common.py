@@ -86,7 +86,7 @@ def split_and_reduce(
     received = comm.alltoallv(payloads)
     width = bounds[me + 1] - bounds[me]
     mine = [
-        pieces[me]
+        codec.quantize_own(pieces[me])
         if j == me
         else decode_or_empty(received[j], width, stream.dtype, stream.device, codec)
         for j in range(p)

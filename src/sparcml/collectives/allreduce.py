@@ -20,6 +20,7 @@ from ..compress.base import Quantizer
 from ..costmodel import AUTO_CANDIDATES, CostModel
 from ..engine import Work
 from ..errors import RankMismatchError
+from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import code_dtype, dtype_code
 from .codec import StreamCodec
@@ -42,7 +43,7 @@ def check_consistent(stream: SparseStream, comm: Communicator) -> list[int]:
         CommTimeoutError / PeerFailedError: naming a rank that did not answer.
     """
     meta = torch.tensor([stream.size, dtype_code(stream.dtype), stream.nnz], dtype=torch.int64)
-    payload = meta.view(torch.uint8)
+    payload = as_bytes(meta)
     with comm.control():
         got = comm.alltoallv([payload] * comm.world_size)
     rows = []
@@ -52,7 +53,7 @@ def check_consistent(stream: SparseStream, comm: Communicator) -> list[int]:
                 f"rank {r} sent a malformed header ({buf.numel()} bytes): is it running "
                 "the same collective and sparcml version?"
             )
-        rows.append(buf.cpu().view(torch.int64).tolist())
+        rows.append(bytes_as(buf.cpu(), torch.int64).tolist())
     sizes = [r[0] for r in rows]
     codes = [r[1] for r in rows]
     if len(set(sizes)) > 1:
@@ -93,12 +94,7 @@ def _run(
     codec: StreamCodec,
     options: dict[str, Any],
 ) -> SparseStream:
-    codec = StreamCodec(
-        codec.quantizer,
-        codec.quantize,
-        sequence=comm.next_sequence(),
-        index_coding=codec.index_coding,
-    )
+    codec = codec.with_call(comm.next_sequence(), comm.rank)
     if algorithm == "auto":
         algorithm = choose_algorithm(stream, comm, model, exclude_dense=codec.lossy)
         log.debug("sparse_allreduce auto chose %s", algorithm)
@@ -166,7 +162,10 @@ def sparse_allreduce(
             :mod:`sparcml.collectives.codec`. Every rank dequantizes the same bytes,
             so results stay bitwise identical.
         quantize: ``"dense"`` (SparCML sec. 6: only messages carrying dense streams,
-            e.g. DSAR's second phase) or ``"all"`` (the sparse phases too).
+            e.g. DSAR's second phase), ``"contributions"`` (SparCML's Alg. 1: each
+            rank's own stream quantized once, partial sums exact; the error does not
+            depend on the algorithm) or ``"all"`` (every message, partial sums
+            re-quantized at each stage). See :mod:`sparcml.collectives.codec`.
         index_coding: ``"delta"`` sends the indices of quantized sparse messages as
             varints of their gaps (about 1.3 bytes each at 1% density instead of 4);
             lossless, so results are unchanged.

@@ -8,8 +8,23 @@ with QSGD. A :class:`StreamCodec` holds that choice for one collective call:
 * ``quantize="dense"`` (default with a quantizer): messages carrying a *dense*
   stream (DSAR's phase 2, any partial sum past ``delta``) have their values
   quantized; sparse messages stay exact;
-* ``quantize="all"``: every message's values are quantized (the caller's
-  choice for the sparse phases, e.g. ``topk+qsgd``).
+* ``quantize="contributions"`` (SparCML's Alg. 1, ``g = sum_i Q(TopK(acc_i))``):
+  every rank's own contribution is quantized exactly once, by that rank, and the
+  partial sums travel exactly. The result's error is then the same whichever
+  algorithm runs: ``P`` independent quantizations, nothing re-rounded. Messages
+  that carry partial sums (the later stages of recursive doubling, the allgather
+  phase of the split algorithms) are sent at full precision, so they cost more
+  bytes than under ``"all"``;
+* ``quantize="all"``: every message's values are quantized, partial sums
+  included, at every stage: fewest bytes, but the error grows with the number
+  of stages and depends on the algorithm (measured in docs/compression.md).
+
+Randomness: a rank quantizing its own contribution (or a partial sum that only
+it holds) draws from a generator seeded by ``(quantizer seed, rank, call
+number)``: independent across ranks and calls, so rounding errors average out
+instead of adding up. Only ranks that hold the same partial sum and must send
+the same bytes (the partners of recursive doubling) share a seed
+(:meth:`StreamCodec.shared_seed`).
 
 Results stay bitwise identical on every rank: a quantized message is decoded
 from its bytes by every rank that uses it, the sender included, and final
@@ -18,14 +33,23 @@ results are handed on exactly (:meth:`encode_exact`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..compress.base import Quantizer, decode_quantized_stream, encode_quantized_stream
 from ..errors import WireFormatError
+from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import decode, encode
 
-__all__ = ["EXACT", "StreamCodec"]
+__all__ = ["EXACT", "QUANTIZE_MODES", "StreamCodec"]
+
+QUANTIZE_MODES = ("dense", "contributions", "all")
+
+# The base of the own-generator seeds of quantizers built with seed=None: random
+# per process, so such runs are not reproducible but still independent across ranks.
+_PROCESS_SEED = int.from_bytes(os.urandom(8), "little") >> 1
 
 
 class StreamCodec:
@@ -33,7 +57,7 @@ class StreamCodec:
 
     Args:
         quantizer: a value quantizer (``sparcml.compress.get("qsgd", bits=4)``), or None.
-        quantize: ``"dense"`` or ``"all"``.
+        quantize: ``"dense"``, ``"contributions"`` or ``"all"`` (module docstring).
         index_coding: indices of quantized sparse messages as ``c``-byte words
             (``"fixed"``) or varints of their gaps (``"delta"``); exact messages
             keep the fixed format.
@@ -45,20 +69,29 @@ class StreamCodec:
         quantize: str = "dense",
         sequence: int = 0,
         index_coding: str = "fixed",
+        rank: int = 0,
     ) -> None:
         if quantizer is not None and not isinstance(quantizer, Quantizer):
             raise TypeError(
                 f"quantizer must be a value quantizer such as sparcml.compress.get('qsgd'), "
                 f"got {type(quantizer).__name__}"
             )
-        if quantize not in ("dense", "all"):
-            raise ValueError(f"quantize must be 'dense' or 'all', got {quantize!r}")
+        if quantize not in QUANTIZE_MODES:
+            raise ValueError(
+                f"quantize must be one of {', '.join(map(repr, QUANTIZE_MODES))}, got {quantize!r}"
+            )
         if index_coding not in ("fixed", "delta"):
             raise ValueError(f"index_coding must be 'fixed' or 'delta', got {index_coding!r}")
         self.quantizer = quantizer
         self.quantize = quantize
         self.index_coding = index_coding
         self.sequence = sequence  # the collective call's number, equal on every rank
+        self.rank = rank
+        self._own_gen: torch.Generator | None = None
+
+    def with_call(self, sequence: int, rank: int) -> StreamCodec:
+        """The same policy for one collective call: its number and this rank."""
+        return StreamCodec(self.quantizer, self.quantize, sequence, self.index_coding, rank)
 
     def shared_seed(self, *parts: int) -> int:
         """A seed every rank derives alike from this call's number and ``parts``.
@@ -71,24 +104,59 @@ class StreamCodec:
     def lossy(self) -> bool:
         return self.quantizer is not None
 
-    def _quantizes(self, stream: SparseStream) -> bool:
-        return self.quantizer is not None and (self.quantize == "all" or stream.is_dense)
+    @property
+    def quantizes_sums(self) -> bool:
+        """Whether messages carrying partial sums may be quantized (not under Alg. 1)."""
+        return self.quantizer is not None and self.quantize != "contributions"
 
-    def encode(self, stream: SparseStream, shared_seed: int | None = None) -> torch.Tensor:
+    def _quantizes(self, stream: SparseStream, partial: bool) -> bool:
+        if self.quantizer is None:
+            return False
+        if self.quantize == "contributions":
+            return not partial
+        return self.quantize == "all" or stream.is_dense
+
+    def own_generator(self, device: torch.device) -> torch.Generator:
+        """This rank's generator for this call: seeded by (quantizer seed, rank, call)."""
+        if self._own_gen is None or self._own_gen.device != device:
+            assert self.quantizer is not None
+            base = self.quantizer.seed if self.quantizer.seed is not None else _PROCESS_SEED
+            self._own_gen = torch.Generator(device=device)
+            self._own_gen.manual_seed(hash((0x0A11, base, self.rank, self.sequence)) & (2**63 - 1))
+        return self._own_gen
+
+    def _generator(self, device: torch.device, shared_seed: int | None) -> torch.Generator:
+        if shared_seed is None:
+            return self.own_generator(device)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(shared_seed & (2**63 - 1))
+        return gen
+
+    def encode(
+        self, stream: SparseStream, shared_seed: int | None = None, *, partial: bool = False
+    ) -> torch.Tensor:
         """The message for ``stream`` (values quantized where the policy says so).
 
+        ``partial``: the stream is a partial sum of several ranks' contributions,
+        not this rank's own (exact under ``quantize="contributions"``).
         ``shared_seed``: ranks that hold the same stream and must send the same
         bytes (the two halves of a recursive-doubling group) quantize with a
         generator seeded by it instead of their own.
         """
-        if self._quantizes(stream):
+        if self._quantizes(stream, partial):
             assert self.quantizer is not None
-            gen = None
-            if shared_seed is not None:
-                gen = torch.Generator(device=stream.device)
-                gen.manual_seed(shared_seed & (2**63 - 1))
+            gen = self._generator(stream.device, shared_seed)
             return encode_quantized_stream(stream, self.quantizer, gen, self.index_coding)
         return encode(stream)
+
+    def quantize_own(self, stream: SparseStream) -> SparseStream:
+        """Under ``"contributions"``: this rank's own contribution as it would be sent
+        (quantized once, decoded), for the part of it that never leaves the rank."""
+        if self.quantizer is None or self.quantize != "contributions":
+            return stream
+        if not stream.is_dense and stream.nnz == 0:
+            return stream
+        return self.decode(self.encode(stream), stream.size, stream.dtype, stream.device)
 
     @staticmethod
     def encode_exact(stream: SparseStream) -> torch.Tensor:
@@ -108,17 +176,19 @@ class StreamCodec:
             return s
         return decode(buf, expect_size=size, expect_dtype=dtype, device=device)
 
-    def roundtrip(self, stream: SparseStream, buf: torch.Tensor) -> SparseStream:
+    def roundtrip(
+        self, stream: SparseStream, buf: torch.Tensor, *, partial: bool = False
+    ) -> SparseStream:
         """What the receivers of ``buf`` will hold: the sender uses this copy too."""
-        if not self._quantizes(stream):
+        if not self._quantizes(stream, partial):
             return stream
         return self.decode(buf, stream.size, stream.dtype, stream.device)
 
     def encode_dense(self, values: torch.Tensor) -> torch.Tensor:
         """A dense vector's message (quantized if a quantizer is set)."""
         if self.quantizer is not None:
-            return self.quantizer.quantize(values)
-        return values.contiguous().view(torch.uint8)
+            return self.quantizer.quantize(values, self.own_generator(values.device))
+        return as_bytes(values)
 
     def decode_dense(
         self, buf: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device
@@ -129,7 +199,7 @@ class StreamCodec:
             isize = torch.empty((), dtype=dtype).element_size()
             if buf.numel() != n * isize:
                 raise WireFormatError(f"dense message of {buf.numel()} bytes, expected {n * isize}")
-            out = buf.to(device).clone().view(dtype)
+            out = bytes_as(buf.to(device).clone(), dtype)
         if out.numel() != n:
             raise WireFormatError(f"dense message holds {out.numel()} values, expected {n}")
         return out

@@ -54,7 +54,7 @@ def dsar_split_allgather(
     # Steps 1-2: sparse split, reduce, switch to dense.
     mine, bounds, _ = split_and_reduce(stream, comm, codec)
     widths = [bounds[j + 1] - bounds[j] for j in range(p)]
-    if codec.lossy:
+    if codec.quantizes_sums:
         # Step 3, quantized: allgather of variable-size payloads, all decoded alike.
         payloads = comm.allgatherv(codec.encode_dense(mine.to_dense()))
         ranges = [

@@ -59,14 +59,17 @@ def gtopk(
     if p == 1:
         return keep_topk(stream, k).clone()
     acc = keep_topk(stream, k)
+    combined = False  # acc holds other ranks' contributions too
     # Step 2: reduce up the binomial tree
     d = 1
     while d < p:
         if me % (2 * d) == d:
-            comm.send(codec.encode(acc), me - d)
+            comm.send(codec.encode(acc, partial=combined), me - d)
             break
         if me % (2 * d) == 0 and me + d < p:
             other = codec.decode(comm.recv(me + d), stream.size, stream.dtype, stream.device)
+            if not combined:
+                acc, combined = codec.quantize_own(acc), True
             acc = keep_topk(acc + other, k)
         d *= 2
     # Step 3: broadcast the root's set down the same tree

@@ -106,12 +106,13 @@ def sparse_allgather(
 
 
 def gather_streams(
-    stream: SparseStream, comm: Communicator, codec: StreamCodec = EXACT
+    stream: SparseStream, comm: Communicator, codec: StreamCodec = EXACT, *, partial: bool = False
 ) -> list[SparseStream]:
     """The blocking allgather itself, for use inside other collectives.
 
     Every stream, this rank's own included, is decoded from the gathered bytes,
-    so a lossy codec leaves every rank with the same values.
+    so a lossy codec leaves every rank with the same values. ``partial``: the
+    streams are partial sums, not the ranks' own contributions (see :mod:`.codec`).
     """
-    bufs = allgather_buffers(codec.encode(stream), comm)
+    bufs = allgather_buffers(codec.encode(stream, partial=partial), comm)
     return [codec.decode(b, None, stream.dtype, stream.device) for b in bufs]

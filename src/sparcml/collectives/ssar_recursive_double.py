@@ -58,16 +58,20 @@ def ssar_recursive_double(
         return receive(me - p2)
     acc = stream
     if me < p - p2:
-        acc = acc + receive(me + p2)
+        acc = codec.quantize_own(acc) + receive(me + p2)
     # Step 1: log2(P') exchange-and-add stages.
     mask = 1
     while mask < p2:
         partner = me ^ mask
+        partial = acc is not stream  # a sum of several ranks' contributions
         # both ranks of this rank's group hold the same partial sum: they must
-        # quantize it alike, so the seed names the stage and the group
-        buf = codec.encode(acc, codec.shared_seed(mask, me // mask) if codec.lossy else None)
+        # quantize it alike, so the seed names the stage and the group (a rank's
+        # own contribution, under quantize="contributions", uses its own generator)
+        shared = codec.quantizes_sums and codec.lossy
+        seed = codec.shared_seed(mask, me // mask) if shared else None
+        buf = codec.encode(acc, seed, partial=partial)
         other = codec.decode(comm.sendrecv(buf, partner), stream.size, stream.dtype, stream.device)
-        acc = codec.roundtrip(acc, buf)
+        acc = codec.roundtrip(acc, buf, partial=partial)
         acc = other + acc if partner < me else acc + other
         mask <<= 1
     # Step 2: unfold (the final result travels exactly).

@@ -48,7 +48,7 @@ def ssar_split_allgather(
     # Steps 1-2: split and reduce.
     mine, bounds, _ = split_and_reduce(stream, comm, codec)
     # Step 3: sparse allgather of the reduced ranges, then concatenation.
-    parts = gather_streams(mine, comm, codec)
+    parts = gather_streams(mine, comm, codec, partial=True)
     for j, part in enumerate(parts):
         if part.size != bounds[j + 1] - bounds[j]:
             raise WireFormatError(

@@ -99,12 +99,14 @@ class _GeneralDithering(Quantizer):
         if self.check_finite and not bool(torch.isfinite(norm64)):
             check_finite(x, self.name)
         norm = norm64.float()  # the levels refer to the float32 norm that travels
+        gen = generator or self._generator(x.device)
         if self.compress_norm:
-            # C_nat of the norm is unbiased and independent of the levels: E[D(x)] = x still
-            norm_payload = self._norm_codec.quantize(norm.reshape(1))
+            # C_nat of the norm is unbiased and independent of the levels: E[D(x)] = x
+            # still. It draws from the same generator, so a generator passed per rank
+            # (the collectives' own-contribution generator) decorrelates it too.
+            norm_payload = self._norm_codec.quantize(norm.reshape(1), gen)
         else:
             norm_payload = norm.reshape(1).view(torch.uint8)
-        gen = generator or self._generator(x.device)
         inv = 1.0 / float(norm) if float(norm) > 0 else 0.0
         out = torch.empty(packed_nbytes(n, self.bits), dtype=torch.uint8, device=x.device)
         for lo, hi in chunks(n, x.device):

@@ -74,7 +74,7 @@ def _sparse(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ig
         state.comm,
         algorithm=state.algorithm,
         quantizer=quantizer,
-        quantize="all" if quantizer is not None else "dense",
+        quantize=state.quantize if quantizer is not None else "dense",
         index_coding=state.index_coding,
     )
     return selected, total.to_dense()
