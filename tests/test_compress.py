@@ -369,3 +369,35 @@ def test_composition_is_unbiased_on_the_selection() -> None:
     draws = _draws(op, x, 2000)
     top = torch.topk(x.abs(), 50).indices
     _assert_unbiased(draws[:, top], x[top])
+
+
+def test_natural_to_integers_refuses_offset_63_instead_of_flipping_sign() -> None:
+    q = C.get("natural", format=8, e_min=-10)
+    x = torch.tensor([2.0**53, -(2.0**52), 1.0])  # offsets 63, 62, 10
+    payload = q.quantize(x)
+    with pytest.raises(OverflowError, match="int64"):
+        q.to_integers(payload)
+    ok = q.quantize(torch.tensor([-(2.0**52), 1.0]))
+    assert q.to_integers(ok).tolist() == [-(2**62), 2**10]
+
+
+def test_natural_9bit_top_binade_clipped_and_counted() -> None:
+    # [2^127, 2^128): rounding up gives 2^128 = inf; clipped to 2^127 and counted
+    q = C.get("natural", seed=5)
+    x = torch.full((4096,), 1.5 * 2.0**127)
+    out = q.dequantize(q.quantize(x), torch.float32, torch.device("cpu"))
+    assert bool(torch.isfinite(out).all()) and bool((out == 2.0**127).all())
+    assert 1500 < q.clipped < 2600  # about half rounded up
+
+
+@pytest.mark.parametrize("fmt", [8, 9])
+def test_natural_below_range_flushes_unbiased_in_both_formats(fmt: int) -> None:
+    # below the smallest power (2^e_min, or 2^-126 for 9-bit subnormals) both formats
+    # round stochastically to 0 or that power: unbiased (documented variance)
+    lo = 2.0**-20 if fmt == 8 else 2.0**-126
+    q = C.get("natural", format=fmt, e_min=-20, seed=11)
+    x = torch.full((200_000,), 0.3 * lo)
+    out = q.dequantize(q.quantize(x), torch.float64, torch.device("cpu"))
+    assert set(out.unique().tolist()) <= {0.0, lo}
+    mean, se = float(out.mean()), lo * math.sqrt(0.3 * 0.7 / x.numel())
+    assert abs(mean - 0.3 * lo) < 5 * se

@@ -159,3 +159,25 @@ def test_quantizer_argument_errors() -> None:
         sparse_allreduce(s, quantizer=compress.get("topk", k=1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="quantize must be"):
         sparse_allreduce(s, quantizer="natural", quantize="some")
+
+
+@pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+def test_error_feedback_on_non_contiguous_gradients(layout: str) -> None:
+    # channels_last convolutions and transposed views once raised "view size is
+    # not compatible"; the invariant acc == sent + residual must hold in row-major order
+    g = torch.Generator().manual_seed(3)
+    if layout == "transposed":
+        grad = torch.randn(8, 6, generator=g, dtype=torch.float64).t()
+    else:
+        grad = torch.randn(2, 3, 4, 4, generator=g, dtype=torch.float64).to(
+            memory_format=torch.channels_last
+        )
+    assert not grad.is_contiguous()
+    ef = ErrorFeedback()
+    for _ in range(3):
+        acc = ef.compensate(grad, "w", lr=0.5)
+        sel = compress.get("topk", k=5).select(acc)
+        ef.update(acc, sel, "w")
+        assert torch.equal(sel.to_dense().reshape(acc.shape) + ef.residual("w"), acc)
+    out = topk_sgd_step(grad, "w2", ErrorFeedback(), k=5, quantizer="natural")
+    assert out.shape == grad.shape and int((out != 0).sum()) == 5

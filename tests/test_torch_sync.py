@@ -174,7 +174,9 @@ def test_oktopk_equals_its_definition(world: int) -> None:
             eps[r] = accs[r].masked_fill(sent, 0.0)
 
 
-def _redsync_reference(world: int, asq: bool, min_bytes: int) -> list[torch.Tensor]:
+def _redsync_reference(
+    world: int, asq: bool, min_bytes: int, feedback: str = "paper", output: str | None = None
+) -> list[torch.Tensor]:
     density = 0.05
     n = sum(SIZES)
     eps = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
@@ -184,23 +186,29 @@ def _redsync_reference(world: int, asq: bool, min_bytes: int) -> list[torch.Tens
         for r in range(world):
             acc = eps[r] + _grads(r, t)
             sent = torch.zeros(n, dtype=torch.float64)
+            fed_back = acc.clone()  # the new residual
             lo = 0
-            for size in SIZES:
+            for name, size in zip(_names(), SIZES, strict=True):
                 layer = acc[lo : lo + size]
                 k = _k(density, size)
                 if size * 8 < min_bytes:
                     sent[lo : lo + size] = layer  # small layers go uncompressed
-                elif asq:
+                    fed_back[lo : lo + size] = 0
+                elif asq and name != output:
                     # alternate: top-k positive entries on even calls, negative on odd
                     signed = layer if t % 2 == 0 else -layer
                     k = min(k, int((signed > 0).sum()))
                     idx = signed.topk(k).indices
-                    sent[lo + idx] = layer[idx].mean().float().double()  # one float32 mean
-                else:
+                    mean = layer[idx].mean().float().double()  # one float32 mean
+                    sent[lo + idx] = mean
+                    # RedSync Alg. 1: the entries outside the set are the new residual
+                    fed_back[lo + idx] = 0 if feedback == "paper" else layer[idx] - mean
+                else:  # (the output layer is sparsified, never quantized)
                     idx = layer.abs().topk(k).indices  # trimmed top-k selects exactly k
                     sent[lo + idx] = layer[idx]
+                    fed_back[lo + idx] = 0
                 lo += size
-            eps[r] = acc - sent
+            eps[r] = fed_back
             total += sent
         outs.append(total / world)
     return outs
@@ -214,6 +222,20 @@ def test_redsync_equals_per_layer_selection_and_packed_allgather(world: int, asq
     _assert_identical(out)
     for got, ref in zip(out[0][0], _redsync_reference(world, asq, min_bytes), strict=True):
         assert torch.allclose(got, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("feedback", ["paper", "quantization_error"])
+def test_redsync_asq_residual_and_unquantized_output_layer(world: int, feedback: str) -> None:
+    min_bytes = 100 * 8
+    out = _run(
+        world, "redsync", density=0.05, redsync_asq=True, redsync_min_bytes=min_bytes,
+        redsync_asq_feedback=feedback, redsync_output_layer="p2",
+    )  # fmt: skip
+    _assert_identical(out)
+    ref = _redsync_reference(world, True, min_bytes, feedback, output="p2")
+    for got, want in zip(out[0][0], ref, strict=True):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
 def test_redsync_sends_one_message_per_rank_and_bsearch_for_large_layers() -> None:
@@ -506,3 +528,55 @@ def test_natural_ina_needs_an_aggregator_address() -> None:
         SparcmlState("natural_ina")
     with pytest.raises(ValueError, match="must be 'host:port'"):
         SparcmlState("natural_ina", ina_server="nohost")
+
+
+def test_clip_scope_model_clips_the_whole_local_gradient_once() -> None:
+    # RedSync sec. 3.5: the norm of the whole local gradient, not of each bucket
+    def fn(comm):  # type: ignore[no-untyped-def]
+        params = [torch.nn.Parameter(torch.zeros(50)) for _ in range(3)]
+        for i, p in enumerate(params):
+            p.grad = torch.full((50,), float(i + 1))
+        state = SparcmlState(
+            "topk", density=1.0, comm=comm, clip_norm=1.0, clip_scope="model", bucket_bytes=200
+        )
+        st.sync_gradients(params, state)
+        return torch.cat([p.grad for p in params])
+
+    got = run_ranks(2, fn)[0]
+    g = torch.cat([torch.full((50,), float(i + 1)) for i in range(3)])
+    want = g * ((1.0 / math.sqrt(2)) / float(g.norm()))
+    assert torch.allclose(got, want, rtol=1e-5, atol=0)
+
+
+def test_clip_scope_model_is_refused_by_the_ddp_hook() -> None:
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        state = SparcmlState("topk", clip_norm=1.0, clip_scope="model", timeout=10)
+        with pytest.raises(ValueError, match="clip_scope='model' needs the whole gradient"):
+            st.register(ddp, state=state)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_redsync_output_layer_auto_is_the_last_module_and_not_quantized() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState(
+            "redsync", density=0.05, comm=comm, redsync_asq=True, redsync_min_bytes=0
+        )
+        model(torch.randn(4, 64)).sum().backward()
+        st.sync_gradients(model, state)
+        return {name: type(op).__name__ for (_, name), op in state.operators.items()}
+
+    kinds = run_ranks(1, fn)[0]
+    assert kinds["0.weight"] == "ASQ" and kinds["0.bias"] == "ASQ"
+    assert kinds["2.weight"] != "ASQ" and kinds["2.bias"] != "ASQ"

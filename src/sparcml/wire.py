@@ -37,7 +37,7 @@ from .errors import WireFormatError
 from .reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from .stream import SparseStream, index_bytes
 
-__all__ = ["HEADER_BYTES", "decode", "encode", "encoded_nbytes", "pack", "unpack"]
+__all__ = ["HEADER_BYTES", "check_indices", "decode", "encode", "encoded_nbytes", "pack", "unpack"]
 
 MAGIC = b"SpS"
 VERSION = 1
@@ -175,14 +175,25 @@ def decode(
         return SparseStream.dense(body.clone().view(dtype))
     indices = indices_from_low_bytes(body[: nnz * c], c)
     values = bytes_as(body[nnz * c :].clone(), dtype)
-    if nnz:
-        if c == 8 and int(indices.min()) < 0:
-            raise WireFormatError("negative index in message")
-        if int(indices[-1]) >= size:
-            raise WireFormatError(f"index {int(indices[-1])} out of range for size {size}")
-        if nnz > 1 and not bool((indices[1:] > indices[:-1]).all()):
-            raise WireFormatError("indices in message are not strictly increasing")
+    check_indices(indices, size)
     return SparseStream._trusted(indices, values, size)
+
+
+def check_indices(indices: torch.Tensor, size: int, what: str = "message") -> None:
+    """What every decoder checks of received indices: in ``[0, size)``, strictly increasing.
+
+    Raises:
+        WireFormatError: naming the first problem.
+    """
+    nnz = indices.numel()
+    if not nnz:
+        return
+    if nnz > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise WireFormatError(f"indices in {what} are not strictly increasing")
+    if int(indices[0]) < 0:
+        raise WireFormatError(f"negative index {int(indices[0])} in {what}")
+    if int(indices[-1]) >= size:
+        raise WireFormatError(f"index {int(indices[-1])} in {what} out of range for size {size}")
 
 
 def pack(entries: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:

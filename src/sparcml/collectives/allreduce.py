@@ -1,7 +1,8 @@
 """``sparse_allreduce``: the front door of the sparse allreduce algorithms.
 
-Every call first exchanges a few integers per rank (size, dtype, nnz) with one
-small dense allgather. That check makes mismatched calls fail with the same
+Every call first exchanges a few integers per rank (size, dtype, nnz): each rank
+sends them straight to every other (an alltoallv of 24-byte headers, ``P-1``
+messages per rank). That check makes mismatched calls fail with the same
 clear error on every rank instead of hanging or corrupting data, and gives
 ``algorithm="auto"`` the observed nnz of every rank for the cost model
 (:mod:`sparcml.costmodel`). The choice is computed from the same gathered numbers

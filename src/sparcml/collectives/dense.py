@@ -1,7 +1,10 @@
 """The dense baseline: the backend's allreduce of the dense vector.
 
-Cost (ring or Rabenseifner): ``2 log2(P) alpha + 2 (P-1)/P N beta_d`` (paper 000,
-sec. 5.3.2, ``T_ar_rab``), whatever the sparsity.
+Cost, whatever the sparsity, depends on the backend's algorithm: a ring (gloo,
+NCCL, and the generic one of :class:`~sparcml.comm.Communicator` used by the
+in-process and simulated ranks) costs ``2 (P-1) alpha + 2 (P-1)/P N beta_d``;
+Rabenseifner's (MPI libraries, mostly) ``2 log2(P) alpha + 2 (P-1)/P N beta_d``
+(paper 000, sec. 5.3.2, ``T_ar_rab``). The bandwidth term is the same.
 """
 
 from __future__ import annotations

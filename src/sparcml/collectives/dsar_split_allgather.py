@@ -12,9 +12,14 @@ Steps:
 3. Dense allgather of the reduced ranges (the backend's optimised one; ranges
    padded to the largest, ``ceil(N/P)``, so unequal ranges fit).
 
-Cost, with ``L2(P) = (P-1) alpha + log2(P) alpha``:
+Cost, with ``L2(P) = (P-1) alpha + log2(P) alpha`` (the paper's: the split's
+``P-1`` messages, then a recursive-doubling allgather):
 
     L2(P) + (P-1)/P N beta_d  <=  T_dsar_split_ag  <=  L2(P) + k beta_s + (P-1)/P N beta_d
+
+As built, step 3 is the backend's allgather: a ring with gloo and the generic
+communicator, ``(P-1) alpha`` instead of ``log2(P) alpha``, so the latency term
+is ``2 (P-1) alpha``; the bandwidth terms are the paper's.
 
 At most ``2/kappa`` times faster than a dense allreduce (Lemma 5.2).
 """

@@ -6,6 +6,14 @@ The message carries the indices and one float: all values share the mean's
 sign, so no sign travels. (If fewer than ``k`` values have the wanted sign, all
 of those are taken.)
 
+Selection: RedSync implements ASQ "by slightly modifying our parallel-friendly
+top-0.1% approaches" (sec. 2.2) and runs RGC+ASQ with trimmed top-k on
+convolutional layers and threshold binary search on large layers (sec. 4), never
+the sampled search ("sampled threshold binary search cannot be used with
+quantization"). ``selector`` picks one of ``"topk"`` (exact),
+``"trimmed_topk"`` or ``"threshold_bsearch"``; it runs on the magnitudes of the
+wanted sign only (the other sign counts as zero and is never selected).
+
 Payload: 16-byte header (``flags`` = the parity of the call), the mean as
 float32, the number of indices (uint64), then the indices with ``c`` bytes each.
 """
@@ -18,7 +26,7 @@ from ..errors import WireFormatError
 from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from ..stream import SparseStream, index_bytes
 from ._selection import KSpec
-from .base import Compressor, Context, check_input, make_header, read_header, register
+from .base import Compressor, Context, check_input, get, make_header, read_header, register
 
 __all__ = ["ASQ"]
 
@@ -29,13 +37,23 @@ class ASQ(Compressor):
 
     Args:
         k / density: how many entries per call (exactly one).
+        selector: ``"topk"``, ``"trimmed_topk"`` or ``"threshold_bsearch"``
+            (RedSync's selectors; see the module docstring).
     """
 
     code = 8
+    SELECTORS = ("topk", "trimmed_topk", "threshold_bsearch")
 
-    def __init__(self, k: int | None = None, density: float | None = None) -> None:
+    def __init__(
+        self, k: int | None = None, density: float | None = None, selector: str = "topk"
+    ) -> None:
         self.spec = KSpec(k, density, "asq")
-        self.k, self.density = k, density
+        if selector not in self.SELECTORS:
+            raise ValueError(
+                f"asq: selector must be one of {', '.join(self.SELECTORS)}, got {selector!r}"
+            )
+        self.k, self.density, self.selector = k, density, selector
+        self._select = get(selector, k=k, density=density) if selector != "topk" else None
         self.calls = 0
 
     def select(self, tensor: torch.Tensor) -> SparseStream:
@@ -48,12 +66,15 @@ class ASQ(Compressor):
         signed = x if positive else -x
         signed = torch.nan_to_num(signed, nan=float("-inf"))
         avail = int((signed > 0).sum())
-        k = min(k, avail)
-        if k == 0:
+        if k == 0 or avail == 0:
             return SparseStream.empty(n, x.dtype, x.device)
-        idx = torch.sort(torch.topk(signed, k, sorted=False).indices).values
+        if self._select is None or avail <= k:  # (all of the wanted sign: no selector needed)
+            k = min(k, avail)
+            idx = torch.sort(torch.topk(signed, k, sorted=False).indices).values
+        else:  # RedSync's selector on the wanted sign's magnitudes
+            idx = self._select.select(signed.clamp(min=0)).indices
         mean = x[idx].double().mean().to(x.dtype)
-        return SparseStream._trusted(idx, mean.expand(k).clone(), n)
+        return SparseStream._trusted(idx, mean.expand(idx.numel()).clone(), n)
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
         ctx = Context.of(tensor)

@@ -34,6 +34,7 @@ import torch
 from ..errors import WireFormatError
 from ..reinterpret import as_bytes, bytes_as, dense_1d, index_low_bytes, indices_from_low_bytes
 from ..stream import SUPPORTED_DTYPES, SparseStream, index_bytes
+from ..wire import check_indices
 from .packing import decode_index_deltas, encode_index_deltas
 
 __all__ = [
@@ -311,6 +312,8 @@ def decode_quantized_stream(
     """
     what = f"stream with {quantizer.name} values"
     n, flags, body = read_header(payload, QUANTIZED_STREAM_CODE, what)
+    if flags & ~3 or flags == 3:
+        raise WireFormatError(f"{what}: unknown flags {flags:#x}")
     if flags & 1:
         values = quantizer.dequantize(body, dtype, device)
         if values.numel() != n:
@@ -323,20 +326,25 @@ def decode_quantized_stream(
         if nnz < 0 or nnz > n:
             raise WireFormatError(f"{what}: malformed payload (nnz={nnz}, n={n})")
         indices, used = decode_index_deltas(body[8:].to(device), nnz)
-        if nnz and int(indices[-1]) >= n:
-            raise WireFormatError(f"{what}: index {int(indices[-1])} out of range for {n}")
+        check_indices(indices, n, what)
         values = quantizer.dequantize(body[8 + used :], dtype, device)
         if values.numel() != nnz:
             raise WireFormatError(f"{what}: {values.numel()} values for {nnz} indices")
-        return SparseStream(indices, values, n)
+        return SparseStream._trusted(indices, _values_of(values, dtype), n)
     c = index_bytes(n)
     if nnz < 0 or nnz > n or body.numel() < 8 + nnz * c:
         raise WireFormatError(f"{what}: malformed payload (nnz={nnz}, n={n})")
     indices = indices_from_low_bytes(body[8 : 8 + nnz * c].to(device), c)
+    check_indices(indices, n, what)
     values = quantizer.dequantize(body[8 + nnz * c :], dtype, device)
     if values.numel() != nnz:
         raise WireFormatError(f"{what}: {values.numel()} values for {nnz} indices")
-    return SparseStream(indices, values, n)
+    return SparseStream._trusted(indices, _values_of(values, dtype), n)
+
+
+def _values_of(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A decoder's values as the stream's dtype, 1-D with unit stride."""
+    return dense_1d(values.to(dtype))
 
 
 _REGISTRY: dict[str, type[Compressor]] = {}

@@ -12,12 +12,23 @@ float32.
 Wire formats:
 
 * ``format=9`` (sec. 3.2): sign + the 8-bit float32 exponent: ``n`` exponent
-  bytes, then the signs as a bit plane: ``ceil(9n/8)`` bytes.
+  bytes, then the signs as a bit plane: ``ceil(9n/8)`` bytes. Exponent 255 is
+  infinity, so values in the top binade ``[2^127, 2^128)`` that round up are
+  clipped to ``2^127`` (biased; counted in ``clipped``, like the 8-bit format's).
 * ``format=8`` (appendix A): one byte per value, ``sign<<7 | zero<<6 | e - e_min``,
   exponents clipped to ``[e_min, e_min + 63]`` (6 bits; default e_min = -50).
   Below ``2^e_min`` values round stochastically between 0 and ``2^e_min``
   (unbiased); above ``2^(e_min+63)`` they are clipped (biased; counted in
   ``clipped``).
+
+Range of the variance bound: Thm 1's ``E[C(x)^2] <= 9/8 x^2`` holds for
+``|x|`` inside the format's range of normal powers of two, ``[2^-126, 2^127]``
+(9-bit) or ``[2^e_min, 2^(e_min+63)]`` (8-bit). Below it, both formats flush
+the same way: stochastically to 0 or to the smallest power ``2^e_lo`` with
+probability ``|x| / 2^e_lo`` (float32 subnormals included). That stays
+unbiased, but the variance is ``|x| 2^e_lo - x^2``, more than ``x^2 / 8`` once
+``|x| < 8/9 * 2^e_lo``: choose ``e_min`` below the gradients' scale. Above the
+range values are clipped (biased, counted in ``clipped``).
 
 ``deterministic=True`` rounds to the nearer power of two instead (the paper's
 "without stochastic rounding" reference; biased, no random numbers).
@@ -42,12 +53,13 @@ _MANT = (1 << 23) - 1
 
 def natural_round(
     values: torch.Tensor, generator: torch.Generator | None, deterministic: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """C_nat of float32 ``values``: ``(sign bit, biased float32 exponent, finite)``.
+) -> tuple[torch.Tensor, torch.Tensor, bool, int]:
+    """C_nat of float32 ``values``: ``(sign bit, biased float32 exponent, finite, clipped)``.
 
     Sign and exponent are int32 tensors in this thread's scratch buffers (valid
     until the next call). Exponent 0 means the value rounded to zero; ``finite``
-    is False if any input was NaN or Inf (exponent 255).
+    is False if any input was NaN or Inf (exponent 255); ``clipped`` counts the
+    finite values that rounded up to ``2^128`` and were clipped to ``2^127``.
     """
     bits = values.contiguous().view(torch.int32)
     m = bits.numel()
@@ -62,11 +74,15 @@ def natural_round(
         exp += mant
     else:  # P(up) = m / 2^23, exactly
         exp += exact_bernoulli(mant, 23, generator)
+    clipped = 0
+    if finite and m and int(exp.max()) == 255:
+        # rounded up out of the top binade: 2^128 is infinity, clip to 2^127 (counted)
+        clipped = int((exp == 255).sum())
     exp.clamp_(max=254)
     sign = mant  # reuse: the mantissa is no longer needed
     torch.bitwise_right_shift(bits, 31, out=sign)
     sign &= 1
-    return sign, exp, finite
+    return sign, exp, finite, clipped
 
 
 @register("natural")
@@ -117,7 +133,8 @@ class NaturalCompression(Quantizer):
             out = torch.empty(n, dtype=torch.uint8, device=v.device)
         for lo, hi in chunks(n, v.device):
             if self.format == 9:
-                sign, exp, finite = natural_round(v[lo:hi], gen, self.deterministic)
+                sign, exp, finite, clipped = natural_round(v[lo:hi], gen, self.deterministic)
+                self.clipped += clipped
                 exps[lo:hi].copy_(exp)
                 pack_bools_into(plane[lo // 8 : (hi + 7) // 8], sign)
             else:
@@ -137,7 +154,7 @@ class NaturalCompression(Quantizer):
             small_up = mag >= lo / 2
         else:
             small_up = torch.rand(v.shape, generator=gen, device=v.device) * lo < mag
-        sign_bit, exp, finite = natural_round(v, gen, self.deterministic)
+        sign_bit, exp, finite, _ = natural_round(v, gen, self.deterministic)
         sign = sign_bit.clone()
         exp = exp.clone()
         e = exp - 127
@@ -172,9 +189,20 @@ class NaturalCompression(Quantizer):
         return out.to(dtype)
 
     def to_integers(self, payload: torch.Tensor) -> torch.Tensor:
-        """An 8-bit payload's values as int64 multiples of ``2^e_min`` (for integer sums)."""
+        """An 8-bit payload's values as int64 multiples of ``2^e_min`` (for integer sums).
+
+        Raises:
+            OverflowError: a value at exponent offset 63 (``2^(e_min+63)``): its
+                multiple ``2^63`` does not fit an int64 (choose a larger ``e_min``).
+        """
         _, _, body = read_header(payload, 3, "natural (8-bit)")
         c = body.to(torch.int64)
+        top = ((c & 63) == 63) & ~((c >> 6) & 1).bool()
+        if bool(top.any()):
+            raise OverflowError(
+                f"natural: {int(top.sum())} value(s) at 2^(e_min+63) = 2^{self.e_min + 63} "
+                "are 2^63 multiples of 2^e_min, beyond int64; use a larger e_min"
+            )
         mag = torch.where(
             ((c >> 6) & 1).bool(), torch.zeros_like(c), torch.ones_like(c) << (c & 63)
         )

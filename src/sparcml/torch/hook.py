@@ -159,6 +159,12 @@ def register(
         raise ValueError("give either a state or method/hyperparameters, not both")
     if state.registered is not None:
         raise ValueError(f"this state is already registered with {state.registered}")
+    if state.clip_norm is not None and state.clip_scope == "model":
+        raise ValueError(
+            "clip_scope='model' needs the whole gradient, which a DDP hook never sees "
+            "(it gets one bucket at a time); use clip_scope='bucket' with DDP, or "
+            "sync_gradients / DistributedOptimizer without DDP"
+        )
     named = _named(model.module)
     check_parameters(state, named)
     state.param_names = {id(p): n for n, p in named}

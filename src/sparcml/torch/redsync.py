@@ -9,8 +9,13 @@ pipeline's steps 4 and 6, :mod:`sparcml.torch.reduce`):
    ``redsync_bsearch_numel`` entries use threshold binary search (Alg. 3, between
    ``k`` and ``2k`` entries), sampled (threshold reused for 5 calls) unless ASQ is
    on, since "sampled threshold binary search cannot be used with quantization".
-2. Optional ASQ (sec. 3.3): instead, every compressed layer sends its top entries
-   of one sign, alternating per call, as indices plus one mean value (no signs).
+2. Optional ASQ (sec. 2.2): instead, every compressed layer but the output layer
+   ("we also do not quantify the output layer") sends its top entries of one
+   sign, alternating per call, as indices plus one mean value (no signs), chosen
+   by trimmed top-k or (large layers) the non-sampled threshold binary search.
+   The sent entries' residual restarts at zero (Alg. 1: "remaining elements
+   outside the communication-set are assigned as new residuals"); with
+   ``redsync_asq_feedback="quantization_error"`` it keeps ``x - mean`` instead.
 3. Pack (sec. 3.4): this rank's whole bucket becomes one message — the exact
    wire encoding of the uncompressed layers and the non-ASQ selections, plus one
    ASQ payload per layer — "instead of two Allgather operations for indices and
@@ -48,6 +53,20 @@ __all__ = ["redsync_allgather", "redsync_selector"]
 _ASQ_DECODER = ASQ(k=1)  # decompress() only reads the payload
 
 
+def is_output_layer(state: SparcmlState, name: str) -> bool:
+    """Whether ``name`` belongs to the layer RedSync leaves unquantized."""
+    prefix = state.redsync_output_layer
+    if prefix == "auto":
+        names = list(state.param_names.values())  # in registration order
+        if not names:
+            return False
+        last = names[-1]
+        prefix = last.rpartition(".")[0] or last  # its module, or the parameter itself
+    if not prefix:
+        return False
+    return name == prefix or name.startswith(prefix + ".")
+
+
 def redsync_selector(state: SparcmlState, name: str, numel: int, element_size: int) -> Any:
     """Step 1's per-layer choice: None (uncompressed), ASQ, trimmed top-k or binary search.
 
@@ -59,9 +78,11 @@ def redsync_selector(state: SparcmlState, name: str, numel: int, element_size: i
     key = ("redsync", name)
     op = state.operators.get(key)
     if op is None:
-        if state.redsync_asq:
-            op = ASQ(density=state.density)
-        elif numel >= state.redsync_bsearch_numel:
+        large = numel >= state.redsync_bsearch_numel
+        if state.redsync_asq and not is_output_layer(state, name):
+            selector = "threshold_bsearch" if large else "trimmed_topk"
+            op = ASQ(density=state.density, selector=selector)
+        elif large:
             op = get("sampled_threshold_bsearch", density=state.density)
         else:
             op = get("trimmed_topk", density=state.density)
@@ -97,7 +118,10 @@ def redsync_allgather(
             mine = op.decompress(payload, Context.of(layer))
             nz = torch.nonzero(mine).reshape(-1)
             sent_idx.append(nz + lo)
-            sent_val.append(mine[nz])
+            # what the residual update subtracts: the entries themselves (paper), or
+            # the mean that travelled (the quantization error stays in the residual)
+            paper = state.redsync_asq_feedback == "paper"
+            sent_val.append(layer[nz] if paper else mine[nz])
         else:
             s = op.select(layer)
             if s.is_dense:

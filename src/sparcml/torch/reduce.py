@@ -9,7 +9,9 @@ DGC's additions as RedSync sec. 3.5 describes them):
    (with momentum correction: of the momentum ``u = m u + g``, i.e. momentum SGD);
 2. NaN policy: with ``nan_policy="raise"``, every rank learns which ranks and
    parameters hold NaN/Inf, and all raise the same error;
-3. local gradient clipping to ``clip_norm / sqrt(P)``;
+3. local gradient clipping to ``clip_norm / sqrt(P)``, of this bucket's
+   gradient (``clip_scope="bucket"``; :func:`~sparcml.torch.sync_gradients` with
+   ``clip_scope="model"`` clips the whole local gradient first, as RedSync does);
 4. accumulation: ``acc = residual + g`` (error feedback), or DGC momentum
    correction ``u = m u + g; v = v + u; acc = v``;
 5. the method's collective, returning this rank's sent part and the sum;
@@ -219,7 +221,7 @@ def reduce_bucket(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
         if state.nan_policy == "raise":
             _check_finite(state, bucket, g)
         # Step 3: local gradient clipping (DGC: threshold scaled by P^-1/2).
-        if state.clip_norm is not None:
+        if state.clip_norm is not None and state.clip_scope == "bucket":
             limit = state.clip_norm / math.sqrt(p)
             norm = float(torch.linalg.vector_norm(g.double())) if g.numel() else 0.0
             if norm > limit:

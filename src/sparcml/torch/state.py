@@ -98,12 +98,26 @@ class SparcmlState:
             gradient to ``clip_norm / sqrt(P)`` before accumulating it (the hook sees
             one bucket at a time, so the norm is the bucket's; ``sync_gradients``
             with one bucket clips the whole model).
+        clip_scope: ``"bucket"`` (default; per bucket, a deviation from RedSync where
+            a model has several buckets) or ``"model"``: RedSync's sec. 3.5 local
+            clipping of the whole local gradient, for :func:`sync_gradients` and
+            ``DistributedOptimizer`` (the DDP hook refuses it: it never sees the
+            whole gradient).
         nan_policy: ``"propagate"`` (NaN/Inf travel like in dense allreduce) or
             ``"raise"``: every rank checks its gradient and all ranks raise the same
             :class:`FloatingPointError` naming the ranks and parameters (costs one
             tiny allreduce per bucket).
         oktopk_tau / oktopk_tau_prime: Ok-Topk's re-estimation periods (paper 001).
         redsync_asq: RedSync's alternating-sign quantization on top of the selection.
+        redsync_asq_feedback: what an ASQ-sent entry leaves in the residual:
+            ``"paper"`` (default; RedSync Alg. 1: the entries outside the
+            communication set become the new residual, the sent ones restart at
+            zero) or ``"quantization_error"`` (``x - mean``: the quantization error
+            is fed back too; beyond the paper).
+        redsync_output_layer: the layer RedSync leaves unquantized under ASQ ("we
+            also do not quantify the output layer"): ``"auto"`` (the module of the
+            last registered parameter), a parameter-name prefix, or None (quantize
+            every compressed layer). It is still sparsified.
         quantize: for ``selector+quantizer`` methods, which messages are quantized:
             ``"contributions"`` (default, SparCML's Alg. 1: each rank's selection
             quantized once, partial sums exact, the same error whatever algorithm
@@ -142,10 +156,13 @@ class SparcmlState:
         momentum: float = 0.0,
         momentum_masking: bool = True,
         clip_norm: float | None = None,
+        clip_scope: str = "bucket",
         nan_policy: str = "propagate",
         oktopk_tau: int = 64,
         oktopk_tau_prime: int = 32,
         redsync_asq: bool = False,
+        redsync_asq_feedback: str = "paper",
+        redsync_output_layer: str | None = "auto",
         redsync_min_bytes: int = 128 * 1024,
         index_coding: str = "fixed",
         quantize: str = "contributions",
@@ -177,6 +194,8 @@ class SparcmlState:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+        if clip_scope not in ("bucket", "model"):
+            raise ValueError(f"clip_scope must be 'bucket' or 'model', got {clip_scope!r}")
         if nan_policy not in ("propagate", "raise"):
             raise ValueError(f"nan_policy must be 'propagate' or 'raise', got {nan_policy!r}")
         if bucket_bytes < 1:
@@ -207,10 +226,18 @@ class SparcmlState:
         self.momentum = float(momentum)
         self.momentum_masking = momentum_masking
         self.clip_norm = clip_norm
+        self.clip_scope = clip_scope
         self.nan_policy = nan_policy
         self.oktopk_tau, self.oktopk_tau_prime = oktopk_tau, oktopk_tau_prime
         OkTopkState(tau=oktopk_tau, tau_prime=oktopk_tau_prime)  # validates them
         self.redsync_asq = redsync_asq
+        if redsync_asq_feedback not in ("paper", "quantization_error"):
+            raise ValueError(
+                "redsync_asq_feedback must be 'paper' or 'quantization_error', "
+                f"got {redsync_asq_feedback!r}"
+            )
+        self.redsync_asq_feedback = redsync_asq_feedback
+        self.redsync_output_layer = redsync_output_layer
         self.redsync_min_bytes = redsync_min_bytes
         self.index_coding = index_coding
         self.quantize = quantize

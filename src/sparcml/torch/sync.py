@@ -17,6 +17,7 @@ buckets' collectives run back to back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -63,6 +64,25 @@ def _buckets(
     return out
 
 
+def _model_clip_scale(
+    state: SparcmlState, named: list[tuple[str, torch.Tensor]], step: int
+) -> float | None:
+    """RedSync's local clipping (sec. 3.5) of the whole local gradient to
+    ``clip_norm / sqrt(P)``: the factor, or None (not clipping this step)."""
+    if state.clip_norm is None or state.clip_scope != "model":
+        return None
+    if step < state.warmup_steps or state.kind == "dense":
+        return None  # (dense steps are not clipped, as in the per-bucket pipeline)
+    grads = [p.grad.detach().reshape(-1) for _, p in named if p.grad is not None]
+    if not grads:
+        return None
+    norm = float(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+    )))  # fmt: skip
+    limit = state.clip_norm / math.sqrt(state.comm.world_size)
+    return limit / (norm + 1e-12) if norm > limit else None
+
+
 def sync_gradients(model: torch.nn.Module | Iterable[torch.Tensor], state: SparcmlState) -> None:
     """Replace every parameter's ``.grad`` by the method's average over the ranks.
 
@@ -84,6 +104,7 @@ def sync_gradients(model: torch.nn.Module | Iterable[torch.Tensor], state: Sparc
     step = state.step
     works = []
     groups = _buckets(named, state.bucket_bytes)
+    scale = _model_clip_scale(state, named, step)
     for group in groups:
         flat = torch.cat(
             [
@@ -91,6 +112,8 @@ def sync_gradients(model: torch.nn.Module | Iterable[torch.Tensor], state: Sparc
                 for _, p in group
             ]
         )
+        if scale is not None:
+            flat.mul_(scale)
         item = Bucket(tuple(n for n, _ in group), tuple(p.numel() for _, p in group), flat, step)
         works.append(state.comm.run_ordered(lambda item=item: reduce_bucket(state, item), True))
     state.step += 1
