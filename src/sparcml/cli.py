@@ -691,6 +691,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     fz = sub.add_parser("ina-fuzz", help="fuzz the aggregator's packet parser and handler")
     fz.add_argument("--count", type=_positive, default=100_000)
     fz.add_argument("--seed", type=int, default=0)
+    fz.add_argument(
+        "--flood", action="store_true",
+        help="instead: the aggregator's state under session and chunk-id floods, its STATS "
+        "reply sizes, and the cost of tags (the figures of docs/ina.md)",
+    )  # fmt: skip
     ist = sub.add_parser("ina-stats", help="read a running aggregator's counters")
     ist.add_argument("address", help="host:port of the aggregator")
     ist.add_argument(
@@ -802,6 +807,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .ina.fuzz import fuzz
 
         logging.getLogger("sparcml.ina").setLevel(logging.ERROR)
+        if args.flood:
+            import json
+
+            from .ina.fuzz import flood
+
+            print(json.dumps(flood(seed=args.seed), indent=2))
+            return 0
         print(fuzz(args.count, args.seed))
         return 0
     if args.command == "methods":

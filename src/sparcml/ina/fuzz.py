@@ -11,6 +11,7 @@ sessions) alike, and go to a token-mode and a keyed aggregator in turn.
 from __future__ import annotations
 
 import random
+import socket
 import time
 
 from .packet import (
@@ -27,7 +28,7 @@ from .packet import (
 )
 from .server import AggregatorServer
 
-__all__ = ["fuzz"]
+__all__ = ["flood", "fuzz"]
 
 
 _SECRET = b"fuzz-secret"
@@ -113,4 +114,96 @@ def fuzz(count: int = 100_000, seed: int = 0, server_every: int = 5) -> dict[str
         for srv in servers:
             srv.sock.close()
     out["seconds"] = int(time.monotonic() - t0)
+    return out
+
+
+def _rss() -> int:
+    """This process's resident set size in bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    except OSError:
+        return 0
+
+
+def flood(sessions: int = 20_000, chunks: int = 200_000, seed: int = 0) -> dict[str, float]:
+    """The aggregator's state under floods, its STATS replies, and the cost of tags.
+
+    On an aggregator with the default bounds (not started: ``handle`` is called
+    directly): ``sessions`` DATA packets of 1024 int32 values, each of a new
+    random session (never completed); one 2-member session completing ``chunks``
+    chunks of 256 natural codes (calls of 1,000 chunks); STATS requests of a
+    stranger and of a member of a 1,024-member session; ``handle`` time per packet
+    in a token and in a keyed session. Returns the figures docs/ina.md quotes.
+    """
+    rng = random.Random(seed)
+    sink = ("127.0.0.1", 9)
+    out: dict[str, float] = {}
+    srv = AggregatorServer()
+    try:
+        out["state_bound_bytes"] = srv.state_bound
+        rss0 = _rss()
+        payload = bytes(4096)
+        peak_sessions = peak_slots = peak_state = 0
+        for i in range(sessions):
+            srv.handle(build(Packet(DATA, rng.getrandbits(64) | 1, 0, 0, 2, rng.getrandbits(40),
+                                    FIXED, 1024, payload)), sink)  # fmt: skip
+            if i % 100 == 0 or i == sessions - 1:
+                snap = srv.snapshot()
+                peak_sessions = max(peak_sessions, snap["sessions"])
+                peak_slots = max(peak_slots, snap["slots"])
+                peak_state = max(peak_state, snap["state_bytes"])
+        out |= {"flood_sessions": sessions, "flood_peak_sessions": peak_sessions,
+                "flood_peak_slots": peak_slots, "flood_peak_state_bytes": peak_state,
+                "flood_rss_growth_bytes": _rss() - rss0}  # fmt: skip
+        token = rng.getrandbits(64) | 1
+        codes = bytes(rng.getrandbits(5) for _ in range(256))
+        rss0 = _rss()
+        t0 = time.perf_counter()
+        for i in range(chunks):
+            chunk = ((i // 1000 + 1) << 32) | (i % 1000)
+            for w in range(2):
+                srv.handle(build(Packet(DATA, token, 0, w, 2, chunk, NATURAL, 256, codes)), sink)
+        assert srv.snapshot()["results"] == chunks, "the training packets were rejected"
+        out["train_chunks"] = chunks
+        out["train_us_per_packet"] = (time.perf_counter() - t0) / (2 * chunks) * 1e6
+        s = srv.sessions[token]
+        out |= {"train_slots": len(s.slots), "train_shadows": len(s.shadows),
+                "train_state_bytes": srv.snapshot()["state_bytes"],
+                "train_rss_growth_bytes": _rss() - rss0}  # fmt: skip
+        # STATS: replies of a stranger and of a member of a 1,024-member session
+        big = rng.getrandbits(64) | 1
+        for c in range(64):
+            srv.handle(build(Packet(DATA, big, 0, 0, 1024, c, FIXED, 1, bytes(4))), sink)
+        me = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        me.bind(("127.0.0.1", 0))
+        me.settimeout(1.0)
+        try:
+            asks = [("stranger_bare", 0, 32), ("stranger_padded", 0, 1200),
+                    ("member_bare", big, 32), ("member_padded", big, 1200)]  # fmt: skip
+            for name, tok, size in asks:
+                req = build(Packet(STATS, tok, 0, 0, 1024, 0, 0, 0, bytes(size - 32)))
+                srv.handle(req, me.getsockname())
+                out[f"stats_{name}_request"] = len(req)
+                out[f"stats_{name}_reply"] = len(me.recv(65535))
+        finally:
+            me.close()
+    finally:
+        srv.sock.close()
+    # the cost of tags: handle() per natural 1024-value packet, token vs keyed sessions
+    for name, secret in (("token", None), ("keyed", _SECRET)):
+        srv = AggregatorServer(secret=secret)
+        try:
+            token = rng.getrandbits(64) | 1
+            key = session_key(secret, token, 2, NATURAL) if secret else None
+            codes = bytes(rng.getrandbits(5) for _ in range(1024))
+            pkts = [build(Packet(DATA, token, 0, w, 2, c, NATURAL, 1024, codes), key)
+                    for c in range(2000) for w in range(2)]  # fmt: skip
+            t0 = time.perf_counter()
+            for b in pkts:
+                srv.handle(b, sink)
+            assert srv.snapshot()["results"] == 2000, f"{name}: packets were rejected"
+            out[f"{name}_us_per_1024_value_packet"] = (time.perf_counter() - t0) / len(pkts) * 1e6
+        finally:
+            srv.sock.close()
     return out
