@@ -480,14 +480,27 @@ def test_a_dead_worker_of_a_keyed_session_is_named() -> None:
 # --------------------------------------------------------- keyed end to end
 def test_sessions_are_agreed_through_the_process_group() -> None:
     def fn(comm):  # type: ignore[no-untyped-def]
-        secret = SECRET if comm.rank == 0 else None  # only rank 0 needs the secret
-        return agree_session(comm, "fixed", secret), agree_session(comm, "fixed")
+        return agree_session(comm, "fixed", SECRET), agree_session(comm, "fixed")
 
     out = run_ranks(3, fn)
     keyed, plain = out[0]
     assert all(o == (keyed, plain) for o in out)
     assert keyed.key == session_key(SECRET, keyed.token, 3, FIXED)
     assert plain.key is None and plain.token != keyed.token
+
+
+@pytest.mark.parametrize("other", [None, b"another secret"])
+def test_ranks_with_different_secrets_all_fail_at_once(other: bytes | None) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        try:
+            agree_session(comm, "natural", SECRET if comm.rank != 1 else other)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    out = run_ranks(3, fn)
+    assert all(o is not None and "ina_secret differs across ranks" in o for o in out), out
+    assert all("from rank 0's: [1]" in o for o in out)
 
 
 def test_keyed_sessions_are_exact_under_loss_and_in_training() -> None:

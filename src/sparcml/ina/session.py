@@ -11,15 +11,20 @@ restarted run mixed in the dead one's partial sums. A job is now a *session*:
 * every packet carries the token; the aggregator creates the session on its
   first packet with the membership that packet declares (number of workers,
   mode) and from then on accepts only members of it;
-* with an aggregator secret (``sparcml ina-server --secret-file``), rank 0 also
-  derives the session's MAC key (:func:`~sparcml.ina.packet.session_key`, bound
-  to token and membership) and hands it to the others with the token; every
-  packet, both directions, is then tagged, and the aggregator derives the same
-  key from its secret. The threat model of both modes is in docs/ina.md.
+* with an aggregator secret (``sparcml ina-server --secret-file``, and
+  ``ina_secret`` on every rank), each rank derives the session's MAC key from
+  the secret and the token (:func:`~sparcml.ina.packet.session_key`, bound to
+  the membership too); every packet, both directions, is then tagged, and the
+  aggregator derives the same key from its secret. The key never travels: the
+  process group only carries the token and an 8-byte fingerprint of each rank's
+  secret, so ranks given different secrets (or some none) all fail at once
+  instead of waiting for results the aggregator will never send. The threat
+  model of both modes is in docs/ina.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import struct
 from dataclasses import dataclass
@@ -34,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["InaSession", "agree_session", "mode_code"]
 
-_WIRE = struct.Struct("!QB32s")  # token, keyed, key
+_FINGERPRINT = 8  # bytes of a secret's fingerprint in the agreement
 
 
 def mode_code(mode: str) -> int:
@@ -68,28 +73,42 @@ class InaSession:
         key = session_key(secret, token, workers, mode_code(mode)) if secret else None
         return cls(token, key)
 
-    def to_bytes(self) -> bytes:
-        return _WIRE.pack(self.token, self.key is not None, self.key or bytes(32))
+    # (the class has no byte form on purpose: a key is derived where it is used)
 
-    @classmethod
-    def from_bytes(cls, data: bytes) -> InaSession:
-        token, keyed, key = _WIRE.unpack(data)
-        return cls(token, key if keyed else None)
+
+def _fingerprint(secret: bytes | None) -> bytes:
+    if secret is None:
+        return bytes(_FINGERPRINT)
+    return hashlib.blake2b(secret, digest_size=_FINGERPRINT, person=b"sparcml-ina-fp").digest()
 
 
 def agree_session(
     comm: Communicator, mode: str = "natural", secret: bytes | None = None
 ) -> InaSession:
-    """A collective: rank 0 creates the session (:meth:`InaSession.create`, with rank 0's
-    ``secret``), every rank of ``comm`` returns it. Call it on every rank, in the same
-    order as the other collectives."""
-    mine = InaSession.create(comm.world_size, mode, secret) if comm.rank == 0 else None
-    data = mine.to_bytes() if mine is not None else b""  # only rank 0's bytes travel
-    buf = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data
-        else torch.zeros(0, dtype=torch.uint8)
-    )
+    """A collective: rank 0 draws the token, every rank of ``comm`` returns the session
+    (keyed with ``secret``, which every rank must then hold: the key is derived on
+    each rank, never sent). Call it on every rank, in the same order as the other
+    collectives.
+
+    Raises:
+        ValueError: on every rank, when the ranks' secrets differ (or some have none).
+    """
+    code = mode_code(mode)
+    mine = _fingerprint(secret)
+    if comm.rank == 0:
+        mine += struct.pack("!Q", secrets.randbits(64) or 1)
+    buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     with comm.control():
-        first = comm.allgatherv(buf)[0]
-    return InaSession.from_bytes(bytes(first.to("cpu").numpy().tobytes()))
+        got = [bytes(b.to("cpu").numpy().tobytes()) for b in comm.allgatherv(buf)]
+    prints = [g[:_FINGERPRINT] for g in got]
+    if any(fp != prints[0] for fp in prints):
+        keyed = [r for r, fp in enumerate(prints) if fp != bytes(_FINGERPRINT)]
+        raise ValueError(
+            f"natural_ina: ina_secret differs across ranks (ranks with one: {keyed}; "
+            f"ranks whose secret differs from rank 0's: "
+            f"{[r for r, fp in enumerate(prints) if fp != prints[0]]}); give every rank "
+            "the aggregator's secret, or none"
+        )
+    (token,) = struct.unpack("!Q", got[0][_FINGERPRINT:])
+    key = session_key(secret, token, comm.world_size, code) if secret is not None else None
+    return InaSession(token, key)

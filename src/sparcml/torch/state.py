@@ -114,10 +114,10 @@ class SparcmlState:
             a label mixed into the rounding seed (jobs on one aggregator are told
             apart by a random session the ranks agree on at the first step, not by
             this number), ``"natural"`` (8-bit codes) or ``"fixed"`` (int32 fixed point).
-        ina_secret: the aggregator's secret (``sparcml ina-server --secret-file``):
-            every packet is then tagged with a per-session key (docs/ina.md's threat
-            model). Only rank 0's is used; the key reaches the others through the
-            process group.
+        ina_secret: the aggregator's secret (``sparcml ina-server --secret-file``),
+            the same on every rank: every packet is then tagged with a per-session
+            key each rank derives from it (docs/ina.md's threat model); ranks with
+            different secrets all fail at the first step.
         seed: seed of random selectors/quantizers (ranks agree where they must).
         comm: the communicator. Default: a dedicated process group of its own when
             torch.distributed is initialised (a collective call: create states in
