@@ -31,9 +31,10 @@ members already counted. For each ``DATA`` packet:
    shadow copy and sent to every member (tagged in a keyed session).
 
 Bounded state (none of it is in the paper, whose aggregator serves one trusted
-job): at most ``max_sessions`` sessions (a new one evicts the least recently
-active *unproven* session — none of whose chunks was completed by two or more
-members — or is rejected as ``sessions_full``); at most ``slots`` incomplete
+job): at most ``max_sessions`` sessions (a new one evicts an *unproven* session
+— none of whose chunks was completed by two or more members —, the one with the
+fewest members heard from and then the least recently active, or is rejected as
+``sessions_full``); at most ``slots`` incomplete
 chunks per session and ``max_slots`` in all (``pool_full``; the worker
 retransmits); at most ``slots`` shadows per session, and only of its current
 and previous call (chunk ids are ``call * 2^32 + index`` and a member starts call
@@ -320,7 +321,8 @@ class AggregatorServer:
         unproven = [s for s in self.sessions.values() if not s.proven]
         if not unproven:
             return False
-        victim = min(unproven, key=lambda s: s.touched)
+        # the fewest members heard from first (a flood's sessions have one), then the oldest
+        victim = min(unproven, key=lambda s: (len(s.addrs), s.touched))
         self._drop_session(victim.token)
         self.counters["sessions_evicted"] += 1
         return True
