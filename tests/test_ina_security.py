@@ -368,6 +368,22 @@ def test_a_flood_of_new_sessions_keeps_state_within_its_bound() -> None:
         srv.sock.close()
 
 
+def test_a_session_flood_evicts_one_member_sessions_before_a_starting_job() -> None:
+    """A job whose first chunk is not complete yet (two of three members in) survives a
+    flood of one-packet sessions even when it is the least recently active."""
+    srv = AggregatorServer(max_sessions=4)
+    try:
+        s = InaSession.create(3, "fixed")
+        srv.handle(_pkt(s.token, 0, 3, 0, [1]), SINK)
+        srv.handle(_pkt(s.token, 1, 3, 0, [1]), SINK)
+        for _ in range(1000):
+            srv.handle(_pkt(random.getrandbits(64) | 1, 0, 3, 0, [900]), SINK)
+        srv.handle(_pkt(s.token, 2, 3, 0, [1]), SINK)
+        assert _sum_of(srv, s.token, 0) == [3]
+    finally:
+        srv.sock.close()
+
+
 def test_sessions_full_of_proven_sessions_is_a_clear_reject() -> None:
     srv = AggregatorServer(max_sessions=2)
     try:
