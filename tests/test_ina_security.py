@@ -43,6 +43,7 @@ from sparcml.ina.packet import (
     verify,
 )
 from sparcml.ina.worker import _result
+from sparcml.launch import run_processes
 from sparcml.torch import Bucket, SparcmlState, reduce_bucket
 
 SINK = ("127.0.0.1", 9)  # results of handle()-driven scenarios go nowhere
@@ -100,17 +101,21 @@ def _exact(xs: list[torch.Tensor]) -> torch.Tensor:
 SIZES = (300, 7, 1200)
 
 
-def _train(world: int, server: str, steps: int, seed: int, **hyper):  # type: ignore[no-untyped-def]
-    """``steps`` buckets of integer gradients through natural_ina (fixed mode): averages."""
+def _job(comm, server: str, steps: int, seed: int, hyper: dict):  # type: ignore[no-untyped-def]
+    """One rank of a job: ``steps`` buckets of integer gradients through natural_ina
+    (fixed mode, default ``ina_job``); module level, so spawned ranks can run it too."""
+    state = SparcmlState("natural_ina", comm=comm, ina_server=server, ina_mode="fixed", **hyper)
+    names = tuple(f"p{i}" for i in range(len(SIZES)))
+    grads = [_ints(comm.world_size, sum(SIZES), seed + t)[comm.rank] for t in range(steps)]
+    return [reduce_bucket(state, Bucket(names, SIZES, g, t)) for t, g in enumerate(grads)]
 
-    def fn(comm):  # type: ignore[no-untyped-def]
-        state = SparcmlState("natural_ina", comm=comm, ina_server=server, ina_mode="fixed",
-                             **hyper)  # fmt: skip
-        names = tuple(f"p{i}" for i in range(len(SIZES)))
-        grads = [_ints(world, sum(SIZES), seed + t)[comm.rank] for t in range(steps)]
-        return [reduce_bucket(state, Bucket(names, SIZES, g, t)) for t, g in enumerate(grads)]
 
-    out = run_ranks(world, fn)
+def _train(world: int, server: str, steps: int, seed: int, spawn: bool = False, **hyper):  # type: ignore[no-untyped-def]
+    """A job of ``world`` ranks (threads, or gloo processes): its averages and the exact ones."""
+    if spawn:
+        out = run_processes(world, _job, server, steps, seed, hyper, timeout=60)
+    else:
+        out = run_ranks(world, _job, server, steps, seed, hyper)
     refs = [_exact(_ints(world, sum(SIZES), seed + t)) / world for t in range(steps)]
     return out, refs
 
@@ -128,19 +133,25 @@ def test_a_second_run_with_the_same_job_id_never_gets_the_first_runs_results() -
         assert srv.snapshot()["sessions_created"] == 2
 
 
-def test_two_concurrent_jobs_with_the_same_job_id_do_not_mix() -> None:
-    """Issue 18: two trainings with ina_job=1 on one aggregator mixed their gradients."""
+@pytest.mark.parametrize("spawn", [False, pytest.param(True, marks=pytest.mark.spawn)])
+def test_two_concurrent_jobs_with_the_same_job_id_do_not_mix(spawn: bool) -> None:
+    """Issue 18: two trainings with ina_job=1 on one aggregator mixed their gradients.
+    Ranks as threads, and as gloo processes (two jobs of two processes at once)."""
+    world = 2 if spawn else 3
     with AggregatorServer() as srv:
         server = f"{srv.address[0]}:{srv.address[1]}"
         res: dict = {}
         jobs = [
-            threading.Thread(target=lambda s=s: res.update({s: _train(3, server, 4, seed=s)}))
+            threading.Thread(
+                target=lambda s=s: res.update({s: _train(world, server, 4, s, spawn=spawn)})
+            )
             for s in (10, 20)
         ]
         for t in jobs:
             t.start()
         for t in jobs:
-            t.join(120)
+            t.join(240)
+        assert srv.snapshot()["sessions_created"] == 2
     for s in (10, 20):
         out, refs = res[s]
         for rank_out in out:
