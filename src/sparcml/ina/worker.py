@@ -43,9 +43,11 @@ from ..errors import CommError, CommTimeoutError
 from .packet import (
     DATA,
     FLAG_MAC,
+    HEADER,
     RESULT,
     STATS,
     STATS_REPLY,
+    TAG_BYTES,
     Packet,
     PacketError,
     build,
@@ -117,8 +119,9 @@ def ina_allreduce(
         seed: seed of this worker's stochastic rounding (mixed with rank, job and call).
         call: this call's number within the job, the same on every worker (0, 1, ...):
             chunk ids are ``call * 2^32 + i``, so a call never meets an earlier
-            call's results (the aggregator keeps shadow copies of those); the calls
-            of a session must go forward (the aggregator rejects earlier ones).
+            call's results (the aggregator keeps shadow copies of those). The calls
+            of a session go forward and one at a time on each worker: once call
+            ``c + 1`` reaches the aggregator, call ``c - 1`` is history to it.
         stats: an :class:`InaStats` to fill in (packets, bytes, retransmissions, clipping).
 
     Returns:
@@ -297,7 +300,7 @@ def _missing(
     """Ask the aggregator which workers it still waits for (best effort)."""
     text = f"worker {rank}: no progress for {timeout:g}s in {session}"
     # the reply is never longer than the request: pad it (STATS_REQUEST_BYTES in all)
-    pad = bytes(STATS_REQUEST_BYTES - 32 - (16 if session.key is not None else 0))
+    pad = bytes(STATS_REQUEST_BYTES - HEADER.size - (TAG_BYTES if session.key is not None else 0))
     try:
         sock.sendto(
             build(Packet(STATS, session.token, 0, rank, world, 0, 0, 0, pad), session.key), server
