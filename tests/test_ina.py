@@ -22,6 +22,7 @@ from sparcml.errors import CommTimeoutError
 from sparcml.ina import (
     AggregatorRestartedError,
     AggregatorServer,
+    InaSession,
     InaStats,
     LossyRelay,
     PacketError,
@@ -39,14 +40,18 @@ def _inputs(world: int, n: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=torch.Generator().manual_seed(r)) * 3 for r in range(world)]
 
 
-def _run(world, xs, target, mode, job=JOB, **kw):  # type: ignore[no-untyped-def]
+def _run(world, xs, target, mode, job=JOB, session=None, **kw):  # type: ignore[no-untyped-def]
+    """``world`` workers (threads) of one session (a new one unless given)."""
     outs: list = [None] * world
     errs: list = [None] * world
     stats = [InaStats() for _ in range(world)]
+    sess = session if session is not None else InaSession.create(world, mode)
 
     def body(r: int) -> None:
         try:
-            outs[r] = ina_allreduce(xs[r], target, job, r, world, mode, stats=stats[r], **kw)
+            outs[r] = ina_allreduce(
+                xs[r], target, sess, r, world, mode, job=job, stats=stats[r], **kw
+            )
         except Exception as e:
             errs[r] = e
 
@@ -117,7 +122,7 @@ def test_two_jobs_on_one_aggregator_do_not_mix() -> None:
 def test_malformed_packets_are_counted_and_service_goes_on() -> None:
     with AggregatorServer() as srv:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        good = build(Packet(DATA, 5, 0, 0, 2, 0, FIXED, 2, b"\x00" * 8))
+        good = build(Packet(DATA, 5, 0, 0, 2, 0, FIXED, 2, b"\x00" * 8))  # session 5
         bad = [
             b"", b"xx", b"XX" + good[2:],                     # truncated, truncated, bad magic
             good[:2] + b"\x07" + good[3:],                    # version 7
@@ -140,12 +145,13 @@ def test_malformed_packets_are_counted_and_service_goes_on() -> None:
 
 def test_a_dead_worker_is_named_by_the_others() -> None:
     xs = _inputs(3, 500)
+    session = InaSession.create(3, "natural")
     with AggregatorServer() as srv:
         outs: list = [None] * 3
 
         def body(r: int) -> None:
             try:
-                ina_allreduce(xs[r], srv.address, 9, r, 3, "natural", timeout=1.5)
+                ina_allreduce(xs[r], srv.address, session, r, 3, "natural", timeout=1.5)
             except CommTimeoutError as e:
                 outs[r] = str(e)
 
@@ -160,6 +166,7 @@ def test_a_dead_worker_is_named_by_the_others() -> None:
 
 def test_a_restarted_aggregator_is_detected() -> None:
     xs = _inputs(2, 5000)
+    session = InaSession.create(2, "fixed")
     with AggregatorServer() as srv:
         port = srv.address[1]
         srv.epoch ^= 1
@@ -167,7 +174,9 @@ def test_a_restarted_aggregator_is_detected() -> None:
 
         def body(r: int) -> None:
             try:
-                ina_allreduce(xs[r], srv.address, 3, r, 2, "fixed", chunk=64, window=4, timeout=5)
+                ina_allreduce(
+                    xs[r], srv.address, session, r, 2, "fixed", chunk=64, window=4, timeout=5
+                )
             except Exception as e:
                 errs[r] = e
 
@@ -187,9 +196,11 @@ def test_bytes_per_value_on_the_wire() -> None:
     stats = InaStats()
     with AggregatorServer() as srv:
         _run(1, [torch.randn(4096)], srv.address, "natural")
-        ina_allreduce(torch.randn(4096), srv.address, 77, 0, 1, "natural", stats=stats)
-    # one byte per value plus a 28-byte header per 256-value packet: 8.9 bits per value
-    assert stats.bytes_sent * 8 / 4096 <= 8 + 28 * 8 / 256 + 1e-9
+        session = InaSession.create(1, "natural")
+        ina_allreduce(torch.randn(4096), srv.address, session, 0, 1, "natural", stats=stats)
+    # one byte per value plus a 32-byte header per 256-value packet: 9 bits per value
+    assert HEADER.size == 32
+    assert stats.bytes_sent * 8 / 4096 <= 8 + 32 * 8 / 256 + 1e-9
 
 
 @settings(max_examples=3000, deadline=None)
@@ -205,7 +216,7 @@ def test_parser_fuzz_never_crashes(data: bytes) -> None:
 @settings(max_examples=2000, deadline=None)
 @given(st.binary(min_size=HEADER.size, max_size=HEADER.size + 64))
 def test_parser_fuzz_on_valid_magic(data: bytes) -> None:
-    data = b"SI\x01" + data[3:]
+    data = b"SI\x02" + data[3:]
     try:
         parse(data)
     except PacketError as e:
@@ -213,10 +224,11 @@ def test_parser_fuzz_on_valid_magic(data: bytes) -> None:
 
 
 def test_repeated_calls_in_one_job_never_meet_old_results() -> None:
+    session = InaSession.create(3, "fixed")
     with AggregatorServer() as srv:
         for call in range(3):
             xs = [x * (call + 1) for x in _inputs(3, 900)]
-            outs, errs, _ = _run(3, xs, srv.address, "fixed", job=21, call=call)
+            outs, errs, _ = _run(3, xs, srv.address, "fixed", session=session, call=call)
             assert errs == [None] * 3
             ref = (sum(torch.round(x.double() * 2**16) for x in xs) / 2**16).float()
             assert all(torch.equal(o, ref) for o in outs)
@@ -244,5 +256,5 @@ def test_bench_ina_runs_under_torchrun() -> None:
 
 
 def test_an_empty_vector_needs_no_aggregator() -> None:
-    out = ina_allreduce(torch.zeros(0), ("127.0.0.1", 9), 1, 0, 2, "natural", timeout=1)
+    out = ina_allreduce(torch.zeros(0), ("127.0.0.1", 9), InaSession(1), 0, 2, "natural", timeout=1)
     assert out.numel() == 0

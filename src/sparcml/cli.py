@@ -445,10 +445,24 @@ def _ina_server(args: argparse.Namespace) -> int:
     from .ina import AggregatorServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    srv = AggregatorServer(args.host, args.port, args.slots, args.master_rounding)
+    secret = None
+    if args.secret_file:
+        with open(args.secret_file, "rb") as f:
+            secret = f.read().strip()
+        if not 1 <= len(secret) <= 64:
+            print(f"sparcml ina-server: {args.secret_file}: the secret must be 1..64 bytes, "
+                  f"got {len(secret)}", file=sys.stderr)  # fmt: skip
+            return 2
+    srv = AggregatorServer(
+        args.host, args.port, args.slots, args.master_rounding,
+        max_sessions=args.max_sessions, max_slots=args.max_slots,
+        session_timeout=args.session_timeout, slot_timeout=args.slot_timeout, secret=secret,
+    )  # fmt: skip
     host, port = srv.address
-    print(f"sparcml ina-server: listening on {host}:{port} (epoch {srv.epoch}); "
-          f"workers use ina_server='{host}:{port}'; Ctrl-C stops", flush=True)  # fmt: skip
+    print(f"sparcml ina-server: listening on {host}:{port} (epoch {srv.epoch}, "
+          f"{'keyed sessions' if secret else 'token sessions'}, state at most "
+          f"{srv.state_bound / 2**20:.0f} MiB); workers use ina_server='{host}:{port}'"
+          f"{' and ina_secret' if secret else ''}; Ctrl-C stops", flush=True)  # fmt: skip
     import signal
 
     def stop(signum: int, frame: object) -> None:
@@ -474,19 +488,30 @@ def _ina_stats(args: argparse.Namespace) -> int:
     import json
     import socket
 
-    from .ina.packet import FIXED, STATS, STATS_REPLY, Packet, build, parse
+    from .ina.packet import HEADER, STATS, STATS_REPLY, Packet, build, parse
 
+    if not 64 <= args.pad <= 8192:
+        print(f"sparcml ina-stats: --pad must be in 64..8192, got {args.pad}", file=sys.stderr)
+        return 2
     host, _, port = args.address.rpartition(":")
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.settimeout(2.0)
-    s.sendto(build(Packet(STATS, args.job, 0, 0, 1, 0, FIXED, 0, b"")), (host, int(port)))
+    # the aggregator never answers with more bytes than it got: pad the request
+    pad = bytes(args.pad - HEADER.size)
+    s.sendto(build(Packet(STATS, 0, 0, 0, 1, 0, 0, 0, pad)), (host, int(port)))
     try:
         p = parse(s.recv(65535))
-    except (TimeoutError, OSError):
+    except (TimeoutError, OSError, ValueError):
         print(f"sparcml ina-stats: no answer from {args.address}", file=sys.stderr)
         return 1
+    finally:
+        s.close()
     if p.kind != STATS_REPLY:
         print("sparcml ina-stats: unexpected answer", file=sys.stderr)
+        return 1
+    if not p.payload:
+        print(f"sparcml ina-stats: the counters do not fit in {args.pad} bytes: use a larger "
+              "--pad", file=sys.stderr)  # fmt: skip
         return 1
     print(json.dumps(json.loads(p.payload), indent=2))
     return 0
@@ -638,7 +663,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ina.add_argument("--host", default="127.0.0.1")
     ina.add_argument("--port", type=int, default=47000, help="UDP port (0: any free port)")
-    ina.add_argument("--slots", type=_positive, default=512, help="slot pool per job")
+    ina.add_argument(
+        "--slots", type=_positive, default=512,
+        help="incomplete chunks per session (and shadow copies kept per session)",
+    )  # fmt: skip
+    ina.add_argument("--max-sessions", type=_positive, default=16, help="sessions held at once")
+    ina.add_argument(
+        "--max-slots", type=_positive, default=4096, help="incomplete chunks over all sessions"
+    )
+    ina.add_argument("--session-timeout", type=float, default=300.0,
+                     help="seconds after which an idle session is dropped")  # fmt: skip
+    ina.add_argument("--slot-timeout", type=float, default=60.0,
+                     help="seconds after which an idle incomplete chunk is dropped")  # fmt: skip
+    ina.add_argument(
+        "--secret-file",
+        help="a file holding the aggregator's secret (1..64 bytes): every session is then "
+        "keyed and every packet must carry a valid tag (workers: ina_secret=...)",
+    )
     ina.add_argument("--master-rounding", choices=["stochastic", "nearest"], default="stochastic")
     ina.add_argument("--stats-every", type=float, default=10.0, help="seconds between counters")
     bi = sub.add_parser(
@@ -653,9 +694,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     fz = sub.add_parser("ina-fuzz", help="fuzz the aggregator's packet parser and handler")
     fz.add_argument("--count", type=_positive, default=100_000)
     fz.add_argument("--seed", type=int, default=0)
+    fz.add_argument(
+        "--flood", action="store_true",
+        help="instead: the aggregator's state under session and chunk-id floods, its STATS "
+        "reply sizes, and the cost of tags (the figures of docs/ina.md)",
+    )  # fmt: skip
     ist = sub.add_parser("ina-stats", help="read a running aggregator's counters")
     ist.add_argument("address", help="host:port of the aggregator")
-    ist.add_argument("--job", type=int, default=0, help="also list this job's missing workers")
+    ist.add_argument(
+        "--pad",
+        type=int,
+        default=1400,
+        metavar="BYTES",
+        help="request size, 64..8192: the reply is never longer (default 1400)",
+    )
     si = sub.add_parser(
         "simulate",
         help="the real collectives on a virtual clock under the calibrated model, up to P=4096",
@@ -757,6 +809,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .ina.fuzz import fuzz
 
         logging.getLogger("sparcml.ina").setLevel(logging.ERROR)
+        if args.flood:
+            import json
+
+            from .ina.fuzz import flood
+
+            print(json.dumps(flood(seed=args.seed), indent=2))
+            return 0
         print(fuzz(args.count, args.seed))
         return 0
     if args.command == "methods":

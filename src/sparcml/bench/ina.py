@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ina import AggregatorServer, InaStats, ina_allreduce
+from ..ina import AggregatorServer, InaSession, InaStats, ina_allreduce
 
 __all__ = ["run_ina_bench"]
 
@@ -41,6 +41,11 @@ def run_ina_bench(size: int, repeats: int, chunk: int = 1024) -> list[dict[str, 
             dist.barrier()  # the workers are done
         return None
     dist.barrier()
+    # one session per mode (a session has one mode), drawn by worker 0 and shared
+    sessions: list[Any] = (
+        [InaSession.create(workers, m) for m in ("natural", "fixed")] if rank == 0 else [None] * 2
+    )
+    dist.broadcast_object_list(sessions, src=0, group=group)
     x = torch.randn(size, generator=torch.Generator().manual_seed(rank))
     rows = []
     times: dict[str, list[float]] = {"gloo ring all_reduce": [], "ina natural": [], "ina fixed": []}
@@ -58,8 +63,8 @@ def run_ina_bench(size: int, repeats: int, chunk: int = 1024) -> list[dict[str, 
             stats = InaStats()
             dist.barrier(group)
             t = time.perf_counter()
-            job = 1 if mode == "natural" else 2  # a job has one mode
-            ina_allreduce(x * 0.01 if mode == "fixed" else x, (server_host, port), job, rank,
+            session = sessions[0] if mode == "natural" else sessions[1]
+            ina_allreduce(x * 0.01 if mode == "fixed" else x, (server_host, port), session, rank,
                           workers, mode, chunk=chunk, window=256, call=call, stats=stats,
                           timeout=60)  # fmt: skip
             call += 1

@@ -1,25 +1,56 @@
 """The aggregator: an integer-only adder emulating a SwitchML-style switch (paper 004 App. A).
 
-Per job and chunk the aggregator keeps a slot: an int64 accumulator and the set
-of workers already counted. For each ``DATA`` packet:
+Paper 004 (appendix A): workers send chunks of 8-bit natural codes; "for a given
+chunk, the aggregator awaits all values from every worker; then, it restores the
+compressed values as integers, aggregates them and applies compression to
+quantize the aggregated values", in 64-bit integers, and multicasts the result
+back. SwitchML adds a slot pool and shadow copies for loss recovery. Both trust
+the network and serve one job; sparcml's aggregator serves many *sessions*
+(:mod:`~sparcml.ina.session`) on a shared, untrusted network, with bounded state.
+
+Per session and chunk it keeps a slot: an int64 accumulator and the set of
+members already counted. For each ``DATA`` packet:
 
 1. check it (:func:`~sparcml.ina.packet.parse`; rejects are counted by reason
-   and logged, the service goes on);
-2. if the chunk is complete already, answer from the slot's **shadow copy** of
+   and logged, rate-limited; the service goes on);
+2. find its session by token; an unknown token creates one (if there is room)
+   with the membership the packet declares (workers, mode) — with a secret, only
+   if the packet's tag verifies under the session key derived from it; a packet
+   of a known session must match that membership and, in a keyed session, carry
+   a valid tag (``not_member``, ``bad_mac``, ``mac_required``, ``no_key``);
+3. if the chunk is complete already, answer from the slot's **shadow copy** of
    the result (the worker lost the result and retransmitted: SwitchML's
-   recovery) — a duplicate is never counted twice;
-3. if this worker was counted for the chunk already, drop it (duplicate);
-4. restore integers: natural codes become ``±2^offset`` (units of ``2^e_min``) by
+   recovery); a chunk of an earlier call with no shadow is ``stale`` (a replay:
+   every member is past it) — a duplicate is never counted twice;
+4. if this member was counted for the chunk already, drop it (duplicate);
+5. restore integers: natural codes become ``±2^offset`` (units of ``2^e_min``) by
    a shift, fixed-point values are already integers; add them (int64);
-5. when all workers are in: the result — ``FIXED``: the int64 sums; ``NATURAL``:
+6. when all members are in: the result — ``FIXED``: the int64 sums; ``NATURAL``:
    the sum re-compressed to 8-bit codes (master-side compression, stochastic
-   from a generator seeded by (job, chunk), or nearest) — is kept as the shadow
-   copy and sent to every worker.
+   from a generator seeded by (session, chunk), or nearest) — is kept as the
+   shadow copy and sent to every member (tagged in a keyed session).
 
-A slot pool bounds memory: at most ``slots`` incomplete chunks per job (a packet
-for a new chunk beyond it is rejected as ``pool_full``; its worker retransmits)
-and the shadows of the last ``slots`` completed chunks. ``epoch`` (random per
-start) is stamped on every result, so workers detect a restarted aggregator.
+Bounded state (none of it is in the paper, whose aggregator serves one trusted
+job): at most ``max_sessions`` sessions (a new one evicts an *unproven* session
+— none of whose chunks was completed by two or more members —, the one with the
+fewest members heard from and then the least recently active, or is rejected as
+``sessions_full``); at most ``slots`` incomplete
+chunks per session and ``max_slots`` in all (``pool_full``; the worker
+retransmits); at most ``slots`` shadows per session, and only of its current
+and previous call (chunk ids are ``call * 2^32 + index`` and a member starts call
+``c + 1`` only once every chunk of call ``c`` is complete, so when call ``c + 1``
+appears no member can still need a shadow of call ``c - 1``). Idle sessions
+expire after ``session_timeout`` seconds, incomplete slots after
+``slot_timeout`` (their members still hold the chunk as outstanding and resend
+it). Nothing is kept per chunk once its shadow is gone. ``state_bytes`` (in
+:meth:`AggregatorServer.snapshot`) counts the accumulators and shadows held;
+:attr:`AggregatorServer.state_bound` is its ceiling.
+
+``STATS`` requests are answered with at most as many bytes as they carry (the
+requester pads; there is no amplification): the global counters for anyone,
+plus the session's incomplete chunks and missing members for a member of it.
+``epoch`` (random per start) is stamped on every result, so workers detect a
+restarted aggregator.
 """
 
 from __future__ import annotations
@@ -30,6 +61,8 @@ import logging
 import os
 import socket
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,19 +70,29 @@ import numpy as np
 from .packet import (
     DATA,
     FIXED,
+    FLAG_MAC,
+    HEADER,
+    MAX_COUNT,
     NATURAL,
     RESULT,
     STATS,
     STATS_REPLY,
+    TAG_BYTES,
     Packet,
     PacketError,
     build,
     parse,
+    session_key,
+    verify,
 )
 
-__all__ = ["AggregatorServer", "natural_compress_integers"]
+__all__ = ["AggregatorServer", "natural_compress_integers", "worker_ranges"]
 
 log = logging.getLogger("sparcml.ina")
+
+Address = tuple[str, int]
+# the counters a stranger's small STATS reply keeps first
+_CORE = ("packets", "results", "rejected", "sessions", "slots")
 
 
 def natural_compress_integers(
@@ -78,20 +121,42 @@ def natural_compress_integers(
     return codes.astype(np.uint8), clipped
 
 
+def worker_ranges(workers: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"`` (compact lists of missing members)."""
+    out: list[str] = []
+    i = 0
+    while i < len(workers):
+        j = i
+        while j + 1 < len(workers) and workers[j + 1] == workers[j] + 1:
+            j += 1
+        out.append(str(workers[i]) if i == j else f"{workers[i]}-{workers[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
 @dataclass
 class _Slot:
     acc: np.ndarray
+    touched: float
     seen: set[int] = field(default_factory=set)
 
 
 @dataclass
-class _Job:
+class _Session:
+    token: int
     workers: int
     mode: int
-    count_of: dict[int, int] = field(default_factory=dict)
+    key: bytes | None
+    touched: float
+    call: int = -1  # the highest call seen
+    completed: int = 0  # chunks completed
     slots: dict[int, _Slot] = field(default_factory=dict)
     shadows: collections.OrderedDict[int, bytes] = field(default_factory=collections.OrderedDict)
-    addrs: dict[int, tuple[str, int]] = field(default_factory=dict)
+    addrs: dict[int, Address] = field(default_factory=dict)
+
+    @property
+    def proven(self) -> bool:
+        return self.completed > 0 and self.workers > 1
 
 
 class AggregatorServer:
@@ -99,8 +164,16 @@ class AggregatorServer:
 
     Args:
         host / port: where to listen (default 127.0.0.1, any port).
-        slots: the slot pool per job (incomplete chunks and kept shadows).
+        slots: incomplete chunks per session, and shadows kept per session.
         master_rounding: ``"stochastic"`` (unbiased) or ``"nearest"`` re-compression.
+        max_sessions: sessions held at once.
+        max_slots: incomplete chunks held at once, over all sessions.
+        session_timeout / slot_timeout: seconds after which an idle session / an
+            incomplete chunk that received nothing is dropped.
+        secret: the aggregator's secret (1..64 bytes): every session is then keyed
+            (:func:`~sparcml.ina.packet.session_key`) and untagged packets are
+            rejected. ``None``: token mode, tagged packets are rejected.
+        clock: the time source (seconds; tests pass a fake one).
     """
 
     def __init__(
@@ -109,26 +182,53 @@ class AggregatorServer:
         port: int = 0,
         slots: int = 512,
         master_rounding: str = "stochastic",
+        *,
+        max_sessions: int = 16,
+        max_slots: int = 4096,
+        session_timeout: float = 300.0,
+        slot_timeout: float = 60.0,
+        secret: bytes | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if master_rounding not in ("stochastic", "nearest"):
             raise ValueError(
                 f"master_rounding must be stochastic or nearest, got {master_rounding!r}"
             )
-        if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots}")
+        if slots < 1 or max_sessions < 1 or max_slots < 1:
+            raise ValueError(
+                f"slots, max_sessions and max_slots must be >= 1, got {slots}, "
+                f"{max_sessions}, {max_slots}"
+            )
+        if not session_timeout > 0 or not slot_timeout > 0:
+            raise ValueError("session_timeout and slot_timeout must be > 0")
+        if secret is not None and not 1 <= len(secret) <= 64:
+            raise ValueError(f"the secret must be 1..64 bytes, got {len(secret)}")
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         self.sock.bind((host, port))
         self.sock.settimeout(0.2)
         self.address = self.sock.getsockname()
         self.slots = slots
+        self.max_sessions, self.max_slots = max_sessions, max_slots
+        self.session_timeout, self.slot_timeout = float(session_timeout), float(slot_timeout)
         self.master_rounding = master_rounding
+        self.secret = secret
+        self.clock = clock
         self.epoch = int.from_bytes(os.urandom(4), "little") or 1
-        self.jobs: dict[int, _Job] = {}
+        self.sessions: dict[int, _Session] = {}
         self.counters: collections.Counter[str] = collections.Counter()
+        self._nslots = 0
+        self._state_bytes = 0
+        self._last_sweep = clock()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def state_bound(self) -> int:
+        """The most bytes of accumulators and shadows this aggregator can hold."""
+        shadow = HEADER.size + MAX_COUNT * 8 + TAG_BYTES
+        return self.max_slots * MAX_COUNT * 8 + self.max_sessions * self.slots * shadow
 
     # ------------------------------------------------------------------ service
     def start(self) -> AggregatorServer:
@@ -153,18 +253,91 @@ class AggregatorServer:
             try:
                 buf, addr = self.sock.recvfrom(65535)
             except TimeoutError:
+                with self._lock:
+                    self._maybe_sweep(self.clock())
                 continue
             except OSError:
                 return
             self.handle(buf, addr)
 
     def snapshot(self) -> dict[str, int]:
-        """The counters (packets, bytes, results, duplicates, retransmissions, rejects)."""
+        """The counters (packets, bytes, results, duplicates, retransmissions, rejects by
+        reason, sessions created/expired/evicted, slots expired) and the state held
+        now: ``sessions``, ``slots`` (incomplete chunks), ``shadows``, ``state_bytes``."""
         with self._lock:
-            return dict(self.counters)
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, int]:
+        out = dict(self.counters)
+        out["sessions"] = len(self.sessions)
+        out["slots"] = self._nslots
+        out["shadows"] = sum(len(s.shadows) for s in self.sessions.values())
+        out["state_bytes"] = self._state_bytes
+        return out
+
+    # ------------------------------------------------------------------ state
+    def _maybe_sweep(self, now: float) -> None:
+        if now - self._last_sweep >= min(1.0, self.slot_timeout / 4):
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Drop idle sessions and incomplete chunks that received nothing for too long."""
+        self._last_sweep = now
+        for token, s in list(self.sessions.items()):
+            if now - s.touched > self.session_timeout:
+                self._drop_session(token)
+                self.counters["sessions_expired"] += 1
+                continue
+            for chunk, slot in list(s.slots.items()):
+                if now - slot.touched > self.slot_timeout:
+                    self._drop_slot(s, chunk)
+                    self.counters["slots_expired"] += 1
+
+    def _drop_slot(self, s: _Session, chunk: int) -> None:
+        slot = s.slots.pop(chunk)
+        self._nslots -= 1
+        self._state_bytes -= slot.acc.nbytes
+
+    def _drop_shadow(self, s: _Session, chunk: int | None = None) -> None:
+        if chunk is None:
+            _, out = s.shadows.popitem(last=False)
+        else:
+            out = s.shadows.pop(chunk)
+        self._state_bytes -= len(out)
+
+    def _drop_session(self, token: int) -> None:
+        s = self.sessions.pop(token)
+        for chunk in list(s.slots):
+            self._drop_slot(s, chunk)
+        while s.shadows:
+            self._drop_shadow(s)
+
+    def _room_for_session(self, now: float) -> bool:
+        if len(self.sessions) < self.max_sessions:
+            return True
+        self._sweep(now)
+        if len(self.sessions) < self.max_sessions:
+            return True
+        unproven = [s for s in self.sessions.values() if not s.proven]
+        if not unproven:
+            return False
+        # the fewest members heard from first (a flood's sessions have one), then the oldest
+        victim = min(unproven, key=lambda s: (len(s.addrs), s.touched))
+        self._drop_session(victim.token)
+        self.counters["sessions_evicted"] += 1
+        return True
+
+    def _advance(self, s: _Session, call: int) -> None:
+        """Call ``call`` started: shadows before the previous call and any incomplete
+        chunk of an earlier call can no longer be needed by a member."""
+        s.call = call
+        while s.shadows and (next(iter(s.shadows)) >> 32) < call - 1:
+            self._drop_shadow(s)
+        for chunk in [c for c in s.slots if (c >> 32) < call]:
+            self._drop_slot(s, chunk)
 
     # ------------------------------------------------------------------ packets
-    def _reject(self, reason: str, detail: str, addr: tuple[str, int]) -> None:
+    def _reject(self, reason: str, detail: str, addr: Address) -> None:
         self.counters["rejected"] += 1
         self.counters[f"rejected_{reason}"] += 1
         n = self.counters[f"rejected_{reason}"]
@@ -172,76 +345,120 @@ class AggregatorServer:
             log.warning("rejected a packet from %s:%s: %s: %s (%d so far)", addr[0], addr[1],
                         reason, detail, n)  # fmt: skip
 
-    def handle(self, buf: bytes, addr: tuple[str, int]) -> None:
+    def handle(self, buf: bytes, addr: Address) -> None:
         with self._lock:
             self.counters["packets"] += 1
             self.counters["bytes"] += len(buf)
+            now = self.clock()
+            self._maybe_sweep(now)
             try:
                 p = parse(buf)
             except PacketError as e:
                 self._reject(e.reason, e.detail, addr)
                 return
             if p.kind == STATS:
-                self._send(self._stats(p.job), addr)
+                self._stats(p, buf, addr)
                 return
             if p.kind != DATA:
                 self._reject("bad_kind", f"a {p.kind} packet sent to the aggregator", addr)
                 return
-            self._data(p, addr)
+            self._data(p, buf, addr, now)
 
-    def _data(self, p: Packet, addr: tuple[str, int]) -> None:
-        job = self.jobs.get(p.job)
-        if job is None:
-            job = self.jobs[p.job] = _Job(p.workers, p.mode)
-        if p.workers != job.workers or p.mode != job.mode:
-            self._reject("job_mismatch", f"job {p.job} has {job.workers} workers, mode "
-                         f"{job.mode}; packet says {p.workers}, {p.mode}", addr)  # fmt: skip
+    def _authentic(self, p: Packet, buf: bytes, key: bytes | None, addr: Address) -> bool:
+        if key is None:
+            if p.flags & FLAG_MAC:
+                self._reject("no_key", "a tagged packet, but this aggregator has no secret", addr)
+                return False
+            return True
+        if not p.flags & FLAG_MAC:
+            self._reject("mac_required", "an untagged packet for a keyed session", addr)
+            return False
+        if not verify(buf, key):
+            self._reject("bad_mac", f"session {p.session:#x}: the tag does not verify", addr)
+            return False
+        return True
+
+    def _session(self, p: Packet, buf: bytes, addr: Address, now: float) -> _Session | None:
+        """Step 2: the packet's session, if it is an authentic member's packet."""
+        s = self.sessions.get(p.session)
+        if s is None:
+            key = session_key(self.secret, p.session, p.workers, p.mode) if self.secret else None
+            if not self._authentic(p, buf, key, addr):
+                return None
+            if not self._room_for_session(now):
+                self._reject("sessions_full", f"{self.max_sessions} sessions, all active", addr)
+                return None
+            s = self.sessions[p.session] = _Session(p.session, p.workers, p.mode, key, now)
+            self.counters["sessions_created"] += 1
+            return s
+        if not self._authentic(p, buf, s.key, addr):
+            return None
+        if p.workers != s.workers or p.mode != s.mode:
+            self._reject("not_member", f"session {p.session:#x} has {s.workers} workers, mode "
+                         f"{s.mode}; packet says worker {p.worker} of {p.workers}, mode {p.mode}",
+                         addr)  # fmt: skip
+            return None
+        return s
+
+    def _data(self, p: Packet, buf: bytes, addr: Address, now: float) -> None:
+        s = self._session(p, buf, addr, now)
+        if s is None:
             return
-        job.addrs[p.worker] = addr
-        # Step 2: a complete chunk answers from its shadow copy.
-        shadow = job.shadows.get(p.chunk)
+        s.touched = now
+        # Step 3: a complete chunk answers from its shadow copy; an earlier call's is stale.
+        shadow = s.shadows.get(p.chunk)
         if shadow is not None:
             self.counters["retransmissions"] += 1
             self._send(shadow, addr)
             return
-        known = job.count_of.get(p.chunk)
-        if known is not None and known != p.count:
+        call = p.chunk >> 32
+        if call < s.call:
+            self._reject("stale", f"chunk {p.chunk:#x} of call {call}, the session is at "
+                         f"call {s.call}", addr)  # fmt: skip
+            return
+        if call > s.call:
+            self._advance(s, call)
+        slot = s.slots.get(p.chunk)
+        if slot is not None and slot.acc.size != p.count:
             self._reject(
-                "count_mismatch", f"chunk {p.chunk}: {p.count} values, others {known}", addr
+                "count_mismatch", f"chunk {p.chunk}: {p.count} values, others {slot.acc.size}", addr
             )
             return
-        slot = job.slots.get(p.chunk)
-        if slot is None:
-            if len(job.slots) >= self.slots:
-                self._reject("pool_full", f"job {p.job}: {self.slots} chunks in flight", addr)
-                return
-            slot = job.slots[p.chunk] = _Slot(np.zeros(p.count, dtype=np.int64))
-            job.count_of[p.chunk] = p.count
-        # Step 3: never count a worker twice.
-        if p.worker in slot.seen:
+        if slot is not None and p.worker in slot.seen:  # Step 4: never count a member twice
             self.counters["duplicates"] += 1
             return
-        # Step 4: integers by shifts, then add.
+        # Step 5: integers by shifts.
         if p.mode == NATURAL:
             c = np.frombuffer(p.payload, dtype=np.uint8).astype(np.int64)
             offset = c & 63
-            bound = 62 - max(0, (job.workers - 1).bit_length())
+            bound = 62 - max(0, (s.workers - 1).bit_length())
             if int(offset.max()) > bound:
                 self._reject("overflow", f"exponent offset {int(offset.max())} > {bound} for "
-                             f"{job.workers} workers", addr)  # fmt: skip
+                             f"{s.workers} workers", addr)  # fmt: skip
                 return
             vals = np.where((c >> 6) & 1, 0, np.int64(1) << offset)
             vals = np.where((c >> 7) & 1, -vals, vals)
         else:
             vals = np.frombuffer(p.payload, dtype=">i4").astype(np.int64)
+        if slot is None:
+            if len(s.slots) >= self.slots or self._nslots >= self.max_slots:
+                self._reject("pool_full", f"session {p.session:#x}: {len(s.slots)} of "
+                             f"{self.slots} chunks in flight, {self._nslots} of "
+                             f"{self.max_slots} in all", addr)  # fmt: skip
+                return
+            slot = s.slots[p.chunk] = _Slot(np.zeros(p.count, dtype=np.int64), now)
+            self._nslots += 1
+            self._state_bytes += slot.acc.nbytes
         slot.acc += vals
         slot.seen.add(p.worker)
+        slot.touched = now
+        s.addrs[p.worker] = addr  # only a counted (authentic, new) packet moves an address
         self.counters["values"] += p.count
-        # Step 5: complete: re-compress, keep the shadow, send to every worker.
-        if len(slot.seen) == job.workers:
+        # Step 6: complete: re-compress, keep the shadow, send to every member.
+        if len(slot.seen) == s.workers:
             if p.mode == NATURAL:
                 rng = (
-                    np.random.default_rng([p.job, p.chunk])
+                    np.random.default_rng([p.session, p.chunk])
                     if self.master_rounding == "stochastic"
                     else None
                 )
@@ -250,27 +467,47 @@ class AggregatorServer:
                 payload = codes.tobytes()
             else:
                 payload = slot.acc.astype(">i8").tobytes()
-            out = build(Packet(RESULT, p.job, self.epoch, 0, job.workers, p.chunk, p.mode,
-                               p.count, payload))  # fmt: skip
-            del job.slots[p.chunk]
-            job.shadows[p.chunk] = out
-            while len(job.shadows) > self.slots:
-                job.shadows.popitem(last=False)
+            out = build(Packet(RESULT, p.session, self.epoch, 0, s.workers, p.chunk, p.mode,
+                               p.count, payload), s.key)  # fmt: skip
+            self._drop_slot(s, p.chunk)
+            s.shadows[p.chunk] = out
+            self._state_bytes += len(out)
+            while len(s.shadows) > self.slots:
+                self._drop_shadow(s)
+            s.completed += 1
             self.counters["results"] += 1
-            for w in range(job.workers):
-                self._send(out, job.addrs[w])
+            for w in range(s.workers):
+                self._send(out, s.addrs[w])
 
-    def _stats(self, job_id: int) -> bytes:
-        job = self.jobs.get(job_id)
-        missing = {}
-        if job is not None:
-            for chunk, slot in list(job.slots.items())[:16]:
-                missing[str(chunk)] = sorted(set(range(job.workers)) - slot.seen)
-        body = json.dumps({"epoch": self.epoch, "counters": dict(self.counters),
-                           "missing": missing}).encode()  # fmt: skip
-        return build(Packet(STATS_REPLY, job_id, self.epoch, 0, 1, 0, FIXED, 0, body))
+    # ------------------------------------------------------------------ stats
+    def _stats(self, p: Packet, buf: bytes, addr: Address) -> None:
+        """A reply no longer than the request; a member also learns its session's state."""
+        s = self.sessions.get(p.session) if p.session else None
+        member = (
+            s is not None
+            and p.workers == s.workers
+            and p.worker < s.workers
+            and bool(p.flags & FLAG_MAC) == (s.key is not None)
+            and (s.key is None or verify(buf, s.key))
+        )
+        key = s.key if member and s is not None else None
+        budget = len(buf) - HEADER.size - (TAG_BYTES if key is not None else 0)
+        body: dict[str, object] = {"epoch": self.epoch, "counters": self._snapshot()}
+        if member and s is not None:
+            waiting: set[int] = set()
+            everyone = set(range(s.workers))
+            for slot in list(s.slots.values())[:64]:
+                waiting |= everyone - slot.seen
+            body["session"] = {"workers": s.workers, "call": s.call, "incomplete": len(s.slots),
+                               "shadows": len(s.shadows),
+                               "missing": worker_ranges(sorted(waiting))}  # fmt: skip
+        payload = _fit(body, budget)
+        self.counters["stats_replies"] += 1
+        token = p.session if member else 0
+        self._send(build(Packet(STATS_REPLY, token, self.epoch, 0, 1, 0, FIXED, 0, payload), key),
+                   addr)  # fmt: skip
 
-    def _send(self, data: bytes, addr: tuple[str, int]) -> None:
+    def _send(self, data: bytes, addr: Address) -> None:
         try:
             self.sock.sendto(data, addr)
             self.counters["sent_packets"] += 1
@@ -278,3 +515,24 @@ class AggregatorServer:
         except OSError as e:
             self.counters["send_errors"] += 1
             log.warning("send to %s failed: %s", addr, e)
+
+
+def _fit(body: dict[str, object], budget: int) -> bytes:
+    """``body`` as JSON in at most ``budget`` bytes: dropping counters but the core ones,
+    then the missing members' list, then everything (an empty payload)."""
+    out = json.dumps(body, separators=(",", ":")).encode()
+    if len(out) <= budget:
+        return out
+    counters = body["counters"]
+    assert isinstance(counters, dict)
+    body["counters"] = {k: counters[k] for k in _CORE if k in counters}
+    out = json.dumps(body, separators=(",", ":")).encode()
+    if len(out) <= budget:
+        return out
+    session = body.get("session")
+    if isinstance(session, dict):
+        session["missing"] = "?"
+        out = json.dumps(body, separators=(",", ":")).encode()
+        if len(out) <= budget:
+            return out
+    return b""

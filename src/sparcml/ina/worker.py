@@ -11,13 +11,19 @@ Per call (paper 004 App. A, SwitchML's worker protocol):
 3. retransmit a chunk whose result has not come back after ``retransmit``
    seconds (the aggregator answers a complete chunk from its shadow copy and
    never counts a worker twice);
-4. check every result's epoch against the first one: a restarted aggregator
-   raises :class:`AggregatorRestartedError` instead of mixing jobs;
+4. accept only results of this session (its token; in a keyed session, a valid
+   tag — forgeries are counted in :attr:`InaStats.rejected` and dropped) and check
+   every result's epoch against the first one: a restarted aggregator raises
+   :class:`AggregatorRestartedError` instead of mixing partial sums;
 5. decode the results — the same bytes on every worker, so the sum is bitwise
    identical everywhere.
 
 No progress for ``timeout`` seconds raises :class:`~sparcml.errors.CommTimeoutError`
 naming the workers the aggregator is still waiting for.
+
+The session (:class:`~sparcml.ina.session.InaSession`, agreed by the workers
+through their process group with :func:`~sparcml.ina.session.agree_session`)
+is sparcml's addition: paper 004's and SwitchML's workers trust the network.
 """
 
 from __future__ import annotations
@@ -36,19 +42,23 @@ from ..compress.natural import NaturalCompression
 from ..errors import CommError, CommTimeoutError
 from .packet import (
     DATA,
-    FIXED,
-    NATURAL,
+    FLAG_MAC,
+    HEADER,
     RESULT,
     STATS,
     STATS_REPLY,
+    TAG_BYTES,
     Packet,
     PacketError,
     build,
     parse,
+    verify,
 )
+from .session import InaSession, mode_code
 
 __all__ = [
     "AggregatorRestartedError",
+    "InaSession",
     "InaStats",
     "encode_natural",
     "ina_allreduce",
@@ -66,6 +76,7 @@ class InaStats:
     bytes_sent: int = 0
     retransmissions: int = 0
     clipped: int = 0
+    rejected: int = 0  # received datagrams dropped: malformed, foreign, forged
     epoch: int | None = None
     extra: dict[str, int] = field(default_factory=dict)
 
@@ -73,11 +84,12 @@ class InaStats:
 def ina_allreduce(
     tensor: torch.Tensor,
     server: tuple[str, int],
-    job: int,
+    session: InaSession,
     rank: int,
     world: int,
     mode: str = "natural",
     *,
+    job: int = 0,
     e_min: int = -50,
     fixed_bits: int = 16,
     chunk: int = 256,
@@ -88,22 +100,28 @@ def ina_allreduce(
     call: int = 0,
     stats: InaStats | None = None,
 ) -> torch.Tensor:
-    """Sum ``tensor`` over the ``world`` workers of ``job`` through the aggregator.
+    """Sum ``tensor`` over the ``world`` workers of ``session`` through the aggregator.
 
     Args:
         tensor: this worker's values (any shape; summed as float32).
         server: the aggregator's (host, port) (or a relay's).
-        job / rank / world: the job id shared by its workers, this worker, their number.
+        session: the session the workers agreed on (the same on every worker; one per
+            mode and membership: :func:`~sparcml.ina.session.agree_session`).
+        rank / world: this worker, and the number of workers (the session's members).
         mode: ``"natural"`` (8 bits per value) or ``"fixed"`` (int32 fixed point).
         e_min: smallest exponent of the natural code (values below round to 0 or 2^e_min).
         fixed_bits: fractional bits of the fixed-point mode.
         chunk / window: values per packet, packets in flight.
         retransmit / timeout: the least seconds before resending a chunk (the timer
             follows three smoothed round trips, backing off per chunk) / before giving up.
+        job: a label mixed into the seed of the stochastic rounding (the aggregator
+            tells jobs apart by session, not by this number).
         seed: seed of this worker's stochastic rounding (mixed with rank, job and call).
         call: this call's number within the job, the same on every worker (0, 1, ...):
             chunk ids are ``call * 2^32 + i``, so a call never meets an earlier
-            call's results (the aggregator keeps shadow copies of those).
+            call's results (the aggregator keeps shadow copies of those). The calls
+            of a session go forward and one at a time on each worker: once call
+            ``c + 1`` reaches the aggregator, call ``c - 1`` is history to it.
         stats: an :class:`InaStats` to fill in (packets, bytes, retransmissions, clipping).
 
     Returns:
@@ -115,8 +133,7 @@ def ina_allreduce(
         AggregatorRestartedError: the aggregator restarted during the call.
         ValueError: bad arguments.
     """
-    if mode not in ("natural", "fixed"):
-        raise ValueError(f"mode must be 'natural' or 'fixed', got {mode!r}")
+    code = mode_code(mode)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside a world of {world}")
     if not 0 <= call < 2**31:
@@ -126,11 +143,10 @@ def ina_allreduce(
     st = stats if stats is not None else InaStats()
     flat = tensor.detach().reshape(-1).to("cpu", torch.float32)  # the transport boundary
     n = flat.numel()
-    code = NATURAL if mode == "natural" else FIXED
     if n == 0:  # nothing to aggregate: no packet is sent
         return tensor.detach().clone()
     # Step 1: encode.
-    if code == NATURAL:
+    if mode == "natural":
         values, clipped = encode_natural(flat, e_min, world, worker_seed(seed, job, rank, call))
         st.clipped += clipped
     else:
@@ -142,11 +158,12 @@ def ina_allreduce(
     # Step 2: one packet per chunk.
     nchunks = (n + chunk - 1) // chunk
     base = call << 32
+    token, key = session.token, session.key
     packets = [
         build(
             Packet(
                 DATA,
-                job,
+                token,
                 0,
                 rank,
                 world,
@@ -154,7 +171,8 @@ def ina_allreduce(
                 code,
                 min(chunk, n - c * chunk),
                 values[c * chunk : (c + 1) * chunk].tobytes(),
-            )
+            ),
+            key,
         )
         for c in range(nchunks)
     ]
@@ -183,21 +201,20 @@ def ina_allreduce(
             except TimeoutError:
                 buf = b""
             if buf:
-                try:
-                    p = parse(buf)
-                except PacketError:
-                    p = None
-                if p is not None and p.kind == RESULT and p.job == job and p.mode == code:
+                p = _result(buf, session, world, code)
+                if p is None:
+                    st.rejected += 1
+                else:
                     # Step 4: the aggregator's incarnation must not change.
                     if st.epoch is None:
                         st.epoch = p.epoch
                     elif p.epoch != st.epoch:
                         raise AggregatorRestartedError(
-                            f"worker {rank}: the aggregator restarted during job {job} (epoch "
+                            f"worker {rank}: the aggregator restarted during {session} (epoch "
                             f"{st.epoch} -> {p.epoch}); its partial sums are lost"
                         )
                     c = p.chunk - base
-                    if c in outstanding and c not in results:
+                    if c in outstanding and p.count == min(chunk, n - c * chunk):
                         results[c] = p.payload
                         del outstanding[c]
                         last_progress = time.monotonic()
@@ -219,11 +236,13 @@ def ina_allreduce(
                     st.retransmissions += 1
                     outstanding[c] = now
             if now - last_progress > timeout:
-                raise CommTimeoutError(_missing(sock, server, job, rank, timeout), peer=None)
+                raise CommTimeoutError(
+                    _missing(sock, server, session, rank, world, timeout), peer=None
+                )
     finally:
         sock.close()
     # Step 5: decode.
-    if code == NATURAL:
+    if mode == "natural":
         codes = torch.frombuffer(bytearray(b"".join(results[i] for i in range(nchunks))),
                                  dtype=torch.uint8)  # fmt: skip
         # the aggregator's codes are appendix A's 8-bit format: decode them as such
@@ -252,24 +271,63 @@ def encode_natural(flat: torch.Tensor, e_min: int, world: int, seed: int) -> tup
     return ((body & 0xC0) | np.minimum(offset, bound)).astype(np.uint8), clipped
 
 
+def _result(buf: bytes, session: InaSession, world: int, code: int) -> Packet | None:
+    """The result ``buf`` holds if it is one of this session's (authentic), else None."""
+    try:
+        p = parse(buf)
+    except PacketError:
+        return None
+    if p.kind != RESULT or p.session != session.token or p.mode != code or p.workers != world:
+        return None
+    if session.key is not None and not (p.flags & FLAG_MAC and verify(buf, session.key)):
+        return None
+    if session.key is None and p.flags & FLAG_MAC:
+        return None
+    return p
+
+
+STATS_REQUEST_BYTES = 1200  # the padded size of a STATS request: the reply fits in it
+
+
 def _missing(
-    sock: socket.socket, server: tuple[str, int], job: int, rank: int, timeout: float
+    sock: socket.socket,
+    server: tuple[str, int],
+    session: InaSession,
+    rank: int,
+    world: int,
+    timeout: float,
 ) -> str:
     """Ask the aggregator which workers it still waits for (best effort)."""
-    text = f"worker {rank}: no progress for {timeout:g}s in job {job}"
+    text = f"worker {rank}: no progress for {timeout:g}s in {session}"
+    # the reply is never longer than the request: pad it (STATS_REQUEST_BYTES in all)
+    pad = bytes(STATS_REQUEST_BYTES - HEADER.size - (TAG_BYTES if session.key is not None else 0))
     try:
-        sock.sendto(build(Packet(STATS, job, 0, 0, 1, 0, FIXED, 0, b"")), server)
+        sock.sendto(
+            build(Packet(STATS, session.token, 0, rank, world, 0, 0, 0, pad), session.key), server
+        )
         sock.settimeout(1.0)
-        p = parse(sock.recv(65535))
-        while p.kind != STATS_REPLY:
-            p = parse(sock.recv(65535))
+        deadline = time.monotonic() + 1.0
+        while True:
+            buf = sock.recv(65535)
+            p = parse(buf)
+            if p.kind == STATS_REPLY:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError
         reply = json.loads(p.payload)
-        missing = reply["missing"]
-        workers = sorted({w for ws in missing.values() for w in ws})
-        rejects = {k[9:]: v for k, v in reply["counters"].items() if k.startswith("rejected_")}
+        rejects = {
+            k[9:]: v for k, v in reply.get("counters", {}).items() if k.startswith("rejected_")
+        }
         why = f"; it rejected packets: {rejects}" if rejects else ""
-        if workers:
-            return f"{text}: the aggregator is waiting for worker(s) {workers} (dead?){why}"
-        return f"{text}: the aggregator holds no incomplete chunk of this job{why}"
-    except (OSError, PacketError, ValueError, KeyError):
+        mine = reply.get("session") if p.session == session.token else None
+        if session.key is not None and mine is not None and not verify(buf, session.key):
+            mine = None
+        if mine is None:
+            return f"{text}: the aggregator holds no state of this session (expired?){why}"
+        if mine.get("missing"):
+            return (
+                f"{text}: the aggregator is waiting for worker(s) [{mine['missing']}] (dead?){why}"
+            )
+        return f"{text}: the aggregator holds no incomplete chunk of this session{why}"
+    except (OSError, PacketError, ValueError, KeyError, AttributeError):
         return f"{text}: the aggregator did not answer (is it running?)"

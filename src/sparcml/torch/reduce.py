@@ -116,17 +116,21 @@ def _oktopk(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ig
 
 def _natural_ina(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
     """Paper 004 Alg. 1 with INA: workers send C_nat(g_i) as integers, the aggregator
-    sums them and returns C_nat(sum) (master-side compression)."""
-    from ..ina import InaStats, ina_allreduce
+    sums them and returns C_nat(sum) (master-side compression). The first call agrees
+    on the session (a random token, and a MAC key with ``ina_secret``) through the
+    process group: a collective, in the same order on every rank like every bucket."""
+    from ..ina import InaStats, agree_session, ina_allreduce
 
     assert state.ina_address is not None
     comm = state.comm
+    if state.ina_session is None:
+        state.ina_session = agree_session(comm, state.ina_mode, state.ina_secret)
     stats = InaStats()
     call = state.ina_calls
     state.ina_calls += 1
     total = ina_allreduce(
-        acc, state.ina_address, state.ina_job, comm.rank, comm.world_size, state.ina_mode,
-        seed=state.seed, call=call, timeout=comm.timeout, stats=stats,
+        acc, state.ina_address, state.ina_session, comm.rank, comm.world_size, state.ina_mode,
+        job=state.ina_job, seed=state.seed, call=call, timeout=comm.timeout, stats=stats,
     )  # fmt: skip
     comm.stats.bytes_sent += stats.bytes_sent  # counted like every method's traffic
     return None, total

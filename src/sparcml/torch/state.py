@@ -131,8 +131,13 @@ class SparcmlState:
             binary search (sampled, unless ASQ), smaller ones trimmed top-k.
         bucket_bytes: bucket size of :func:`~sparcml.torch.sync_gradients`.
         ina_server / ina_job / ina_mode: ``natural_ina``'s aggregator (``"host:port"``),
-            the job id its workers share (distinct per training job on one
-            aggregator), ``"natural"`` (8-bit codes) or ``"fixed"`` (int32 fixed point).
+            a label mixed into the rounding seed (jobs on one aggregator are told
+            apart by a random session the ranks agree on at the first step, not by
+            this number), ``"natural"`` (8-bit codes) or ``"fixed"`` (int32 fixed point).
+        ina_secret: the aggregator's secret (``sparcml ina-server --secret-file``),
+            the same on every rank: every packet is then tagged with a per-session
+            key each rank derives from it (docs/ina.md's threat model); ranks with
+            different secrets all fail at the first step.
         seed: seed of random selectors/quantizers (ranks agree where they must).
         comm: the communicator. Default: a dedicated process group of its own when
             torch.distributed is initialised (a collective call: create states in
@@ -171,6 +176,7 @@ class SparcmlState:
         ina_server: str | None = None,
         ina_job: int = 1,
         ina_mode: str = "natural",
+        ina_secret: bytes | None = None,
         seed: int = 0,
         comm: Communicator | None = None,
         timeout: float = 300.0,
@@ -255,8 +261,11 @@ class SparcmlState:
             if ina_mode not in ("natural", "fixed"):
                 raise ValueError(f"ina_mode must be 'natural' or 'fixed', got {ina_mode!r}")
             self.ina_address = (host, int(port))
-        self.ina_job, self.ina_mode = ina_job, ina_mode
+        if ina_secret is not None and not 1 <= len(ina_secret) <= 64:
+            raise ValueError(f"ina_secret must be 1..64 bytes, got {len(ina_secret)}")
+        self.ina_job, self.ina_mode, self.ina_secret = ina_job, ina_mode, ina_secret
         self.ina_calls = 0
+        self.ina_session: Any = None  # an InaSession, agreed at the first call
         self.seed = seed
         # Build one operator now so that bad parameters fail here, not mid-training.
         if self.kind in ("sparse", "quantized"):
