@@ -8,6 +8,7 @@ import math
 import pytest
 
 from sparcml import CostModel, expected_fill_in
+from sparcml.collectives.registry import choose, predict
 
 
 @pytest.mark.parametrize(("n", "k", "p"), [(512, 16, 4), (512, 64, 8), (10_000, 100, 16)])
@@ -29,21 +30,21 @@ def test_auto_follows_the_papers_ordering() -> None:
     m = CostModel(alpha=50e-6, beta=8e-9, gamma=1e-9)  # 1 Gbit/s
     n = 16 * 2**20
     # tiny nnz: latency dominates -> recursive doubling
-    assert m.choose(8, n, [100] * 8, 4) == "ssar_recursive_double"
+    assert choose(m, 8, n, [100] * 8, 4) == "ssar_recursive_double"
     # result far past delta -> DSAR beats both SSAR variants
-    assert m.choose(8, n, [n // 4] * 8, 4) == "dsar_split_allgather"
+    assert choose(m, 8, n, [n // 4] * 8, 4) == "dsar_split_allgather"
     # every input dense -> the dense allreduce is cheapest
-    assert m.choose(8, n, [n] * 8, 4) in {"dense", "dsar_split_allgather"}
+    assert choose(m, 8, n, [n] * 8, 4) in {"dense", "dsar_split_allgather"}
     # as nnz grows, recursive doubling re-sends the densifying partial sums in every
     # stage while split allgather sends each range once (sec. 8.1)
-    t_rd = m.predict("ssar_recursive_double", 16, n, [n // 10] * 16, 4)
-    t_sa = m.predict("ssar_split_allgather", 16, n, [n // 10] * 16, 4)
+    t_rd = predict(m, "ssar_recursive_double", 16, n, [n // 10] * 16, 4)
+    t_sa = predict(m, "ssar_split_allgather", 16, n, [n // 10] * 16, 4)
     assert t_sa < t_rd
 
 
 def test_predict_rejects_unknown_algorithm() -> None:
-    with pytest.raises(ValueError, match="no cost formula"):
-        CostModel().predict("magic", 4, 100, [1] * 4, 4)
+    with pytest.raises(ValueError, match="unknown allreduce algorithm 'magic'"):
+        predict(CostModel(), "magic", 4, 100, [1] * 4, 4)
 
 
 def test_save_and_load(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -1,4 +1,8 @@
-"""The alpha-beta(-gamma) cost model that ``algorithm="auto"`` decides with.
+"""The alpha-beta(-gamma) cost model: parameters, calibration files, fill-in math.
+
+Each algorithm's cost formula lives with the algorithm and is registered with it
+(:mod:`sparcml.collectives.registry`: ``predict``, ``choose``); this module knows
+no algorithm names.
 
 Sending ``L`` bytes costs ``alpha + beta * L`` (paper 000, sec. 5.2, "Analytical
 Model"; ``beta`` per byte here, so sparse pairs cost ``(c + isize) * beta`` and
@@ -34,13 +38,6 @@ from .stream import dense_threshold, index_bytes
 from .wire import HEADER_BYTES
 
 __all__ = ["CostModel", "calibration_path", "expected_fill_in"]
-
-AUTO_CANDIDATES = (
-    "ssar_recursive_double",
-    "ssar_split_allgather",
-    "dsar_split_allgather",
-    "dense",
-)
 
 
 def calibration_path() -> Path:
@@ -125,101 +122,24 @@ class CostModel:
         p.write_text(json.dumps(data, indent=2) + "\n")
         return p
 
-    # ------------------------------------------------------------------ predictions
-    def _msg(self, pairs: float, size: int, isize: int, copies: float = 1.0) -> float:
+    # ------------------------------------------------------------------ building blocks
+    @property
+    def beta_pairs(self) -> float:
+        """Transfer time per byte of sparse pairs."""
+        return self.beta_sparse if self.beta_sparse is not None else self.beta
+
+    def message_time(self, pairs: float, size: int, isize: int, copies: float = 1.0) -> float:
         """Time of one message carrying ``copies`` streams of ``size`` with ``pairs`` pairs each.
 
-        A stream past ``delta`` travels dense.
+        A stream past ``delta`` travels dense (SparCML sec. 5.1). The algorithms'
+        cost formulas (registered with each algorithm, :mod:`sparcml.collectives`)
+        are written with this and ``alpha``, ``beta``, ``gamma``.
         """
         if pairs > dense_threshold(size, _dtype_of(isize)):
             nbytes, beta = size * isize, self.beta
         else:
-            nbytes = pairs * (index_bytes(size) + isize)
-            beta = self.beta_sparse if self.beta_sparse is not None else self.beta
+            nbytes, beta = pairs * (index_bytes(size) + isize), self.beta_pairs
         return self.alpha + beta * copies * (nbytes + HEADER_BYTES)
-
-    def predict(
-        self, algorithm: str, world_size: int, size: int, ks: Sequence[int], isize: int
-    ) -> float:
-        """Predicted seconds of ``algorithm`` for ``P`` ranks holding ``ks[i]`` pairs of ``N``.
-
-        Raises:
-            ValueError: ``algorithm`` has no cost formula.
-        """
-        p, n = world_size, size
-        if p == 1:
-            return 0.0
-        if algorithm == "topkdsa":  # TopkDSA is SparCML's SSAR_Split_allgather
-            algorithm = "ssar_split_allgather"
-        k = max(ks) if ks else 0
-        k_mean = sum(ks) / len(ks) if ks else 0.0
-        fill = expected_fill_in(n, ks)
-        p2 = 1 << (p.bit_length() - 1)
-        fold = 2 if p != p2 else 0
-        if algorithm == "dense":
-            return (
-                2 * (p - 1) * self.alpha
-                + 2 * (p - 1) / p * n * isize * self.beta
-                + (p - 1) / p * n * self.gamma_add
-            )
-        if algorithm == "ssar_recursive_double":
-            t = fold * self._msg(k, n, isize)
-            group = p / p2
-            while group < p:
-                held = n * (1.0 - (1.0 - k_mean / n) ** group) if n else 0.0
-                t += self._msg(held, n, isize) + self.gamma * 2 * min(held, n)
-                group *= 2
-            return t
-        # Split phase shared by both split-allgather variants.
-        split = (p - 1) * self._msg(k / p, max(n // p, 1), isize) + self.gamma * k
-        if algorithm == "ssar_split_allgather":
-            width = max(n // p, 1)
-            t = split + fold * self._msg(fill / p, width, isize)
-            copies = p / p2
-            while copies < p:
-                t += self._msg(fill / p, width, isize, copies)
-                copies *= 2
-            return t + self.gamma * fill
-        if algorithm == "dsar_split_allgather":
-            return split + (p - 1) * self.alpha + (p - 1) / p * n * isize * self.beta
-        pair = index_bytes(n) + isize
-        beta_s = self.beta_sparse if self.beta_sparse is not None else self.beta
-        log_p = math.ceil(math.log2(p))
-        if algorithm in ("topka", "sparse_allgather"):
-            # recursive-doubling allgather of every rank's k pairs (paper 001, Table 1:
-            # TopkA log P alpha + 2(P-1) k beta in words), then the merge
-            return (
-                (log_p + fold) * self.alpha
-                + beta_s * (p - 1) * k_mean * pair
-                + self.gamma * p * k_mean
-            )
-        if algorithm == "gtopk":
-            # tree reduction keeping k per level, then broadcast (paper 001, Table 1:
-            # 2 log P alpha + 4k log P beta in words)
-            return 2 * log_p * (self.alpha + beta_s * k * pair) + self.gamma * 2 * k * log_p
-        if algorithm == "oktopk":
-            # steady state (thresholds and boundaries reused): split and reduce
-            # ((P-1) alpha + k (P-1)/P pairs), counts allgather ((P-1) alpha), share
-            # redistribution (<= 2 messages of ~k/P), recursive-doubling allgather of the
-            # k kept pairs (log P alpha + k (P-1)/P pairs): paper 001, sec. 3.1-3.2,
-            # total <= (2P + 2 log P) alpha + 6k (P-1)/P beta in words
-            return (
-                (2 * (p - 1) + 2 + log_p) * self.alpha
-                + beta_s * pair * (2 * k * (p - 1) / p + k / p)
-                + self.gamma * 2 * k
-            )
-        raise ValueError(f"no cost formula for algorithm {algorithm!r}")
-
-    def choose(
-        self,
-        world_size: int,
-        size: int,
-        ks: Sequence[int],
-        isize: int,
-        candidates: Sequence[str] = AUTO_CANDIDATES,
-    ) -> str:
-        """The candidate with the smallest predicted time (ties: the earlier candidate)."""
-        return min(candidates, key=lambda a: self.predict(a, world_size, size, ks, isize))
 
 
 def _dtype_of(isize: int):  # type: ignore[no-untyped-def]

@@ -8,18 +8,22 @@ the registered algorithm on them and reads the slowest rank's virtual clock.
 Results are checked: exact algorithms against the dense sum of the same inputs,
 every algorithm for bitwise-identical results on every rank.
 
-Printed per row: simulated time, the closed-form alpha-beta-gamma prediction of
-:class:`~sparcml.costmodel.CostModel` (the formula ``auto`` decides with), the
+Printed per row: simulated time, the closed-form alpha-beta-gamma prediction
+registered with the algorithm (the formula ``auto`` decides with), the
 largest rank's full-scale bytes sent, the result's nnz (scaled back) next to
 Appendix B.1's expected fill-in ``E[K] = N (1 - prod_i (1 - k_i/N))``.
 
-Ok-Topk runs on dense accumulators (its input) twice per row: the first call
-computes thresholds and region boundaries, the second, the steady state that
-``tau``/``tau'`` make typical, is the one reported.
+What to run and check comes from the algorithm registry
+(:mod:`sparcml.collectives.registry`): every registered algorithm but aliases
+by default; ``exact`` ones are checked against the dense sum. Algorithms whose
+input is the dense accumulator (Gaussiank, Ok-Topk) run on Gaussian
+accumulators with ``k = d N``; a stateful one (Ok-Topk) runs twice per row: the
+first call computes thresholds and region boundaries, the second, the steady
+state that ``tau``/``tau'`` make typical, is the one reported.
 
-Algorithms whose Python work grows like ``P^2`` (the split-allgather family and
-Ok-Topk split every vector into ``P`` pieces on every rank; TopkA decodes ``P``
-streams on every rank) are simulated up to
+Algorithms registered ``quadratic`` (every rank's Python work grows like ``P``
+per call, so like ``P^2`` in all: the split family and Ok-Topk split every
+vector into ``P`` pieces; TopkA decodes ``P`` streams) are simulated up to
 ``quadratic_limit`` ranks; beyond it their row shows the closed-form model only
 (``source = model``), so the curves still reach 4096.
 """
@@ -38,30 +42,25 @@ from typing import Any
 import torch
 
 from .bench.allreduce import gradient_like, machine_info
-from .collectives.oktopk import OkTopkState, oktopk_allreduce
-from .collectives.registry import get_algorithm
+from .collectives.codec import EXACT
+from .collectives.oktopk import OkTopkState
+from .collectives.registry import algorithm_info, algorithms, predict
 from .comm.sim import SimCommunicator, simulate_ranks
 from .costmodel import CostModel, expected_fill_in
 from .stream import SparseStream
 
-__all__ = ["SIM_ALGORITHMS", "SimConfig", "format_sim_table", "plot_simulation", "run_simulation"]
+__all__ = [
+    "SimConfig",
+    "default_algorithms",
+    "format_sim_table",
+    "plot_simulation",
+    "run_simulation",
+]
 
-SIM_ALGORITHMS = (
-    "dense",
-    "ssar_recursive_double",
-    "ssar_split_allgather",
-    "dsar_split_allgather",
-    "topka",
-    "gtopk",
-    "oktopk",
-)
-# every rank splits its vector into P pieces, or decodes P streams (TopkA's allgather)
-QUADRATIC = frozenset(
-    {"ssar_split_allgather", "dsar_split_allgather", "oktopk", "topkdsa", "topka"}
-)
-EXACT = frozenset(
-    {"dense", "ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "topka"}
-)
+
+def default_algorithms() -> list[str]:
+    """What ``sparcml simulate`` runs by default: every registered algorithm but aliases."""
+    return algorithms(aliases=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +72,7 @@ class SimConfig:
         size: the full vector length ``N`` whose costs are charged.
         density: ``d``: every rank holds ``k = d N`` pairs.
         overlap: share of each rank's indices from a common hot set (0: uniform).
-        algorithms: algorithm names (default :data:`SIM_ALGORITHMS`).
+        algorithms: algorithm names (default :func:`default_algorithms`).
         sim_elements: memory budget: ranks together hold about this many
             scaled elements (``N / s * P``); ``s`` is the smallest power of two
             that keeps within it, and ``N / s`` is at least ``min_sim_size``.
@@ -119,12 +118,12 @@ class SimConfig:
             raise ValueError(f"compute must be 'model' or 'measured', got {self.compute!r}")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
-        unknown = [a for a in self.algorithms if a not in SIM_ALGORITHMS and a != "topkdsa"]
+        unknown = [a for a in self.algorithms if a not in algorithms()]
         if unknown:
-            raise ValueError(f"cannot simulate {unknown}; choose from {', '.join(SIM_ALGORITHMS)}")
+            raise ValueError(f"cannot simulate {unknown}; choose from {', '.join(algorithms())}")
 
     def algorithm_list(self) -> list[str]:
-        return list(self.algorithms or SIM_ALGORITHMS)
+        return list(self.algorithms or default_algorithms())
 
     def scale_for(self, world_size: int) -> int:
         """The data scale ``s`` at ``P`` ranks (a power of two, dividing the work)."""
@@ -138,13 +137,13 @@ class SimConfig:
 
 
 def model_time(model: CostModel, algorithm: str, p: int, n: int, k: int, isize: int = 4) -> float:
-    """The closed-form prediction (``CostModel.predict``) for ``P`` ranks of ``k`` pairs."""
-    return model.predict(algorithm, p, n, [k] * p, isize)
+    """The registered closed-form prediction for ``P`` ranks of ``k`` pairs."""
+    return predict(model, algorithm, p, n, [k] * p, isize)
 
 
 def _sparse_rank(comm: SimCommunicator, cfg: SimConfig, algorithm: str, n: int) -> Any:
     stream = gradient_like(n, cfg.density, comm.rank, overlap=cfg.overlap, seed=cfg.seed)
-    fn = get_algorithm(algorithm)
+    fn = algorithm_info(algorithm).fn
     if cfg.compute == "measured":
         fn(stream, comm)  # warm-up: first calls pay one-time costs, as in `sparcml bench`
     comm.reset_clock()  # making the data is not part of the collective
@@ -152,16 +151,19 @@ def _sparse_rank(comm: SimCommunicator, cfg: SimConfig, algorithm: str, n: int) 
     return _digest(out, comm)
 
 
-def _oktopk_rank(comm: SimCommunicator, cfg: SimConfig, n: int) -> Any:
+def _accumulator_rank(comm: SimCommunicator, cfg: SimConfig, algorithm: str, n: int) -> Any:
+    """An algorithm that selects from the dense accumulator itself (Gaussiank, Ok-Topk)."""
+    info = algorithm_info(algorithm)
     gen = torch.Generator().manual_seed(cfg.seed * 7_919 + 1_000_003 * (comm.rank + 1))
+    options: dict[str, Any] = {"k": max(1, round(cfg.density * n))}
+    if "state" in info.options:
+        options["state"] = OkTopkState()
+        comm.reset_clock()
+        # thresholds and boundaries: the first call of a period, not the one reported
+        info.fn(SparseStream.dense(torch.randn(n, generator=gen)), comm, EXACT, **options)
     acc = torch.randn(n, generator=gen)
-    k = max(1, round(cfg.density * n))
-    state = OkTopkState()
     comm.reset_clock()
-    oktopk_allreduce(acc, k, comm, state)  # thresholds and boundaries
-    acc = torch.randn(n, generator=gen)
-    comm.reset_clock()
-    out = oktopk_allreduce(acc, k, comm, state).stream
+    out = info.fn(SparseStream.dense(acc), comm, EXACT, **options)
     return _digest(out, comm)
 
 
@@ -211,27 +213,25 @@ def run_simulation(cfg: SimConfig) -> list[dict[str, Any]]:
                 "sim_size": n,
                 "expected_fill_in": expected_fill_in(cfg.size, [k_full] * p),
             }
-            try:
-                row["model_s"] = model_time(model, algorithm, p, cfg.size, k_full)
-            except ValueError:
-                row["model_s"] = None
-            if p > 1 and algorithm in QUADRATIC and p > cfg.quadratic_limit:
+            info = algorithm_info(algorithm)
+            row["model_s"] = (
+                model_time(model, algorithm, p, cfg.size, k_full) if info.cost else None
+            )
+            if p > 1 and info.quadratic and p > cfg.quadratic_limit:
                 row.update(source="model", time_s=row["model_s"])
                 rows.append(row)
                 _progress(cfg, done, total, row)
                 continue
             mode: dict[str, Any] = {"compute": cfg.compute, "cpu_share": cfg.cpu_share(p)}
-            if algorithm == "oktopk":
-                res = simulate_ranks(p, _oktopk_rank, cfg, n, model=model, scale=s, size=n, **mode)
-            else:
-                res = simulate_ranks(
-                    p, _sparse_rank, cfg, algorithm, n, model=model, scale=s, size=n, **mode
-                )
+            rank_fn = _accumulator_rank if info.input == "accumulator" else _sparse_rank
+            res = simulate_ranks(
+                p, rank_fn, cfg, algorithm, n, model=model, scale=s, size=n, **mode
+            )
             digests = [r[:3] for r in res.results]
             identical = all(d == digests[0] for d in digests)
             correct: bool | None = None
             err: float | None = None
-            if algorithm in EXACT:
+            if info.exact:
                 if ref is None:
                     ref = _reference(cfg, p, n)
                 got = res.results[0][3].to_dense().double()
@@ -395,7 +395,7 @@ def validate_against(
     out = []
     for m in data["rows"]:
         a = m["algorithm"]
-        if a not in SIM_ALGORITHMS and a != "topkdsa":
+        if a not in algorithms():
             continue
         cfg = SimConfig(
             world_sizes=(p,),
@@ -433,7 +433,8 @@ def _simulate_with(cfg: SimConfig, model: CostModel) -> list[dict[str, Any]]:
 
 def quadratic_cost_note(limit: int) -> str:
     return (
-        f"P^2-work algorithms ({', '.join(sorted(QUADRATIC))}) are simulated up to P={limit}; "
+        f"P^2-work algorithms ({', '.join(a for a in algorithms() if algorithm_info(a).quadratic)})"
+        f" are simulated up to P={limit}; "
         "beyond, their rows are the closed-form model"
     )
 

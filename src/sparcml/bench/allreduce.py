@@ -15,7 +15,6 @@ Run with :func:`run_benchmark` (spawns local gloo ranks) or ``sparcml bench``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from ..collectives import algorithms, choose_algorithm, sparse_allreduce
+from ..collectives.registry import algorithm_info, predict
 from ..comm import Communicator
 from ..costmodel import CostModel
 from ..launch import run_processes
@@ -154,6 +154,7 @@ def _rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | N
     total = cfg.experiments * len(names)
     step = 0
     model = CostModel.load()
+    registered = set(algorithms())
     predicted: dict[str, list[float]] = {a: [] for a in names}
     peers: dict[str, PeerRunner] = {}
     for a in names:
@@ -169,8 +170,8 @@ def _rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | N
         ks = [int(t) for t in comm.allgather(torch.tensor([stream.nnz]))]
         isize = stream.values.element_size()
         for a in names:
-            with contextlib.suppress(ValueError):  # algorithms without a cost formula
-                predicted[a].append(model.predict(a, comm.world_size, cfg.size, ks, isize))
+            if a in registered and algorithm_info(a).cost is not None:
+                predicted[a].append(predict(model, a, comm.world_size, cfg.size, ks, isize))
         ref = comm.allreduce(stream.to_dense().to(torch.float64))
         scale = comm.allreduce(stream.to_dense().to(torch.float64).abs())
         if "auto" in names:

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from ..collectives import OkTopkState, oktopk_allreduce, sparse_allreduce
+from ..collectives import OkTopkState, sparse_allreduce
+from ..collectives.registry import algorithm_info, algorithms, predict
 from ..comm import Communicator
 from ..compress.gaussiank import GaussianK
 from ..compress.topk import TopK
@@ -38,7 +39,10 @@ from ..stream import SparseStream
 
 __all__ = ["TopkBenchConfig", "run_topk_benchmark"]
 
-ALGORITHMS = ("dense", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk")
+
+def topk_algorithms() -> list[str]:
+    """Ok-Topk's comparison, from the registry (family ``"topk"``), dense first."""
+    return sorted(algorithms(family="topk"), key=lambda a: (a != "dense", a))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,19 +102,24 @@ def _rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]]
     topk_scale = comm.allreduce(local.to_dense().double().abs())
     gauss_ref = comm.allreduce(gauss_local.to_dense().double())
     gauss_scale = comm.allreduce(gauss_local.to_dense().double().abs())
-    state = OkTopkState()
+    states: dict[str, OkTopkState] = {}
+    names = topk_algorithms()
 
     def run(name: str) -> SparseStream:
-        if name == "dense":
+        info = algorithm_info(name)
+        if name == "dense":  # the backend's allreduce itself, no consistency check
             return SparseStream.dense(comm.allreduce(acc))
-        if name == "gaussiank":
-            return sparse_allreduce(SparseStream.dense(acc), comm, algorithm="gaussiank", k=k)
-        if name == "oktopk":
-            return oktopk_allreduce(acc, k, comm, state).stream
-        return sparse_allreduce(local, comm, algorithm=name)
+        if info.input == "selection":
+            return sparse_allreduce(local, comm, algorithm=name)
+        if info.input == "accumulator":
+            options: dict[str, Any] = {"k": k}
+            if "state" in info.options:  # kept across the runs, as in training
+                options["state"] = states.setdefault(name, OkTopkState())
+            return sparse_allreduce(SparseStream.dense(acc), comm, algorithm=name, **options)
+        return sparse_allreduce(SparseStream.dense(acc), comm, algorithm=name)
 
     rows: dict[str, dict[str, Any]] = {}
-    for i, name in enumerate(ALGORITHMS, 1):
+    for i, name in enumerate(names, 1):
         times, sent = [], []
         for _ in range(cfg.warmup):
             run(name)
@@ -126,14 +135,19 @@ def _rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]]
         if name == "dense":
             err = _rel_err(result, dense_ref, scale_all)
             ok = err <= 1e-5
-        elif name in ("topka", "topkdsa"):
-            err = _rel_err(result, topk_ref, topk_scale)
+        elif algorithm_info(name).exact:  # the sum of its inputs
+            ref, scale = (
+                (topk_ref, topk_scale)
+                if algorithm_info(name).input == "selection"
+                else (dense_ref, scale_all)
+            )
+            err = _rel_err(result, ref, scale)
             ok = err <= 1e-5
         elif name == "gaussiank":
             err = _rel_err(result, gauss_ref, gauss_scale)
             ok = err <= 1e-5
         elif name == "oktopk":
-            t_local = state.local_threshold
+            t_local = states[name].local_threshold
             assert t_local is not None
             mine = (acc.abs() >= t_local).float() * acc
             sel_ref = comm.allreduce(mine.double())
@@ -150,9 +164,12 @@ def _rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]]
                 else 0.0
             )
             ok = err <= 1e-5 and k / 2 <= result.count_nonzero() <= 2 * k
-        else:  # gtopk: lossy by design; at most k entries
+        elif name == "gtopk":  # lossy by design; at most k entries
             err = float("nan")
             ok = result.count_nonzero() <= k
+        else:  # a registered top-k algorithm this benchmark has no check for
+            err = float("nan")
+            ok = same
         ok_all = bool(comm.allreduce(torch.tensor([int(ok and same)]), op="min"))
         mean_sent = float(comm.allreduce(torch.tensor([statistics.fmean(sent)]))) / p
         q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
@@ -170,7 +187,7 @@ def _rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]]
         }
         if show:
             print(
-                f"  [{i}/{len(ALGORITHMS)}] {name:<10} {rows[name]['p50'] * 1e3:9.2f} ms  "
+                f"  [{i}/{len(names)}] {name:<10} {rows[name]['p50'] * 1e3:9.2f} ms  "
                 f"{'ok' if ok_all else 'WRONG'}",
                 file=sys.stderr,
                 flush=True,
@@ -181,10 +198,9 @@ def _rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]]
     model = CostModel.load()
     for r in out:
         r["speedup_vs_dense"] = rows["dense"]["p50"] / r["p50"]
-        try:  # the calibrated alpha-beta-gamma formula for k pairs per rank
-            r["predicted"] = model.predict(r["algorithm"], p, n, [k] * p, 4)
-        except ValueError:
-            r["predicted"] = None
+        # the registered alpha-beta-gamma formula for k pairs per rank
+        has_cost = algorithm_info(r["algorithm"]).cost is not None
+        r["predicted"] = predict(model, r["algorithm"], p, n, [k] * p, 4) if has_cost else None
     out.append(
         {
             "algorithm": "(exact local top-k)",

@@ -2,24 +2,51 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..comm import Communicator
 from ..stream import SparseStream
 from .codec import EXACT, StreamCodec
 
+if TYPE_CHECKING:
+    from ..costmodel import CostModel
+
 __all__ = [
     "decode_or_empty",
     "encode_or_empty",
+    "fold_messages",
     "largest_power_of_two",
+    "log2_ceil",
     "partition_boundaries",
     "split_and_reduce",
+    "split_cost",
 ]
 
 
 def largest_power_of_two(p: int) -> int:
     """The largest power of two ``<= p`` (``p >= 1``)."""
     return 1 << (p.bit_length() - 1)
+
+
+def fold_messages(p: int) -> int:
+    """Extra messages on the critical path when ``P`` is not a power of two (paper 000,
+    Appendix A: fold the extra ranks in before, unfold after)."""
+    return 0 if p == largest_power_of_two(p) else 2
+
+
+def log2_ceil(p: int) -> int:
+    """``ceil(log2 P)``: rounds of a recursive-doubling exchange."""
+    return (p - 1).bit_length()
+
+
+def split_cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
+    """Cost of :func:`split_and_reduce`: ``P-1`` messages of about ``k/P`` pairs of an
+    ``N/P`` range each, then the merge of about ``k`` pairs (paper 000, ``T_split``)."""
+    k = max(ks) if ks else 0
+    return (p - 1) * model.message_time(k / p, max(n // p, 1), isize) + model.gamma * k
 
 
 def partition_boundaries(size: int, parts: int) -> list[int]:

@@ -18,14 +18,14 @@ import torch
 
 from ..comm import Communicator, resolve
 from ..compress.base import Quantizer
-from ..costmodel import AUTO_CANDIDATES, CostModel
+from ..costmodel import CostModel
 from ..engine import Work
 from ..errors import RankMismatchError
 from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import code_dtype, dtype_code
 from .codec import StreamCodec
-from .registry import check_options, get_algorithm
+from .registry import algorithms, check_options, choose, get_algorithm
 
 __all__ = ["check_consistent", "choose_algorithm", "sparse_allreduce"]
 
@@ -83,8 +83,8 @@ def choose_algorithm(
     """
     ks = check_consistent(stream, comm)
     model = cost_model if cost_model is not None else CostModel.load()
-    candidates = [a for a in AUTO_CANDIDATES if not (exclude_dense and a == "dense")]
-    return model.choose(comm.world_size, stream.size, ks, stream.values.element_size(), candidates)
+    candidates = [a for a in algorithms(auto=True) if not (exclude_dense and a == "dense")]
+    return choose(model, comm.world_size, stream.size, ks, stream.values.element_size(), candidates)
 
 
 def _run(

@@ -9,15 +9,30 @@ Rabenseifner's (MPI libraries, mostly) ``2 log2(P) alpha + 2 (P-1)/P N beta_d``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from ..comm import Communicator, resolve
 from ..stream import SparseStream
 from .codec import EXACT, StreamCodec
 from .registry import register
 
+if TYPE_CHECKING:
+    from ..costmodel import CostModel
+
 __all__ = ["dense_allreduce"]
 
 
-@register("dense")
+def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
+    """The ring: ``2(P-1) alpha + 2(P-1)/P N isize beta``, plus the ``(P-1)/P N`` additions."""
+    return (
+        2 * (p - 1) * model.alpha
+        + 2 * (p - 1) / p * n * isize * model.beta
+        + (p - 1) / p * n * model.gamma_add
+    )
+
+
+@register("dense", auto=True, cost=cost, family=("sparcml", "topk"), auto_priority=3)
 def dense_allreduce(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:

@@ -26,18 +26,33 @@ At most ``2/kappa`` times faster than a dense allreduce (Lemma 5.2).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..comm import Communicator, resolve
 from ..stream import SparseStream
-from ._common import split_and_reduce
+from ._common import split_and_reduce, split_cost
 from .codec import EXACT, StreamCodec
 from .registry import register
+
+if TYPE_CHECKING:
+    from ..costmodel import CostModel
 
 __all__ = ["dsar_split_allgather"]
 
 
-@register("dsar_split_allgather")
+def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
+    """``T_split``, then the backend's ring allgather of the dense ranges."""
+    return (
+        split_cost(model, p, n, ks, isize)
+        + (p - 1) * model.alpha
+        + (p - 1) / p * n * isize * model.beta
+    )
+
+
+@register("dsar_split_allgather", auto=True, cost=cost, quadratic=True, auto_priority=2)
 def dsar_split_allgather(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:

@@ -16,12 +16,20 @@ from ..compress.gaussiank import GaussianK
 from ..stream import SparseStream
 from .codec import EXACT, StreamCodec
 from .registry import register
+from .topka import cost as topka_cost
 from .topka import topka
 
 __all__ = ["gaussiank"]
 
 
-@register("gaussiank", exact=False)
+@register(
+    "gaussiank",
+    exact=False,
+    input="accumulator",
+    cost=topka_cost,  # TopkA's exchange; the Gaussian fit is two reductions
+    quadratic=True,
+    family=("topk",),
+)
 def gaussiank(
     stream: SparseStream,
     comm: Communicator | None = None,

@@ -15,12 +15,19 @@ selections but the top-k of a top-k-filtered sum, which bounds the fill-in.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..comm import Communicator, resolve
-from ..stream import SparseStream
+from ..stream import SparseStream, index_bytes
+from ._common import log2_ceil
 from .codec import EXACT, StreamCodec
 from .registry import register
+
+if TYPE_CHECKING:
+    from ..costmodel import CostModel
 
 __all__ = ["gtopk", "keep_topk"]
 
@@ -41,7 +48,16 @@ def keep_topk(stream: SparseStream, k: int) -> SparseStream:
     return SparseStream._trusted(stream.indices[pos], stream.values[pos], stream.size)
 
 
-@register("gtopk", exact=False)
+def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
+    """Tree reduction keeping ``k`` per level, then broadcast (paper 001's table:
+    ``2 log P alpha + 4k log P beta`` in words), a merge per level."""
+    k = max(ks) if ks else 0
+    pair = index_bytes(n) + isize
+    log_p = log2_ceil(p)
+    return 2 * log_p * (model.alpha + model.beta_pairs * k * pair) + model.gamma * 2 * k * log_p
+
+
+@register("gtopk", exact=False, input="selection", cost=cost, family=("topk",))
 def gtopk(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:

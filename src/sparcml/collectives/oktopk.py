@@ -35,6 +35,8 @@ Cost: ``(2P + 2 log2 P) alpha + [2k, 6k] (P-1)/P beta`` (slides: "Total Cost <=
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,11 +46,14 @@ from ..compress.threshold_reuse import kth_largest
 from ..errors import RankMismatchError
 from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from ..stream import SparseStream, index_bytes
-from ._common import split_and_reduce
+from ._common import log2_ceil, split_and_reduce
 from .allreduce import check_consistent
 from .codec import EXACT, StreamCodec
 from .registry import register
 from .sparse_allgather import allgather_buffers
+
+if TYPE_CHECKING:
+    from ..costmodel import CostModel
 
 __all__ = ["OkTopkResult", "OkTopkState", "oktopk", "oktopk_allreduce"]
 
@@ -285,7 +290,22 @@ def _unpairs(buf: torch.Tensor, dtype: torch.dtype, size: int) -> tuple[torch.Te
     return indices, values
 
 
-@register("oktopk", exact=False)
+def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
+    """Steady state (thresholds and boundaries reused): split and reduce ((P-1) alpha,
+    k (P-1)/P pairs), counts allgather ((P-1) alpha), share redistribution (<= 2
+    messages of ~k/P), recursive-doubling allgather of the k kept pairs (log P alpha,
+    k (P-1)/P pairs): paper 001 sec. 3.1-3.2, ``(2P + 2 log P) alpha + 6k (P-1)/P beta``
+    in words."""
+    k = max(ks) if ks else 0
+    pair = index_bytes(n) + isize
+    return (
+        (2 * (p - 1) + 2 + log2_ceil(p)) * model.alpha
+        + model.beta_pairs * pair * (2 * k * (p - 1) / p + k / p)
+        + model.gamma * 2 * k
+    )
+
+
+@register("oktopk", exact=False, input="accumulator", cost=cost, quadratic=True, family=("topk",))
 def oktopk(
     stream: SparseStream,
     comm: Communicator | None = None,

@@ -1,52 +1,146 @@
-"""Name -> algorithm registry of the sparse allreduce (``algorithm=`` of :func:`sparse_allreduce`).
+"""The algorithm registry: the one place that knows an allreduce algorithm.
 
-An algorithm is ``fn(stream, comm, codec) -> SparseStream`` written SPMD style against
-the :class:`~sparcml.comm.Communicator` interface. New algorithms register
-themselves with ``@register("name")``; nothing else needs to change.
+An algorithm is ``fn(stream, comm, codec, **options) -> SparseStream`` written SPMD
+style against the :class:`~sparcml.comm.Communicator` interface, in a file of its
+own, registered there with every fact the rest of the library needs::
 
-``exact=False`` marks the top-k family (``gtopk``, ``gaussiank``, ``oktopk``):
-their result is by design not the sum of the inputs, so generic checks against
-a dense sum (the demo, the property tests) list only ``algorithms(exact=True)``.
+    def cost(model, p, n, ks, isize):          # the docstring's alpha-beta-gamma bound
+        return ...
+
+    @register("my_allreduce", cost=cost, auto=True)
+    def my_allreduce(stream, comm=None, codec=EXACT): ...
+
+``sparse_allreduce(algorithm=...)``, ``algorithm="auto"`` (the candidates and
+their cost formulas), the simulator (what to run, what to check, which
+algorithms do ``P^2`` local work), ``sparcml bench`` / ``bench-topk`` (which
+algorithms to time, what input they take, how to check them) and the tests
+parameterised over algorithms all read this registry. Adding a collective is one
+new file plus its import in ``collectives/__init__.py``.
+
+Facts (:class:`AlgorithmInfo`):
+
+* ``exact``: the result is the sum of the ranks' inputs (False for the top-k
+  family: ``gtopk``, ``gaussiank``, ``oktopk``, whose result is by design not);
+* ``input``: what a rank passes: ``"stream"`` (any sparse stream),
+  ``"selection"`` (its local top-k: TopkA, TopkDSA, gTopk) or ``"accumulator"``
+  (its dense accumulator; the algorithm selects itself: Gaussiank, Ok-Topk);
+* ``auto``: ``algorithm="auto"`` may pick it; ``auto_priority`` orders the
+  candidates for ties (lower first: at ``P = 1`` every prediction is 0);
+* ``cost``: ``cost(model, P, N, ks, isize) -> seconds`` under a
+  :class:`~sparcml.costmodel.CostModel` (None: no formula);
+* ``quadratic``: every rank does ``O(P)`` work per call (splits into ``P``
+  pieces or decodes ``P`` messages), so the simulator caps ``P`` for it;
+* ``family``: ``"sparcml"`` (SparCML's sparse allreduce) and/or ``"topk"``
+  (Ok-Topk's comparison: dense, TopkA, TopkDSA, gTopk, Gaussiank, Ok-Topk);
+* ``options``: the keyword options it takes (``k``, ``state``), from its signature.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from ..costmodel import CostModel
     from ..stream import SparseStream
 
-__all__ = ["Algorithm", "algorithms", "check_options", "get_algorithm", "register"]
+__all__ = [
+    "Algorithm",
+    "AlgorithmInfo",
+    "CostFn",
+    "algorithm_info",
+    "algorithms",
+    "check_options",
+    "choose",
+    "get_algorithm",
+    "predict",
+    "register",
+]
 
 Algorithm = Callable[..., "SparseStream"]
+CostFn = Callable[["CostModel", int, int, Sequence[int], int], float]
 F = TypeVar("F", bound=Callable[..., "SparseStream"])
 
-_REGISTRY: dict[str, Algorithm] = {}
-_INEXACT: set[str] = set()
+INPUTS = ("stream", "selection", "accumulator")
+FAMILIES = ("sparcml", "topk")
 
 
-def register(name: str, exact: bool = True) -> Callable[[F], F]:
+@dataclasses.dataclass(frozen=True)
+class AlgorithmInfo:
+    """Every fact about one registered algorithm (see the module docstring)."""
+
+    name: str
+    fn: Algorithm
+    exact: bool = True
+    input: str = "stream"
+    auto: bool = False
+    cost: CostFn | None = None
+    quadratic: bool = False
+    family: frozenset[str] = frozenset({"sparcml"})
+    alias_of: str | None = None
+    auto_priority: int = 0
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """Keyword options beyond ``(stream, comm, codec)``, e.g. ``("k", "state")``."""
+        params = inspect.signature(self.fn).parameters
+        return tuple(p for p in params if p not in ("stream", "comm", "codec"))
+
+    @property
+    def summary(self) -> str:
+        """The first line of the algorithm's docstring."""
+        return (inspect.getdoc(self.fn) or self.name).splitlines()[0]
+
+
+_REGISTRY: dict[str, AlgorithmInfo] = {}
+
+
+def register(
+    name: str,
+    *,
+    exact: bool = True,
+    input: str = "stream",
+    auto: bool = False,
+    cost: CostFn | None = None,
+    quadratic: bool = False,
+    family: Sequence[str] = ("sparcml",),
+    auto_priority: int = 0,
+) -> Callable[[F], F]:
     """Decorator adding an allreduce algorithm to the registry under ``name``.
 
     Args:
         name: the ``algorithm=`` name.
-        exact: whether the result is the sum of the ranks' inputs.
+        exact, input, auto, cost, quadratic, family, auto_priority: the facts of
+            :class:`AlgorithmInfo` (module docstring).
+
+    Raises:
+        ValueError: the name is taken by another function, or a fact is invalid.
     """
+    if input not in INPUTS:
+        raise ValueError(f"input must be one of {', '.join(INPUTS)}, got {input!r}")
+    unknown = sorted(set(family) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown algorithm family {unknown}; known: {', '.join(FAMILIES)}")
+    if auto and (not exact or cost is None or input != "stream"):
+        raise ValueError(f"{name}: 'auto' candidates must be exact, take a stream, have a cost")
 
     def deco(fn: F) -> F:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
+        old = _REGISTRY.get(name)
+        if old is not None and old.fn is not fn:
             raise ValueError(f"an allreduce algorithm named {name!r} is already registered")
-        _REGISTRY[name] = fn
-        if not exact:
-            _INEXACT.add(name)
+        alias = next((i.name for i in _REGISTRY.values() if i.fn is fn and i.name != name), None)
+        _REGISTRY[name] = AlgorithmInfo(
+            name, fn, exact, input, auto, cost, quadratic, frozenset(family), alias, auto_priority
+        )
         return fn
 
     return deco
 
 
-def get_algorithm(name: str) -> Algorithm:
-    """The algorithm registered as ``name``.
+def algorithm_info(name: str) -> AlgorithmInfo:
+    """The facts of the algorithm registered as ``name``.
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
@@ -58,10 +152,13 @@ def get_algorithm(name: str) -> Algorithm:
         raise ValueError(f"unknown allreduce algorithm {name!r}; known: auto, {known}") from None
 
 
+def get_algorithm(name: str) -> Algorithm:
+    """The function registered as ``name`` (raises ``ValueError`` if unknown)."""
+    return algorithm_info(name).fn
+
+
 def check_options(fn: Algorithm, name: str, options: dict[str, object]) -> None:
     """Raise a clear error for options the algorithm does not take."""
-    import inspect
-
     params = inspect.signature(fn).parameters
     takes = [p for p in params if p not in ("stream", "comm", "codec")]
     unknown = sorted(set(options) - set(takes))
@@ -70,11 +167,79 @@ def check_options(fn: Algorithm, name: str, options: dict[str, object]) -> None:
         raise ValueError(f"algorithm {name!r} has no option(s) {', '.join(unknown)}; {hint}")
 
 
-def algorithms(exact: bool | None = None) -> list[str]:
-    """Names of the registered algorithms, sorted.
+def algorithms(
+    exact: bool | None = None,
+    *,
+    auto: bool | None = None,
+    family: str | None = None,
+    aliases: bool = True,
+) -> list[str]:
+    """Names of the registered algorithms, sorted, filtered by their facts.
 
     Args:
         exact: True for those whose result is the sum of the inputs, False for the
             top-k family, None for all.
+        auto: True for ``auto``'s candidates.
+        family: ``"sparcml"`` or ``"topk"``.
+        aliases: include names registered for a function already registered
+            under another name (``topkdsa`` is ``ssar_split_allgather``).
     """
-    return sorted(n for n in _REGISTRY if exact is None or (n not in _INEXACT) == exact)
+    return sorted(
+        i.name
+        for i in _REGISTRY.values()
+        if (exact is None or i.exact == exact)
+        and (auto is None or i.auto == auto)
+        and (family is None or family in i.family)
+        and (aliases or i.alias_of is None)
+    )
+
+
+def predict(
+    model: CostModel, name: str, world_size: int, size: int, ks: Sequence[int], isize: int
+) -> float:
+    """Predicted seconds of ``name`` for ``P`` ranks holding ``ks[i]`` pairs of ``N``.
+
+    Raises:
+        ValueError: unknown algorithm, or one without a cost formula.
+    """
+    info = algorithm_info(name)
+    if info.cost is None:
+        raise ValueError(f"algorithm {name!r} has no cost formula")
+    if world_size == 1:
+        return 0.0
+    return info.cost(model, world_size, size, ks, isize)
+
+
+def choose(
+    model: CostModel,
+    world_size: int,
+    size: int,
+    ks: Sequence[int],
+    isize: int,
+    candidates: Sequence[str] | None = None,
+) -> str:
+    """The candidate (default: ``auto``'s) with the smallest predicted time.
+
+    Ties go to the candidate with the lower ``auto_priority``.
+    """
+    names = list(candidates) if candidates is not None else algorithms(auto=True)
+    names.sort(key=lambda a: algorithm_info(a).auto_priority)
+    return min(names, key=lambda a: predict(model, a, world_size, size, ks, isize))
+
+
+def describe() -> list[dict[str, Any]]:
+    """One row of facts per algorithm (for ``sparcml algorithms`` and the docs)."""
+    return [
+        {
+            "name": i.name,
+            "exact": i.exact,
+            "input": i.input,
+            "auto": i.auto,
+            "cost": i.cost is not None,
+            "options": ",".join(i.options),
+            "family": ",".join(sorted(i.family)),
+            "alias_of": i.alias_of,
+            "summary": i.summary,
+        }
+        for i in sorted(_REGISTRY.values(), key=lambda i: i.name)
+    ]

@@ -19,16 +19,37 @@ result's ``K <= P k`` pairs. Latency-optimal, best when the reduced result is sm
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from ..comm import Communicator, resolve
 from ..stream import SparseStream
-from ._common import largest_power_of_two
+from ._common import fold_messages, largest_power_of_two
 from .codec import EXACT, StreamCodec
 from .registry import register
+
+if TYPE_CHECKING:
+    from ..costmodel import CostModel
 
 __all__ = ["ssar_recursive_double"]
 
 
-@register("ssar_recursive_double")
+def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
+    """The bounds above under the expected fill-in of uniform indices (Appendix B):
+    stage ``t`` sends the partial sum of ``2^(t-1)`` ranks' streams and merges it."""
+    k = max(ks) if ks else 0
+    k_mean = sum(ks) / len(ks) if ks else 0.0
+    p2 = largest_power_of_two(p)
+    t = fold_messages(p) * model.message_time(k, n, isize)
+    group = p / p2
+    while group < p:
+        held = n * (1.0 - (1.0 - k_mean / n) ** group) if n else 0.0
+        t += model.message_time(held, n, isize) + model.gamma * 2 * min(held, n)
+        group *= 2
+    return t
+
+
+@register("ssar_recursive_double", auto=True, cost=cost, auto_priority=0)
 def ssar_recursive_double(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:

@@ -17,18 +17,40 @@ Best for a moderate number of ranks while the result stays sparse.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from ..comm import Communicator, resolve
+from ..costmodel import expected_fill_in
 from ..errors import WireFormatError
 from ..stream import SparseStream
-from ._common import split_and_reduce
+from ._common import fold_messages, largest_power_of_two, split_and_reduce, split_cost
 from .codec import EXACT, StreamCodec
 from .registry import register
 from .sparse_allgather import gather_streams
 
+if TYPE_CHECKING:
+    from ..costmodel import CostModel
+
 __all__ = ["ssar_split_allgather"]
 
 
-@register("ssar_split_allgather")
+def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
+    """``T_split`` then the recursive-doubling allgather of the reduced ranges, each
+    holding ``E[K]/P`` pairs (Appendix B), and the concatenation."""
+    fill = expected_fill_in(n, ks)
+    width = max(n // p, 1)
+    t = split_cost(model, p, n, ks, isize) + fold_messages(p) * model.message_time(
+        fill / p, width, isize
+    )
+    copies = p / largest_power_of_two(p)
+    while copies < p:
+        t += model.message_time(fill / p, width, isize, copies)
+        copies *= 2
+    return t + model.gamma * fill
+
+
+@register("ssar_split_allgather", auto=True, cost=cost, quadratic=True, auto_priority=1)
 def ssar_split_allgather(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:

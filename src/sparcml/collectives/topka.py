@@ -12,16 +12,35 @@ ranks): it grows linearly with ``P``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from ..comm import Communicator, resolve
-from ..stream import SparseStream
+from ..stream import SparseStream, index_bytes
+from ._common import fold_messages, log2_ceil
 from .codec import EXACT, StreamCodec
 from .registry import register
+
+if TYPE_CHECKING:
+    from ..costmodel import CostModel
 from .sparse_allgather import gather_streams
 
 __all__ = ["topka"]
 
 
-@register("topka")
+def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
+    """Recursive-doubling allgather of every rank's ``k`` pairs (paper 001's table:
+    ``log P alpha + 2(P-1) k beta`` in words), then the merge of ``P k`` pairs."""
+    k_mean = sum(ks) / len(ks) if ks else 0.0
+    pair = index_bytes(n) + isize
+    return (
+        (log2_ceil(p) + fold_messages(p)) * model.alpha
+        + model.beta_pairs * (p - 1) * k_mean * pair
+        + model.gamma * p * k_mean
+    )
+
+
+@register("topka", input="selection", cost=cost, quadratic=True, family=("topk",))
 def topka(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:

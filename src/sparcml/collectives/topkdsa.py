@@ -12,8 +12,10 @@ Bandwidth ``[4k (P-1)/P, (2k + n)(P-1)/P] beta``.
 from __future__ import annotations
 
 from .registry import register
-from .ssar_split_allgather import ssar_split_allgather
+from .ssar_split_allgather import cost, ssar_split_allgather
 
 __all__ = ["topkdsa"]
 
-topkdsa = register("topkdsa")(ssar_split_allgather)
+topkdsa = register("topkdsa", input="selection", cost=cost, quadratic=True, family=("topk",))(
+    ssar_split_allgather
+)

@@ -1,0 +1,83 @@
+"""The algorithm registry is the one place that knows an algorithm.
+
+A throwaway registration (a new file's worth: a function, its cost, its facts)
+is picked up by ``sparse_allreduce``, ``auto``, the simulator and the benchmarks'
+algorithm lists without touching any other module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from sparcml import CostModel, SparseStream, sparse_allreduce
+from sparcml.bench.topk import topk_algorithms
+from sparcml.collectives import choose_algorithm, registry
+from sparcml.collectives.codec import EXACT, StreamCodec
+from sparcml.collectives.registry import algorithm_info, algorithms, choose, predict, register
+from sparcml.collectives.topka import topka
+from sparcml.comm import Communicator, run_ranks
+from sparcml.simulate import SimConfig, default_algorithms, run_simulation
+
+
+def test_every_registration_carries_its_facts() -> None:
+    for name in algorithms():
+        info = algorithm_info(name)
+        assert info.input in registry.INPUTS and info.family <= set(registry.FAMILIES)
+        assert info.cost is not None, f"{name} has no cost formula"
+        assert predict(CostModel(), name, 4, 1000, [10] * 4, 4) > 0
+        if info.auto:
+            assert info.exact and info.input == "stream"
+    assert algorithm_info("topkdsa").alias_of == "ssar_split_allgather"
+    assert algorithms(auto=True) == sorted(
+        ["dense", "dsar_split_allgather", "ssar_recursive_double", "ssar_split_allgather"]
+    )
+    assert set(topk_algorithms()) == {"dense", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk"}
+
+
+def test_ties_follow_auto_priority() -> None:
+    # at P = 1 every prediction is 0: recursive doubling (priority 0) wins
+    assert choose(CostModel(), 1, 100, [3], 4) == "ssar_recursive_double"
+
+
+def _free_cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
+    return 1e-12  # cheaper than anything: auto must pick it
+
+
+@pytest.fixture
+def throwaway() -> Iterator[str]:
+    name = "test_allgather_sum"
+
+    @register(name, auto=True, cost=_free_cost, quadratic=True)
+    def test_allgather_sum(
+        stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
+    ) -> SparseStream:
+        """TopkA's allgather, registered again under another name."""
+        return topka(stream, comm, codec)
+
+    try:
+        yield name
+    finally:
+        del registry._REGISTRY[name]
+
+
+def test_a_new_registration_is_picked_up_everywhere(throwaway: str) -> None:
+    assert throwaway in algorithms(exact=True) and throwaway in default_algorithms()
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = SparseStream(torch.tensor([comm.rank]), torch.tensor([1.0]), 8)
+        auto = sparse_allreduce(s, comm, cost_model=CostModel())
+        named = sparse_allreduce(s, comm, algorithm=throwaway)
+        assert choose_algorithm(s, comm, CostModel()) == throwaway
+        return auto.to_dense(), named.to_dense()
+
+    for auto, named in run_ranks(3, fn):
+        assert torch.equal(auto, named) and auto.tolist()[:3] == [1.0, 1.0, 1.0]
+    row = run_simulation(
+        SimConfig(
+            world_sizes=(4,), size=4096, density=0.01, algorithms=(throwaway,), progress=False
+        )
+    )[0]
+    assert row["correct"] and row["identical_on_all_ranks"] and row["model_s"] == 1e-12
