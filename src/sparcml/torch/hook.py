@@ -11,6 +11,16 @@ once, so the collective overlaps the rest of backward (SparCML sec. 7's
 non-blocking operations); DDP waits on the returned future before the optimizer
 step. Buckets are reduced in the order DDP hands them over, the same on every
 rank.
+
+Errors keep their type. DDP turns an exception carried by a hook's future into
+a ``RuntimeError`` holding only its text, so the hook completes its future with
+the bucket's local gradient instead and re-raises the stored exception on the
+training thread at the end of the same ``loss.backward()`` (an autograd final
+callback queued behind DDP's own): ``backward()`` raises the documented
+``FloatingPointError``, ``CommTimeoutError``, ``PeerFailedError`` (with
+``.peer``), ``RankMismatchError`` ... itself, and the optimizer step is never
+reached. Should that callback not run, the error is raised by the next hook
+call or by :meth:`SparcmlState.check`.
 """
 
 from __future__ import annotations
@@ -47,11 +57,51 @@ def sparcml_hook(
             f"sparcml hook: bucket {index} holds {flat.numel()} gradient entries but its "
             f"parameters have {sum(sizes)}"
         )
+    state.check()  # an error that no backward has raised yet
     item = Bucket(names, sizes, flat, state.step)
     if bucket.is_last():
         state.step += 1
-    work = state.comm.run_ordered(lambda: reduce_bucket(state, item), async_op=True)
-    return work.get_future()
+    _arm_backward_check(state)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def run() -> torch.Tensor:
+        try:
+            out = reduce_bucket(state, item)
+        except BaseException as e:
+            state.comm.record_failure(e)
+            if state.hook_error is None:
+                state.hook_error = e
+            out = flat  # placeholder: backward raises the error before any step
+        fut.set_result(out)
+        return out
+
+    state.hook_works.append(state.comm.run_ordered(run, async_op=True))
+    return fut
+
+
+def _arm_backward_check(state: SparcmlState) -> None:
+    """Once per backward: raise the hook's stored error at its end, on the training thread.
+
+    The first final callback runs before DDP's (DDP queues its own when the last
+    bucket is ready); it queues a second one, which runs after DDP has finished
+    the reduction, so DDP's state stays consistent when backward raises.
+    """
+    if state.hook_armed:
+        return
+    engine = torch.autograd.Variable._execution_engine
+
+    def after_ddp() -> None:
+        state.hook_armed = False
+        works, state.hook_works = state.hook_works, []
+        for w in works:
+            w.wait()
+        state.check()
+
+    try:
+        engine.queue_callback(lambda: engine.queue_callback(after_ddp))
+        state.hook_armed = True
+    except RuntimeError:  # not inside backward: the next hook call or check() raises
+        pass
 
 
 # DDP checks the hook's annotations as objects; this module's are postponed strings.

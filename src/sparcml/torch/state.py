@@ -239,6 +239,9 @@ class SparcmlState:
         self.oktopk_states: dict[tuple[str, ...], OkTopkState] = {}
         self.param_names: dict[int, str] = {}
         self.registered: str | None = None
+        self.hook_error: BaseException | None = None  # raised at the end of backward
+        self.hook_armed = False
+        self.hook_works: list[Any] = []
 
     # ------------------------------------------------------------------ operators
     def _make_operator(self) -> Any:
@@ -271,6 +274,16 @@ class SparcmlState:
         """The name a parameter's residual is kept under (stable across bucket rebuilds)."""
         name = self.param_names.get(id(param))
         return name if name is not None else f"bucket{bucket}.param{position}"
+
+    def check(self) -> None:
+        """Raise (once) the error a DDP hook call stored, if backward has not raised it.
+
+        The hook re-raises its errors at the end of ``loss.backward()``; call this
+        after a backward run outside autograd's engine, or to be sure.
+        """
+        err, self.hook_error = self.hook_error, None
+        if err is not None:
+            raise err
 
     def reset(self) -> None:
         """Forget residuals, momenta and reused thresholds (e.g. after loading a checkpoint)."""
