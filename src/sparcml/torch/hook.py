@@ -26,6 +26,7 @@ call or by :meth:`SparcmlState.check`.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,7 +37,7 @@ from ..errors import RankMismatchError
 from .reduce import Bucket, reduce_bucket
 from .state import SparcmlState
 
-__all__ = ["check_parameters", "register", "sparcml_hook"]
+__all__ = ["check_parameters", "check_settings", "register", "sparcml_hook"]
 
 
 def sparcml_hook(
@@ -119,6 +120,47 @@ def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> int:
     return int.from_bytes(h.digest()[:7], "little")
 
 
+def check_settings(state: SparcmlState) -> None:
+    """Check that every rank runs the same method with the same hyperparameters.
+
+    A collective call (one small allgather of each rank's settings).
+
+    Raises:
+        RankMismatchError: on every rank, naming the ranks and settings that differ.
+    """
+    comm = state.comm
+    if comm.world_size == 1:
+        return
+    mine = json.dumps(state.settings(), sort_keys=True).encode()
+    with comm.control():
+        got = comm.allgatherv(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
+    table: list[dict[str, Any]] = []
+    for r, buf in enumerate(got):
+        try:
+            table.append(json.loads(bytes(buf.cpu().numpy()).decode()))
+        except ValueError:
+            raise RankMismatchError(
+                f"rank {r} sent unreadable settings: is it running the same sparcml version?"
+            ) from None
+    keys = sorted({k for row in table for k in row})
+    diffs = []
+    ranks: set[int] = set()
+    for key in keys:
+        values = [row.get(key) for row in table]
+        if any(v != values[0] for v in values):
+            odd = [r for r, v in enumerate(values) if v != values[0]]
+            ranks.update(odd)
+            shown = ", ".join(f"rank {r}: {values[r]!r}" for r in [0, *odd])
+            diffs.append(f"{key} ({shown})")
+    if diffs:
+        raise RankMismatchError(
+            f"ranks {sorted(ranks)} are configured differently from rank 0: "
+            + "; ".join(diffs)
+            + ". Every rank must build its SparcmlState with the same method and "
+            "hyperparameters"
+        )
+
+
 def check_parameters(
     state: SparcmlState, named: list[tuple[str, torch.Tensor]], values: bool = False
 ) -> None:
@@ -187,7 +229,8 @@ def register(
     Raises:
         TypeError: ``model`` is not DDP-wrapped (use :func:`sync_gradients`).
         RuntimeError: torch.distributed is not initialised.
-        RankMismatchError: ranks register different parameters.
+        RankMismatchError: ranks register different parameters, or states with
+            different methods or hyperparameters (raised on every rank, naming them).
 
     Example (under ``torchrun``)::
 
@@ -210,6 +253,7 @@ def register(
     if state.registered is not None:
         raise ValueError(f"this state is already registered with {state.registered}")
     named = _named(model.module)
+    check_settings(state)
     check_parameters(state, named)
     state.param_names = {id(p): n for n, p in named}
     state.registered = type(model.module).__name__
