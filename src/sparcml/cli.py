@@ -209,12 +209,18 @@ def _bench_compress(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"sparcml: error: {e}", file=sys.stderr)
         return 2
+    from .bench.compress import check_targets
+
     print(format_compress_table(rows, cfg), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {"config": vars(args), "machine": platform.platform(), "rows": rows}, f, indent=2
             )
+    missed = [what for what, _, _, met in check_targets(rows) if not met]
+    if missed:
+        print(f"sparcml bench-compress: {len(missed)} target(s) NOT met", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -279,7 +285,7 @@ def _train(args: argparse.Namespace) -> int:
     hyper: dict = {"density": args.density}
     if args.warmup_steps:
         hyper["warmup_steps"] = args.warmup_steps
-    if args.momentum_correction:
+    if args.momentum_correction is not None:
         hyper["momentum"] = args.momentum_correction
     if args.index_coding != "fixed":
         hyper["index_coding"] = args.index_coding
@@ -301,7 +307,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"sparcml train: {e}", file=sys.stderr)
         return 1
     print(format_table(result))
-    out = Path(args.out or f"docs/results/train/{args.recipe}")
+    out = Path(args.out or f"bench-results/train/{args.recipe}")
     for path in write_report(result, out, command):
         print(f"wrote {path}")
     return 0
@@ -620,13 +626,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     tr.add_argument(
         "--momentum-correction",
         type=float,
-        default=0.0,
-        help="DGC momentum correction with this momentum for the sparse methods "
-        "(the optimizer then runs without momentum)",
+        default=None,
+        help="DGC momentum correction with this momentum for the sparse methods (default "
+        "0.9; the optimizer then runs without momentum). 0 gives the momentum back to the "
+        "optimizer, which diverges with error feedback on most recipes",
     )
-    tr.add_argument("--limit", type=_positive, help="use only this many training examples")
+    tr.add_argument(
+        "--limit",
+        type=_positive,
+        help="use only this many training samples (images, documents, or 64-character "
+        "sequences for shakespeare); refused if too few for one step per epoch",
+    )
     tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--out", help="output directory (default docs/results/train/RECIPE)")
+    tr.add_argument(
+        "--out",
+        help="output directory (default bench-results/train/RECIPE under the current "
+        "directory, ignored by git; the committed tables live in docs/results/train)",
+    )
     tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sub.add_parser("methods", help="list the gradient synchronisation methods")
     ina = sub.add_parser(

@@ -20,7 +20,7 @@ from ..comm import refuse_silent_world_of_one as _refuse_silent_world_of_one
 from ..compress import get
 from ..compress.base import available
 
-__all__ = ["SparcmlState", "methods"]
+__all__ = ["SparcmlState", "methods", "needs_momentum_correction"]
 
 #: Methods that are not a compressor name (those come from :mod:`sparcml.compress`).
 _SPECIAL = {
@@ -49,6 +49,14 @@ def methods() -> dict[str, str]:
         elif kind == "quantizer":
             out[name] = f"dense: {name} quantization in DSAR's quantized allreduce"
     return out
+
+
+def needs_momentum_correction(method: str) -> bool:
+    """True for methods that keep a residual (error feedback): selectors, ``oktopk``,
+    ``redsync``. Their residual and an optimizer's momentum amplify each other and
+    training diverges; give the momentum to the state (``momentum=0.9``, DGC momentum
+    correction) and use the optimizer without momentum."""
+    return _kind(method) in ("sparse", "oktopk", "redsync")
 
 
 def _kind(method: str) -> str:
