@@ -266,6 +266,31 @@ def _bench_topk(args: argparse.Namespace) -> int:
     return 0 if all(r["correct"] for r in rows) else 1
 
 
+def _bench_faults(args: argparse.Namespace) -> int:
+    from .bench.faults import run_fault
+
+    bad = 0
+    for scenario in args.scenarios.split(","):
+        for mode in args.modes.split(","):
+            right = hangs = total = 0
+            for seed in range(args.runs):
+                t0 = time.monotonic()
+                r = run_fault(scenario, mode, 3 + seed % 2, seed, timeout=args.timeout)
+                total += len(r.survivors) if not r.hang else r.world - 1
+                right += r.right if not r.hang else 0
+                hangs += r.hang
+                wrong = {k: (o.get("type"), o.get("peer")) for k, o in r.survivors.items()
+                         if not r.all_right}  # fmt: skip
+                print(f"{scenario:<10} {mode:<4} P={r.world} victim={r.victim} "
+                      f"after {r.after} msgs: {r.right}/{r.world - 1} right"
+                      + (" HANG" if r.hang else "") + (f" {wrong}" if wrong else "")
+                      + f" ({time.monotonic() - t0:.1f} s)", flush=True)  # fmt: skip
+            print(f"== {scenario} {mode}: {right}/{total} survivors named the failed rank, "
+                  f"{hangs} hangs in {args.runs} runs", flush=True)  # fmt: skip
+            bad += (total - right) + hangs
+    return 1 if bad else 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -644,6 +669,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "directory, ignored by git; the committed tables live in docs/results/train)",
     )
     tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    bf = sub.add_parser(
+        "bench-faults",
+        help="kill / freeze a rank mid-collective: is the failed rank the one named?",
+        description="Runs fault-injection runs over spawned gloo ranks (P = 3 and 4, "
+        "alternating): a random rank is killed (os._exit) or frozen (SIGSTOP) inside a "
+        "collective, DDP training or DistributedOptimizer training, and every survivor's "
+        "error is checked: a documented type naming that rank. Exits 1 unless all are.",
+    )
+    bf.add_argument("--runs", type=_positive, default=10, help="runs per scenario and mode")
+    bf.add_argument("--scenarios", default="collective,ddp,optimizer")
+    bf.add_argument("--modes", default="kill,stop")
+    bf.add_argument("--timeout", type=float, default=3.0, help="communicator timeout, s")
     sub.add_parser("methods", help="list the gradient synchronisation methods")
     ina = sub.add_parser(
         "ina-server",
@@ -790,6 +827,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "bench-compress":
         return _bench_compress(args)
+    if args.command == "bench-faults":
+        return _bench_faults(args)
     if args.command == "bench-topk":
         return _bench_topk(args)
     if args.command == "demo":
