@@ -27,8 +27,13 @@ def main() -> None:
     model = DDP(
         torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     )
-    state = sparcml.torch.register(model, method=args.method, density=args.density)  # (2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # Methods with error feedback (topk, oktopk, redsync, ...) take the momentum in the
+    # state (DGC momentum correction) and a plain SGD optimizer: the optimizer's momentum
+    # on top of their residuals amplifies both, and training diverges.
+    correct = sparcml.torch.needs_momentum_correction(args.method)
+    hyper = {"momentum": 0.9} if correct else {}
+    state = sparcml.torch.register(model, method=args.method, density=args.density, **hyper)  # (2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if correct else 0.9)
 
     g = torch.Generator().manual_seed(rank)  # each rank its own data
     target = torch.nn.Linear(64, 8)

@@ -30,6 +30,7 @@ from .engine import Work
 from .errors import (
     CommError,
     CommTimeoutError,
+    NonFiniteError,
     PeerFailedError,
     RankMismatchError,
     SparcmlError,
@@ -47,6 +48,7 @@ __all__ = [
     "CommTimeoutError",
     "CostModel",
     "ErrorFeedback",
+    "NonFiniteError",
     "OkTopkState",
     "PeerFailedError",
     "RankMismatchError",

@@ -14,6 +14,7 @@ order.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import weakref
@@ -96,6 +97,9 @@ class Engine:
 
     def __init__(self, comm: Any) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._record: Callable[[BaseException], None] = getattr(
+            comm, "record_failure", lambda e: None
+        )
         self._thread = threading.Thread(
             target=self._loop, name=f"sparcml-engine-rank{comm.rank}", daemon=True
         )
@@ -111,7 +115,12 @@ class Engine:
             try:
                 work._finish(result=fn())
             except BaseException as e:
+                self._recorded(e)
                 work._finish(error=e)
+
+    def _recorded(self, e: BaseException) -> None:
+        with contextlib.suppress(Exception):  # reporting must not replace the error
+            self._record(e)
 
     def submit(self, fn: Callable[[], Any]) -> Work:
         """Queue ``fn`` behind everything submitted before; returns its :class:`Work`."""
@@ -137,9 +146,14 @@ class Engine:
                 try:
                     work._finish(result=fn())
                 except BaseException as e:
+                    self._recorded(e)
                     work._finish(error=e)
                 return work
-            return fn()
+            try:
+                return fn()
+            except BaseException as e:
+                self._recorded(e)
+                raise
         work = self.submit(fn)
         return work if async_op else work.wait()
 

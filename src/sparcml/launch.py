@@ -91,6 +91,7 @@ def run_processes(
     deadline: float | None = None,
     threads: int = 1,
     allow_missing: bool = False,
+    only: list[int] | None = None,
 ) -> list[Any]:
     """Run ``fn(comm, *args)`` on ``world_size`` gloo processes; results in rank order.
 
@@ -103,6 +104,8 @@ def run_processes(
         threads: torch intra-op threads per rank.
         allow_missing: a rank that exits without a result gives ``None`` instead of
             an error (for tests that kill a rank on purpose).
+        only: return once these ranks have reported; the others (a rank stopped on
+            purpose) are killed and give ``None``.
 
     Raises:
         ProcessFailedError: a rank raised (its traceback is in the message), died
@@ -127,6 +130,8 @@ def run_processes(
     got: dict[int, tuple[bool, bytes]] = {}
     try:
         while len(got) < world_size:
+            if only is not None and all(r in got for r in only):
+                break
             if not results.empty():
                 rank, ok, blob = results.get()
                 got[rank] = (ok, blob)
@@ -134,7 +139,10 @@ def run_processes(
             dead = [
                 r
                 for r, p in enumerate(procs)
-                if not p.is_alive() and r not in got and not (allow_missing and p.exitcode)
+                if not p.is_alive()
+                and r not in got
+                and not (allow_missing and p.exitcode)
+                and (only is None or r in only)
             ]
             if allow_missing and all(
                 r in got or (not p.is_alive() and p.exitcode) for r, p in enumerate(procs)
@@ -152,6 +160,10 @@ def run_processes(
                 raise ProcessFailedError(f"ranks {missing} did not finish before the deadline")
             time.sleep(0.01)
     finally:
+        if only is not None:
+            for r, p in enumerate(procs):
+                if r not in only and p.is_alive():
+                    p.kill()
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():

@@ -1,9 +1,10 @@
 """``sparse_allreduce``: the front door of the sparse allreduce algorithms.
 
-Every call first exchanges a few integers per rank (size, dtype, nnz): each rank
+Every call first exchanges a few integers per rank (size, dtype, nnz, the call
+number, the caller's ``call_id``, a NaN/Inf flag when quantizing): each rank
 sends them straight to every other (an alltoallv of 24-byte headers, ``P-1``
-messages per rank). That check makes mismatched calls fail with the same
-clear error on every rank instead of hanging or corrupting data, and gives
+messages per rank). That check makes mismatched calls fail with the same clear
+error on every rank instead of hanging or corrupting data, and gives
 ``algorithm="auto"`` the observed nnz of every rank for the cost model
 (:mod:`sparcml.costmodel`). The choice is computed from the same gathered numbers
 on every rank, so all ranks pick the same algorithm.
@@ -20,7 +21,7 @@ from ..comm import Communicator, resolve
 from ..compress.base import Quantizer
 from ..costmodel import CostModel
 from ..engine import Work
-from ..errors import RankMismatchError
+from ..errors import NonFiniteError, RankMismatchError
 from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import code_dtype, dtype_code
@@ -31,19 +32,48 @@ __all__ = ["check_consistent", "choose_algorithm", "sparse_allreduce"]
 
 log = logging.getLogger("sparcml")
 
+_MASK32 = (1 << 32) - 1
 
-def check_consistent(stream: SparseStream, comm: Communicator) -> list[int]:
+
+def check_consistent(
+    stream: SparseStream,
+    comm: Communicator,
+    *,
+    sequence: int | None = None,
+    call_id: int | None = None,
+    lossy: bool = False,
+) -> list[int]:
     """Check that every rank passes the same size and dtype; return every rank's nnz.
 
-    Every rank sends its (size, dtype, nnz) straight to every other rank, so a
-    rank that is dead or not calling the collective is named by every peer's
-    timeout error, not just by a neighbour's.
+    Every rank sends its (size, dtype, nnz, call number) straight to every other
+    rank, so a rank that is dead or not calling the collective is named by every
+    peer's timeout error, not just by a neighbour's.
+
+    Args:
+        sequence: this call's number on the communicator (default: the next one,
+            :meth:`~sparcml.comm.Communicator.next_sequence`). Ranks whose counts
+            differ have made a different number of calls.
+        call_id: the caller's own number for the call (e.g. the training step): a
+            rank that skipped one call and made an extra one later keeps the same
+            count, but not the same ``call_id``.
+        lossy: values will be quantized: NaN/Inf on any rank is refused on every rank.
 
     Raises:
         RankMismatchError: on every rank, naming the ranks that differ.
+        NonFiniteError: ``lossy`` and a rank holds NaN/Inf values (on every rank).
         CommTimeoutError / PeerFailedError: naming a rank that did not answer.
     """
-    meta = torch.tensor([stream.size, dtype_code(stream.dtype), stream.nnz], dtype=torch.int64)
+    seq = comm.next_sequence() if sequence is None else sequence
+    bad = lossy and stream.values.numel() > 0 and not bool(torch.isfinite(stream.values).all())
+    # three words: size, (NaN flag << 56 | dtype << 48 | nnz), (call_id << 32 | call
+    # number), the last two modulo 2^32 (no call_id: all ones)
+    packed = (int(bad) << 56) | (dtype_code(stream.dtype) << 48) | stream.nnz
+    cid = _MASK32 if call_id is None else call_id & _MASK32
+    calls = (cid << 32) | (seq & _MASK32)
+    meta = torch.tensor(
+        [stream.size, packed, calls - (1 << 64) if calls >= 1 << 63 else calls],
+        dtype=torch.int64,
+    )
     payload = as_bytes(meta)
     with comm.control():
         got = comm.alltoallv([payload] * comm.world_size)
@@ -54,7 +84,10 @@ def check_consistent(stream: SparseStream, comm: Communicator) -> list[int]:
                 f"rank {r} sent a malformed header ({buf.numel()} bytes): is it running "
                 "the same collective and sparcml version?"
             )
-        rows.append(bytes_as(buf.cpu(), torch.int64).tolist())
+        size, packed, calls = bytes_as(buf.cpu(), torch.int64).tolist()
+        nnz, code, flag = packed & ((1 << 48) - 1), (packed >> 48) & 0xFF, packed >> 56
+        cid = (calls >> 32) & _MASK32
+        rows.append([size, code, nnz, calls & _MASK32, -1 if cid == _MASK32 else cid, flag])
     sizes = [r[0] for r in rows]
     codes = [r[1] for r in rows]
     if len(set(sizes)) > 1:
@@ -66,6 +99,20 @@ def check_consistent(stream: SparseStream, comm: Communicator) -> list[int]:
         detail = ", ".join(f"rank {i}: {code_dtype(c)}" for i, c in enumerate(codes))
         raise RankMismatchError(
             f"sparse_allreduce called with different dtypes across ranks ({detail})"
+        )
+    for col, what in ((3, "call number"), (4, "call_id")):
+        ids = [r[col] for r in rows]
+        if len(set(ids)) > 1:
+            detail = ", ".join(f"rank {i}: {what} {n}" for i, n in enumerate(ids))
+            raise RankMismatchError(
+                f"ranks are in different collective calls ({detail}): a rank skipped a call "
+                "or made an extra one; every rank must make the same calls in the same order"
+            )
+    flagged = [i for i, r in enumerate(rows) if r[5]]
+    if flagged:
+        raise NonFiniteError(
+            f"NaN/Inf values on rank(s) {flagged}: a quantizer cannot encode them "
+            "(raised on every rank; sparcml.torch's nan_policy handles them for gradients)"
         )
     return [r[2] for r in rows]
 
@@ -94,13 +141,17 @@ def _run(
     model: CostModel | None,
     codec: StreamCodec,
     options: dict[str, Any],
+    call_id: int | None = None,
 ) -> SparseStream:
     codec = codec.with_call(comm.next_sequence(), comm.rank)
+    ks = check_consistent(stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy)
     if algorithm == "auto":
-        algorithm = choose_algorithm(stream, comm, model, exclude_dense=codec.lossy)
+        model = model if model is not None else CostModel.load()
+        candidates = [a for a in algorithms(auto=True) if not (codec.lossy and a == "dense")]
+        algorithm = choose(
+            model, comm.world_size, stream.size, ks, stream.values.element_size(), candidates
+        )
         log.debug("sparse_allreduce auto chose %s", algorithm)
-    else:
-        check_consistent(stream, comm)
     return get_algorithm(algorithm)(stream, comm, codec, **options)
 
 
@@ -115,6 +166,7 @@ def sparse_allreduce(
     quantize: str = ...,
     index_coding: str = ...,
     cost_model: CostModel | None = ...,
+    call_id: int | None = ...,
     **options: Any,
 ) -> SparseStream: ...
 
@@ -130,6 +182,7 @@ def sparse_allreduce(
     quantize: str = ...,
     index_coding: str = ...,
     cost_model: CostModel | None = ...,
+    call_id: int | None = ...,
     **options: Any,
 ) -> Work: ...
 
@@ -144,6 +197,7 @@ def sparse_allreduce(
     quantize: str = "dense",
     index_coding: str = "fixed",
     cost_model: CostModel | None = None,
+    call_id: int | None = None,
     **options: Any,
 ) -> SparseStream | Work:
     """Sum of every rank's sparse stream, bitwise identical on every rank.
@@ -171,6 +225,10 @@ def sparse_allreduce(
             varints of their gaps (about 1.3 bytes each at 1% density instead of 4);
             lossless, so results are unchanged.
         cost_model: the model ``auto`` uses (default: stored calibration or defaults).
+        call_id: your own number for this call (e.g. the training step), compared
+            across ranks: a rank that skipped a call and made an extra one later
+            fails on every rank instead of mixing two calls' data (the call counts
+            alone are equal then).
         **options: algorithm-specific options, e.g. ``k=`` and ``state=`` for
             ``oktopk`` and ``k=`` for ``gaussiank`` (whose input is the accumulator).
 
@@ -179,7 +237,10 @@ def sparse_allreduce(
 
     Raises:
         ValueError: unknown algorithm.
-        RankMismatchError: ranks passed different sizes or dtypes (raised on all ranks).
+        RankMismatchError: ranks passed different sizes or dtypes, or are in
+            different calls (call numbers or ``call_id`` differ); raised on all ranks.
+        NonFiniteError: a quantizer is set and some rank's values hold NaN/Inf
+            (raised on all ranks, naming them).
         CommTimeoutError / PeerFailedError: a peer did not answer or died (names it).
 
     Example:
@@ -209,5 +270,5 @@ def sparse_allreduce(
         )
 
     return comm.run_ordered(
-        lambda: _run(stream, comm, algorithm, cost_model, codec, options), async_op
+        lambda: _run(stream, comm, algorithm, cost_model, codec, options, call_id), async_op
     )

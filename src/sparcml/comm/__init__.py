@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch.distributed as dist
@@ -22,6 +23,7 @@ __all__ = [
     "TorchDistCommunicator",
     "default_communicator",
     "mpi_available",
+    "refuse_silent_world_of_one",
     "resolve",
     "run_ranks",
 ]
@@ -36,6 +38,10 @@ def default_communicator() -> Communicator:
     The default torch.distributed process group when one is initialised (one
     cached communicator, so its stats and background engine persist), otherwise a
     world of one rank that needs no process group.
+
+    Raises:
+        RuntimeError: no process group, but a launcher (torchrun, mpirun) started
+            several ranks: each would silently reduce alone.
     """
     with _default_lock:
         if dist.is_available() and dist.is_initialized():
@@ -44,6 +50,7 @@ def default_communicator() -> Communicator:
                 comm = TorchDistCommunicator()
                 _default["dist"] = comm
             return comm
+        refuse_silent_world_of_one()
         comm = _default.get("self")
         if comm is None:
             comm = SelfCommunicator()
@@ -58,3 +65,23 @@ def resolve(comm: Communicator | None) -> Communicator:
     if not isinstance(comm, Communicator):
         raise TypeError(f"expected a sparcml Communicator, got {type(comm).__name__}")
     return comm
+
+
+def refuse_silent_world_of_one() -> None:
+    """Raise if a launcher started several ranks but nothing connects them.
+
+    Training or reducing each rank alone would silently diverge, so say what is
+    missing instead: the launcher's environment (``WORLD_SIZE``,
+    ``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE``) says how many ranks there are.
+    """
+    for var, launcher, fix in (
+        ("WORLD_SIZE", "torchrun", "call torch.distributed.init_process_group() first"),
+        ("OMPI_COMM_WORLD_SIZE", "mpirun", "pass comm=sparcml.comm.MPICommunicator()"),
+        ("PMI_SIZE", "mpirun", "pass comm=sparcml.comm.MPICommunicator()"),
+    ):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            raise RuntimeError(
+                f"{launcher} started {value} ranks ({var}={value}) but no communicator "
+                f"connects them: {fix} (or pass comm= explicitly)"
+            )

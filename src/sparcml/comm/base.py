@@ -319,7 +319,17 @@ class Communicator(abc.ABC):
         """
         if async_op or self.has_engine:
             return self.engine.run(fn, async_op)
-        return fn()
+        try:
+            return fn()
+        except BaseException as e:
+            self.record_failure(e)
+            raise
+
+    def record_failure(self, exc: BaseException) -> None:
+        """Tell the other ranks that this rank's own code raised ``exc`` in a collective,
+        so that they name this rank (not a neighbour) when they give up waiting.
+        Backends with a shared store implement it; the default does nothing."""
+        return None
 
     def close(self) -> None:
         """Stop the background engine, if any."""

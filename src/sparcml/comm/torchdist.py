@@ -7,8 +7,10 @@ order, so a collective's steps never mix.
 Timeouts: every wait is bounded by the communicator's ``timeout``. A peer that
 does not answer raises :class:`~sparcml.errors.CommTimeoutError` naming it; a
 peer whose connection closes (it died) raises
-:class:`~sparcml.errors.PeerFailedError` naming it. After either, the process
-group is no longer usable (gloo closes the pair): treat it as fatal.
+:class:`~sparcml.errors.PeerFailedError` naming it. The rank named is the root
+cause, agreed through the process group's store (:mod:`.faults`), not the
+neighbour that gave up first. After either, the process group is no longer
+usable (gloo closes the pair): treat it as fatal.
 
 Dense collectives call torch.distributed's own ``all_reduce``/``all_gather``;
 their bytes are counted as a ring algorithm moves them per rank:
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from ..errors import CommError, CommTimeoutError, PeerFailedError
 from .base import Communicator, Handle
+from .faults import StoreFaults, agent_store, make_error, store_client
 
 __all__ = ["TorchDistCommunicator"]
 
@@ -37,7 +40,7 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 def _wrap_error(e: Exception, me: int, peer: int | None, what: str, timeout: float) -> CommError:
     text = str(e)
     who = f"rank {peer}" if peer is not None else "a peer"
-    if "Timed out" in text or "timeout" in text.lower():
+    if "timed out" in text.lower() or "timeout" in text.lower():
         return CommTimeoutError(
             f"rank {me}: timed out after {timeout:g}s in {what} waiting for {who} "
             f"(is rank {peer} alive and calling the same collective?): {text}",
@@ -96,7 +99,41 @@ class TorchDistCommunicator(Communicator):
             )
         self.device = torch.device(device)
         self._td = datetime.timedelta(seconds=self.timeout)
+        self._faults: StoreFaults | None = None
         _live.add(self)
+
+    @property
+    def faults(self) -> StoreFaults:
+        """The group's abort record (see :mod:`sparcml.comm.faults`)."""
+        if self._faults is None:
+            connect = None
+            prefix = "sparcml"
+            host: int | None = None
+            grace = min(max(2.0, 0.25 * self.timeout), 30.0)
+            try:
+                connect = store_client(dist.distributed_c10d._get_default_store(), grace)
+                prefix = f"sparcml/{dist.distributed_c10d._get_process_group_name(self.group)}"
+                if not agent_store():
+                    ranks = dist.get_process_group_ranks(self.group)
+                    host = ranks.index(0) if 0 in ranks else None
+            except Exception:  # no store: local evidence only
+                connect = None
+            self._faults = StoreFaults(
+                connect, prefix, self.rank, self.world_size, grace, host,
+                linger=self.timeout + 2 * grace,
+            )  # fmt: skip
+        return self._faults
+
+    def record_failure(self, exc: BaseException) -> None:
+        self.faults.record_local(exc)
+
+    def _fail(self, e: Exception, peer: int | None, what: str) -> CommError:
+        """The error to raise for ``e``, naming the root cause agreed through the store."""
+        try:
+            record = self.faults.resolve(e, peer, what)
+        except Exception:  # never hide the original failure behind our own
+            return _wrap_error(e, self.rank, peer, what, self.timeout)
+        return make_error(record, self.rank, peer, what, str(e).strip(), self.timeout)
 
     @property
     def group(self) -> Any:
@@ -154,7 +191,7 @@ class TorchDistCommunicator(Communicator):
         try:
             work.wait(self._td)
         except Exception as e:
-            raise _wrap_error(e, self.rank, peer, what, self.timeout) from e
+            raise self._fail(e, peer, what) from e
 
     def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
         buf = buf.to(self.device)
@@ -166,7 +203,7 @@ class TorchDistCommunicator(Communicator):
             if buf.numel():
                 works.append(dist.isend(buf, gdst, group=self.group, tag=tag))
         except Exception as e:
-            raise _wrap_error(e, self.rank, dst, "send", self.timeout) from e
+            raise self._fail(e, dst, "send") from e
 
         def wait() -> None:
             for w in works:
@@ -183,7 +220,7 @@ class TorchDistCommunicator(Communicator):
         try:
             first = dist.irecv(n, gsrc, group=self.group, tag=tag)
         except Exception as e:
-            raise _wrap_error(e, self.rank, src, "recv", self.timeout) from e
+            raise self._fail(e, src, "recv") from e
 
         def wait() -> torch.Tensor:
             self._wait(first, src, "recv")
@@ -195,7 +232,7 @@ class TorchDistCommunicator(Communicator):
                 try:
                     work = dist.irecv(out, gsrc, group=self.group, tag=tag)
                 except Exception as e:
-                    raise _wrap_error(e, self.rank, src, "recv", self.timeout) from e
+                    raise self._fail(e, src, "recv") from e
                 self._wait(work, src, "recv")
             return out
 
@@ -213,7 +250,7 @@ class TorchDistCommunicator(Communicator):
             try:
                 work = dist.all_reduce(out, op=_OPS[op], group=self.group, async_op=True)
             except Exception as e:
-                raise _wrap_error(e, self.rank, None, "allreduce", self.timeout) from e
+                raise self._fail(e, None, "allreduce") from e
             self._wait(work, None, "allreduce")
         return out.to(tensor.device)
 
@@ -228,7 +265,7 @@ class TorchDistCommunicator(Communicator):
             try:
                 work = dist.all_gather(outs, src, group=self.group, async_op=True)
             except Exception as e:
-                raise _wrap_error(e, self.rank, None, "allgather", self.timeout) from e
+                raise self._fail(e, None, "allgather") from e
             self._wait(work, None, "allgather")
         else:
             outs[0].copy_(src)

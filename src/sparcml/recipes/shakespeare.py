@@ -44,7 +44,11 @@ class Shakespeare(Recipe):
 
     def __init__(self, rank: int, world: int, seed: int = 0, **options: Any) -> None:
         super().__init__(rank, world, seed, **options)
-        text = shakespeare(max_chars=options.get("limit") or self.chars)
+        limit = options.get("limit")
+        # limit counts training sequences (samples), like the other recipes' examples:
+        # enough characters for that many sequences in the 90% training part
+        chars = math.ceil((limit * self.seq + 1) / 0.9) + self.seq + 1 if limit else self.chars
+        text = shakespeare(max_chars=chars)
         vocab = sorted(set(text))
         self.vocab = len(vocab)
         lookup = {c: i for i, c in enumerate(vocab)}

@@ -55,6 +55,12 @@ def train_worker(
     from . import RECIPES
 
     recipe = RECIPES[recipe_name](comm.rank, comm.world_size, seed, **options)
+    if recipe.steps_per_epoch() < 1:
+        raise ValueError(
+            f"{recipe_name}: {options.get('limit') or 'all'} training samples give no "
+            f"training step at {comm.world_size} ranks x batch {getattr(recipe, 'batch', '?')}; "
+            f"use --limit >= {comm.world_size * getattr(recipe, 'batch', 1)} (it counts samples)"
+        )
     model = DDP(recipe.model())
     state = st.register(model, method, **hyper)
     # DGC momentum correction moves the momentum from the optimizer into the state
@@ -120,6 +126,10 @@ def run_recipe(
             h.pop("density", None)
             h.pop("momentum", None)  # momentum correction is for sparse methods
             h.pop("index_coding", None)
+        elif "momentum" not in h:
+            # error feedback and the optimizer's momentum amplify each other: sparse
+            # methods get DGC momentum correction (the optimizer then runs without)
+            h["momentum"] = 0.9
         server = None
         if method == "natural_ina" and "ina_server" not in h:
             from ..ina import AggregatorServer

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .hook import check_parameters, register, sparcml_hook
 from .reduce import Bucket, reduce_bucket
-from .state import SparcmlState, methods
+from .state import SparcmlState, methods, needs_momentum_correction
 from .sync import DistributedOptimizer, broadcast_parameters, sync_gradients
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "broadcast_parameters",
     "check_parameters",
     "methods",
+    "needs_momentum_correction",
     "reduce_bucket",
     "register",
     "sparcml_hook",

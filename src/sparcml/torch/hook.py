@@ -11,11 +11,22 @@ once, so the collective overlaps the rest of backward (SparCML sec. 7's
 non-blocking operations); DDP waits on the returned future before the optimizer
 step. Buckets are reduced in the order DDP hands them over, the same on every
 rank.
+
+Errors keep their type. DDP turns an exception carried by a hook's future into
+a ``RuntimeError`` holding only its text, so the hook completes its future with
+the bucket's local gradient instead and re-raises the stored exception on the
+training thread at the end of the same ``loss.backward()`` (an autograd final
+callback queued behind DDP's own): ``backward()`` raises the documented
+``FloatingPointError``, ``CommTimeoutError``, ``PeerFailedError`` (with
+``.peer``), ``RankMismatchError`` ... itself, and the optimizer step is never
+reached. Should that callback not run, the error is raised by the next hook
+call or by :meth:`SparcmlState.check`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,7 +37,7 @@ from ..errors import RankMismatchError
 from .reduce import Bucket, reduce_bucket
 from .state import SparcmlState
 
-__all__ = ["check_parameters", "register", "sparcml_hook"]
+__all__ = ["check_parameters", "check_settings", "register", "sparcml_hook"]
 
 
 def sparcml_hook(
@@ -47,11 +58,51 @@ def sparcml_hook(
             f"sparcml hook: bucket {index} holds {flat.numel()} gradient entries but its "
             f"parameters have {sum(sizes)}"
         )
+    state.check()  # an error that no backward has raised yet
     item = Bucket(names, sizes, flat, state.step)
     if bucket.is_last():
         state.step += 1
-    work = state.comm.run_ordered(lambda: reduce_bucket(state, item), async_op=True)
-    return work.get_future()
+    _arm_backward_check(state)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def run() -> torch.Tensor:
+        try:
+            out = reduce_bucket(state, item)
+        except BaseException as e:
+            state.comm.record_failure(e)
+            if state.hook_error is None:
+                state.hook_error = e
+            out = flat  # placeholder: backward raises the error before any step
+        fut.set_result(out)
+        return out
+
+    state.hook_works.append(state.comm.run_ordered(run, async_op=True))
+    return fut
+
+
+def _arm_backward_check(state: SparcmlState) -> None:
+    """Once per backward: raise the hook's stored error at its end, on the training thread.
+
+    The first final callback runs before DDP's (DDP queues its own when the last
+    bucket is ready); it queues a second one, which runs after DDP has finished
+    the reduction, so DDP's state stays consistent when backward raises.
+    """
+    if state.hook_armed:
+        return
+    engine = torch.autograd.Variable._execution_engine
+
+    def after_ddp() -> None:
+        state.hook_armed = False
+        works, state.hook_works = state.hook_works, []
+        for w in works:
+            w.wait()
+        state.check()
+
+    try:
+        engine.queue_callback(lambda: engine.queue_callback(after_ddp))
+        state.hook_armed = True
+    except RuntimeError:  # not inside backward: the next hook call or check() raises
+        pass
 
 
 # DDP checks the hook's annotations as objects; this module's are postponed strings.
@@ -67,6 +118,47 @@ def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> int:
     for name, p in named:
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
     return int.from_bytes(h.digest()[:7], "little")
+
+
+def check_settings(state: SparcmlState) -> None:
+    """Check that every rank runs the same method with the same hyperparameters.
+
+    A collective call (one small allgather of each rank's settings).
+
+    Raises:
+        RankMismatchError: on every rank, naming the ranks and settings that differ.
+    """
+    comm = state.comm
+    if comm.world_size == 1:
+        return
+    mine = json.dumps(state.settings(), sort_keys=True).encode()
+    with comm.control():
+        got = comm.allgatherv(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
+    table: list[dict[str, Any]] = []
+    for r, buf in enumerate(got):
+        try:
+            table.append(json.loads(bytes(buf.cpu().numpy()).decode()))
+        except ValueError:
+            raise RankMismatchError(
+                f"rank {r} sent unreadable settings: is it running the same sparcml version?"
+            ) from None
+    keys = sorted({k for row in table for k in row})
+    diffs = []
+    ranks: set[int] = set()
+    for key in keys:
+        values = [row.get(key) for row in table]
+        if any(v != values[0] for v in values):
+            odd = [r for r, v in enumerate(values) if v != values[0]]
+            ranks.update(odd)
+            shown = ", ".join(f"rank {r}: {values[r]!r}" for r in [0, *odd])
+            diffs.append(f"{key} ({shown})")
+    if diffs:
+        raise RankMismatchError(
+            f"ranks {sorted(ranks)} are configured differently from rank 0: "
+            + "; ".join(diffs)
+            + ". Every rank must build its SparcmlState with the same method and "
+            "hyperparameters"
+        )
 
 
 def check_parameters(
@@ -137,7 +229,8 @@ def register(
     Raises:
         TypeError: ``model`` is not DDP-wrapped (use :func:`sync_gradients`).
         RuntimeError: torch.distributed is not initialised.
-        RankMismatchError: ranks register different parameters.
+        RankMismatchError: ranks register different parameters, or states with
+            different methods or hyperparameters (raised on every rank, naming them).
 
     Example (under ``torchrun``)::
 
@@ -166,6 +259,7 @@ def register(
             "sync_gradients / DistributedOptimizer without DDP"
         )
     named = _named(model.module)
+    check_settings(state)
     check_parameters(state, named)
     state.param_names = {id(p): n for n, p in named}
     state.registered = type(model.module).__name__

@@ -8,7 +8,11 @@ DGC's additions as RedSync sec. 3.5 describes them):
 1. warm-up: during the first ``warmup_steps`` steps, a dense allreduce, nothing else
    (with momentum correction: of the momentum ``u = m u + g``, i.e. momentum SGD);
 2. NaN policy: with ``nan_policy="raise"``, every rank learns which ranks and
-   parameters hold NaN/Inf, and all raise the same error;
+   parameters hold NaN/Inf, and all raise the same error; with ``"propagate"``
+   (compressed methods), a bucket holding NaN/Inf on any rank is reduced densely
+   for that step, so every method returns what dense allreduce would (NaN/Inf
+   where any rank had them), on every rank, and keeps its residuals and momenta
+   unchanged (one tiny allreduce per bucket agrees on it);
 3. local gradient clipping to ``clip_norm / sqrt(P)``, of this bucket's
    gradient (``clip_scope="bucket"``; :func:`~sparcml.torch.sync_gradients` with
    ``clip_scope="model"`` clips the whole local gradient first, as RedSync does);
@@ -26,6 +30,7 @@ rebuilds (the bucket's view is assembled from them each step).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 
@@ -38,6 +43,8 @@ from .redsync import redsync_allgather
 from .state import SparcmlState
 
 __all__ = ["Bucket", "reduce_bucket"]
+
+log = logging.getLogger("sparcml")
 
 
 @dataclasses.dataclass
@@ -78,6 +85,7 @@ def _sparse(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ig
         quantizer=quantizer,
         quantize=state.quantize if quantizer is not None else "dense",
         index_coding=state.index_coding,
+        call_id=bucket.step,
     )
     return selected, total.to_dense()
 
@@ -93,6 +101,7 @@ def _quantized(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type:
         algorithm="dsar_split_allgather",
         quantizer=op,
         quantize="all",
+        call_id=bucket.step,
     )
     # Unbiased quantizers feed nothing back (the state refuses error feedback here).
     return None, total.to_dense()
@@ -101,7 +110,9 @@ def _quantized(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type:
 def _nonzeros(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
     """Lossless: the gradient's own non-zeros through the sparse allreduce (paper 000
     sec. 8.2, Table 2: linear models, whose gradients are sparse without any selection)."""
-    total = sparse_allreduce(SparseStream.from_dense(acc), state.comm, algorithm=state.algorithm)
+    total = sparse_allreduce(
+        SparseStream.from_dense(acc), state.comm, algorithm=state.algorithm, call_id=bucket.step
+    )
     return None, total.to_dense()
 
 
@@ -202,6 +213,12 @@ def _check_finite(state: SparcmlState, bucket: Bucket, g: torch.Tensor) -> None:
         )
 
 
+def _any_nonfinite(state: SparcmlState, g: torch.Tensor) -> bool:
+    """Whether any rank's bucket holds NaN/Inf (a collective: every rank gets the answer)."""
+    bad = torch.tensor([0 if bool(torch.isfinite(g).all()) else 1], dtype=torch.int64)
+    return bool(int(state.comm.allreduce(bad)))
+
+
 def reduce_bucket(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
     """Steps 1-7 above for one bucket; returns the averaged flat gradient."""
     comm = state.comm
@@ -224,6 +241,17 @@ def reduce_bucket(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
         # Step 2: NaN policy.
         if state.nan_policy == "raise":
             _check_finite(state, bucket, g)
+        elif state.kind != "nonzeros" and _any_nonfinite(state, g):
+            # propagate: compressed methods cannot place NaN/Inf where dense would
+            # (selectors may drop them into the residual, quantizers cannot encode
+            # them): this bucket goes dense for this step, residuals untouched
+            log.warning(
+                "NaN/Inf gradient at step %d (bucket %s): reduced densely, the average "
+                "is non-finite (nan_policy='propagate')",
+                bucket.step,
+                bucket.names[0] if bucket.names else "?",
+            )
+            return comm.allreduce(g) / p
         # Step 3: local gradient clipping (DGC: threshold scaled by P^-1/2).
         if state.clip_norm is not None and state.clip_scope == "bucket":
             limit = state.clip_norm / math.sqrt(p)

@@ -9,7 +9,6 @@ object and persist across steps.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -18,10 +17,11 @@ import torch.distributed as dist
 from ..collectives import OkTopkState, algorithms
 from ..collectives.codec import QUANTIZE_MODES
 from ..comm import Communicator, SelfCommunicator, TorchDistCommunicator
+from ..comm import refuse_silent_world_of_one as _refuse_silent_world_of_one
 from ..compress import get
 from ..compress.base import available
 
-__all__ = ["SparcmlState", "methods"]
+__all__ = ["SparcmlState", "methods", "needs_momentum_correction"]
 
 #: Methods that are not a compressor name (those come from :mod:`sparcml.compress`).
 _SPECIAL = {
@@ -50,6 +50,14 @@ def methods() -> dict[str, str]:
         elif kind == "quantizer":
             out[name] = f"dense: {name} quantization in DSAR's quantized allreduce"
     return out
+
+
+def needs_momentum_correction(method: str) -> bool:
+    """True for methods that keep a residual (error feedback): selectors, ``oktopk``,
+    ``redsync``. Their residual and an optimizer's momentum amplify each other and
+    training diverges; give the momentum to the state (``momentum=0.9``, DGC momentum
+    correction) and use the optimizer without momentum."""
+    return _kind(method) in ("sparse", "oktopk", "redsync")
 
 
 def _kind(method: str) -> str:
@@ -185,15 +193,8 @@ class SparcmlState:
         self.method = method
         if not 0.0 < density <= 1.0 or math.isnan(density):
             raise ValueError(f"density must be in (0, 1], got {density}")
-        if (
-            self.kind in ("sparse", "nonzeros")
-            and algorithm != "auto"
-            and algorithm not in algorithms()
-        ):
-            raise ValueError(
-                f"unknown sparse allreduce algorithm {algorithm!r}; "
-                f"available: auto, {', '.join(algorithms())}"
-            )
+        if algorithm != "auto":
+            _check_algorithm(self.kind, method, algorithm)
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if not 0.0 <= momentum < 1.0:
@@ -287,6 +288,9 @@ class SparcmlState:
         self.oktopk_states: dict[tuple[str, ...], OkTopkState] = {}
         self.param_names: dict[int, str] = {}
         self.registered: str | None = None
+        self.hook_error: BaseException | None = None  # raised at the end of backward
+        self.hook_armed = False
+        self.hook_works: list[Any] = []
 
     # ------------------------------------------------------------------ operators
     def _make_operator(self) -> Any:
@@ -320,6 +324,41 @@ class SparcmlState:
         name = self.param_names.get(id(param))
         return name if name is not None else f"bucket{bucket}.param{position}"
 
+    def settings(self) -> dict[str, Any]:
+        """The hyperparameters every rank must share (compared at registration)."""
+        return {
+            "method": self.method,
+            "density": self.density,
+            "algorithm": self.algorithm,
+            "compressor_params": {k: repr(v) for k, v in sorted(self.compressor_params.items())},
+            "error_feedback": self.error_feedback,
+            "warmup_steps": self.warmup_steps,
+            "momentum": self.momentum,
+            "momentum_masking": self.momentum_masking,
+            "clip_norm": self.clip_norm,
+            "nan_policy": self.nan_policy,
+            "oktopk_tau": self.oktopk_tau,
+            "oktopk_tau_prime": self.oktopk_tau_prime,
+            "redsync_asq": self.redsync_asq,
+            "redsync_min_bytes": self.redsync_min_bytes,
+            "redsync_bsearch_numel": self.redsync_bsearch_numel,
+            "index_coding": self.index_coding,
+            "bucket_bytes": self.bucket_bytes,
+            "ina_server": None if self.ina_address is None else list(self.ina_address),
+            "ina_mode": getattr(self, "ina_mode", None),
+            "seed": self.seed,
+        }
+
+    def check(self) -> None:
+        """Raise (once) the error a DDP hook call stored, if backward has not raised it.
+
+        The hook re-raises its errors at the end of ``loss.backward()``; call this
+        after a backward run outside autograd's engine, or to be sure.
+        """
+        err, self.hook_error = self.hook_error, None
+        if err is not None:
+            raise err
+
     def reset(self) -> None:
         """Forget residuals, momenta and reused thresholds (e.g. after loading a checkpoint)."""
         self.residuals.clear()
@@ -336,20 +375,42 @@ class SparcmlState:
         )
 
 
-def _refuse_silent_world_of_one() -> None:
-    """A launcher started several ranks but nothing connects them: training each rank
-    alone would silently diverge, so say what is missing instead."""
-    for var, launcher, fix in (
-        ("WORLD_SIZE", "torchrun", "call torch.distributed.init_process_group() first"),
-        ("OMPI_COMM_WORLD_SIZE", "mpirun", "pass comm=sparcml.comm.MPICommunicator()"),
-        ("PMI_SIZE", "mpirun", "pass comm=sparcml.comm.MPICommunicator()"),
-    ):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 1:
-            raise RuntimeError(
-                f"{launcher} started {value} ranks ({var}={value}) but no communicator "
-                f"connects them: {fix}"
-            )
+def valid_algorithms(kind: str, method: str) -> list[str]:
+    """The ``algorithm=`` choices that work with a method (besides ``"auto"``)."""
+    from ..collectives.registry import algorithm_info
+
+    if kind not in ("sparse", "nonzeros"):
+        return []
+    out = []
+    for name in algorithms():
+        if algorithm_info(name).options:
+            continue  # needs per-call options (k=, state=): not a selected stream's reducer
+        if kind == "nonzeros" and name not in algorithms(exact=True):
+            continue  # lossless: no algorithm that drops entries
+        if "+" in method and name == "dense":
+            continue  # cannot quantize
+        out.append(name)
+    return out
+
+
+def _check_algorithm(kind: str, method: str, algorithm: str) -> None:
+    valid = valid_algorithms(kind, method)
+    if not valid:
+        raise ValueError(
+            f"algorithm={algorithm!r} does not apply to method {method!r}: only selector "
+            "methods ('topk', 'topk+natural', ...) and 'nonzeros' run a sparse allreduce "
+            "algorithm; leave algorithm='auto'"
+        )
+    if algorithm not in valid:
+        hint = ""
+        if algorithm == "oktopk":
+            hint = " (Ok-Topk is a method of its own: SparcmlState('oktopk'))"
+        elif algorithm not in algorithms():
+            hint = " (unknown sparse allreduce algorithm)"
+        raise ValueError(
+            f"algorithm {algorithm!r} cannot run method {method!r}{hint}; "
+            f"valid choices: auto, {', '.join(valid)}"
+        )
 
 
 def _init_params(method: str) -> set[str]:

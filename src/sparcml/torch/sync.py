@@ -25,7 +25,7 @@ import torch
 
 from ..stream import SparseStream
 from ..wire import decode, encode
-from .hook import _named, check_parameters
+from .hook import _named, check_parameters, check_settings
 from .reduce import Bucket, reduce_bucket
 from .state import SparcmlState
 
@@ -35,6 +35,7 @@ __all__ = ["DistributedOptimizer", "broadcast_parameters", "sync_gradients"]
 def _attach(state: SparcmlState, named: list[tuple[str, torch.Tensor]]) -> None:
     ids = [id(p) for _, p in named]
     if state.registered is None:
+        check_settings(state)
         check_parameters(state, named, values=True)
         state.param_names = {id(p): n for n, p in named}
         state.registered = "sync_gradients"
@@ -95,7 +96,8 @@ def sync_gradients(model: torch.nn.Module | Iterable[torch.Tensor], state: Sparc
         state: the :class:`SparcmlState` (one per model).
 
     Raises:
-        RankMismatchError: the ranks' parameters differ (on the first call).
+        RankMismatchError: the ranks' parameters, methods or hyperparameters differ
+            (on the first call, on every rank).
         FloatingPointError: a NaN/Inf gradient with ``nan_policy="raise"``.
         CommTimeoutError / PeerFailedError: naming a rank that stopped answering.
     """

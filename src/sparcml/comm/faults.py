@@ -1,0 +1,355 @@
+"""Naming the rank that failed first: an abort record in the process group's store.
+
+When a rank fails, its neighbours notice first, and the ranks waiting on those
+neighbours notice only when the neighbours give up. Without help, a survivor
+names whoever it happened to wait for, a live rank as often as not. So every
+rank that learns the root cause publishes it in the torch.distributed store the
+ranks share (the rendezvous ``TCPStore``), and every rank that gives up reads
+it before naming anyone:
+
+* a rank whose own code raised (a non-communication error inside a sparcml
+  call) publishes ``rank r raised ...`` before the error leaves sparcml;
+* a rank that sees a peer's connection close (direct evidence that the peer
+  died) publishes ``rank p died``, unless a record exists already;
+* a rank that times out publishes what it was waiting for (``stuck/<rank>``),
+  then follows the chain of waits through the other ranks' reports for a grace
+  period: the first rank in the chain that reports nothing is the one that
+  stopped (frozen, hung or absent), and is published as the root cause. With no
+  known peer (a dense collective), the ranks that report nothing are.
+
+The first record wins (``compare_set``); each survivor raises
+:class:`~sparcml.errors.PeerFailedError` (died or raised) or
+:class:`~sparcml.errors.CommTimeoutError` (stopped answering) whose ``peer`` is
+the recorded rank, and says which rank it was itself waiting for.
+
+If the store itself is unreachable, the rank that hosts it (rank 0 under
+``init_method="tcp://..."`` or ``env://`` without torchrun's agent store) is
+presumed dead. Records are kept per process group (keys prefixed with the
+group's name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..errors import (
+    CommError,
+    CommTimeoutError,
+    NonFiniteError,
+    PeerFailedError,
+    RankMismatchError,
+)
+
+__all__ = ["FailureRecord", "StoreFaults", "is_local_failure", "make_error", "store_client"]
+
+log = logging.getLogger("sparcml")
+T = TypeVar("T")
+
+_POLL_S = 0.05
+
+
+def is_local_failure(exc: BaseException) -> bool:
+    """True for an error that this rank alone raised and the others cannot know of.
+
+    Communication errors are already resolved; mismatches, NaN/Inf checks and
+    other agreed errors are raised by every rank at once.
+    """
+    return not isinstance(exc, CommError | RankMismatchError | NonFiniteError | FloatingPointError)
+
+
+@dataclasses.dataclass
+class FailureRecord:
+    """The root cause: ``rank`` failed (``kind``: died, error, timeout), as ``reporter`` saw it."""
+
+    rank: int
+    kind: str
+    reporter: int
+    reason: str
+
+    def encode(self) -> str:
+        return f"{self.rank}|{self.kind}|{self.reporter}|{self.reason}"
+
+    @classmethod
+    def decode(cls, text: str) -> FailureRecord | None:
+        parts = text.split("|", 3)
+        if len(parts) != 4 or not parts[0].isdigit() or not parts[2].isdigit():
+            return None
+        return cls(int(parts[0]), parts[1], int(parts[2]), parts[3])
+
+
+def _classify(text: str) -> str:
+    low = text.lower()
+    if "timed out" in low or "timeout" in low:
+        return "timeout"
+    if any(w in low for w in ("closed", "reset", "broken", "refused", "eof", "shut down")):
+        return "closed"
+    return "other"
+
+
+class StoreFaults:
+    """The abort record of one process group (see the module docstring).
+
+    Store operations run on a connection of their own, in a helper thread
+    bounded by ``op_timeout``: a frozen store host must not freeze the ranks
+    that ask it who failed.
+
+    Args:
+        connect: opens a ``torch.distributed.Store`` client (None: no store,
+            local evidence only).
+        prefix: key prefix unique to the group.
+        rank / world_size: this rank in the group and the group's size.
+        grace: seconds a timed-out rank waits for the other ranks' reports.
+        store_host: the group rank whose process hosts the store, when known;
+            it waits (up to ``linger`` seconds) for the others to read the record
+            before raising, since its exit takes the store down.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], Any] | None,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        grace: float,
+        store_host: int | None,
+        linger: float = 0.0,
+        op_timeout: float = 3.0,
+    ) -> None:
+        self._connect = connect
+        self.store: Any = None
+        self.prefix = prefix
+        self.rank = rank
+        self.world_size = world_size
+        self.grace = grace
+        self.store_host = store_host
+        self.linger = linger
+        self.op_timeout = op_timeout
+        self._store_ok = connect is not None
+
+    # ----------------------------------------------------------------- store access
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def _op(self, fn: Callable[[Any], T]) -> T | None:
+        """``fn(store)`` in a helper thread, at most ``op_timeout`` seconds; None if the
+        store is (or turns out) unreachable."""
+        if not self._store_ok:
+            return None
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                if self.store is None:
+                    assert self._connect is not None
+                    self.store = self._connect()
+                box["out"] = fn(self.store)
+            except BaseException as e:
+                box["error"] = e
+
+        t = threading.Thread(target=run, name="sparcml-store", daemon=True)
+        t.start()
+        t.join(self.op_timeout)
+        if t.is_alive() or "error" in box:
+            self._lost(box.get("error", TimeoutError("no answer")))
+            return None
+        return box["out"]  # type: ignore[no-any-return]
+
+    def _get(self, name: str) -> str | None:
+        key = self._key(name)
+
+        def get(store: Any) -> str | None:
+            if not store.check([key]):
+                return None
+            return bytes(store.get(key)).decode("utf-8", "replace")
+
+        return self._op(get)
+
+    def _set(self, name: str, value: str) -> None:
+        key = self._key(name)
+        self._op(lambda store: store.set(key, value))
+
+    def _lost(self, e: BaseException) -> None:
+        log.debug("rank %d: store unreachable: %s", self.rank, e)
+        self._store_ok = False
+
+    def read(self) -> FailureRecord | None:
+        """The published root cause, if any."""
+        text = self._get("abort")
+        return FailureRecord.decode(text) if text else None
+
+    def publish(self, record: FailureRecord) -> FailureRecord:
+        """Publish ``record`` unless one exists already; returns the one that holds."""
+        key = self._key("abort")
+        got = self._op(lambda store: bytes(store.compare_set(key, "", record.encode())))
+        held = FailureRecord.decode(got.decode("utf-8", "replace")) if got else None
+        return held if held is not None else record
+
+    def record_local(self, exc: BaseException) -> None:
+        """This rank's own code raised ``exc`` inside a sparcml call: publish it."""
+        if not is_local_failure(exc) or getattr(exc, "_sparcml_recorded", False):
+            return
+        with contextlib.suppress(Exception):  # exceptions without a __dict__
+            exc._sparcml_recorded = True  # type: ignore[attr-defined]
+        reason = f"raised {type(exc).__name__}: {exc}".replace("\n", " ")[:500]
+        self.publish(FailureRecord(self.rank, "error", self.rank, reason))
+
+    # ----------------------------------------------------------------- resolution
+    def _reports(self) -> dict[int, int | None]:
+        """Which ranks gave up waiting, and for whom (None: a collective, no one peer)."""
+        keys = {r: self._key(f"stuck/{r}") for r in range(self.world_size) if r != self.rank}
+
+        def read(store: Any) -> dict[int, str]:
+            return {r: bytes(store.get(k)).decode() for r, k in keys.items() if store.check([k])}
+
+        got = self._op(read) or {}
+        return {r: (int(v) if v.isdigit() else None) for r, v in got.items()}
+
+    def _store_host_record(self, what: str) -> FailureRecord | None:
+        if self.store_host is None or self.store_host == self.rank:
+            return None
+        return FailureRecord(
+            self.store_host, "died", self.rank, f"is unreachable (it hosts the store) during {what}"
+        )
+
+    def resolve(self, error: Exception, peer: int | None, what: str) -> FailureRecord:
+        """The root cause of ``error``, seen by this rank while waiting for ``peer`` in ``what``."""
+        record = self._resolve(error, peer, what)
+        self._set(f"seen/{self.rank}", "1")
+        if self.rank == self.store_host and self._store_ok and self.linger > 0:
+            self._wait_for_readers(record)
+        return record
+
+    def _wait_for_readers(self, record: FailureRecord) -> None:
+        """On the store's host: let the other survivors read the record before this
+        process (and the store with it) goes away."""
+        others = [r for r in range(self.world_size) if r not in (self.rank, record.rank)]
+        keys = [self._key(f"seen/{r}") for r in others]
+        deadline = time.monotonic() + self.linger
+        while time.monotonic() < deadline and self._store_ok:
+            if self._op(lambda store: all(store.check([k]) for k in keys)):
+                return
+            time.sleep(_POLL_S)
+
+    def _resolve(self, error: Exception, peer: int | None, what: str) -> FailureRecord:
+        kind = _classify(str(error))
+        held = self.read()
+        if held is not None:
+            return held
+        if kind == "closed" and peer is not None:
+            # direct evidence: the peer's connection is gone
+            return self.publish(
+                FailureRecord(peer, "died", self.rank, f"closed its connection during {what}")
+            )
+        self._set(f"stuck/{self.rank}", str(-1 if peer is None else peer))
+        if not self._store_ok:
+            lost = self._store_host_record(what)
+            if lost is not None:
+                return lost
+            return FailureRecord(
+                peer if peer is not None else -1,
+                "died" if kind == "closed" else "timeout",
+                self.rank,
+                f"did not answer during {what}",
+            )
+        return self._follow(peer, kind, what)
+
+    def _follow(self, peer: int | None, kind: str, what: str) -> FailureRecord:
+        """Wait up to ``grace`` for the chain of waits to end at a rank that reports nothing."""
+        deadline = time.monotonic() + self.grace
+        while True:
+            held = self.read()
+            if held is not None:
+                return held
+            if not self._store_ok:
+                lost = self._store_host_record(what)
+                if lost is not None:
+                    return lost
+                break
+            reports = self._reports()
+            silent = [r for r in range(self.world_size) if r != self.rank and r not in reports]
+            if time.monotonic() >= deadline or not silent:
+                break
+            time.sleep(_POLL_S)
+        verb = "stopped answering (no report from it)"
+        if kind == "closed":
+            verb = "closed its connection or stopped answering"
+        if peer is not None:
+            seen = {self.rank}
+            x = peer
+            while x in reports and x not in seen:
+                seen.add(x)
+                nxt = reports[x]
+                if nxt is None:
+                    break
+                x = nxt
+            if x not in reports:
+                record = FailureRecord(x, "timeout", self.rank, f"{verb} during {what}")
+            else:  # every rank on the chain is waiting: a cycle of live ranks
+                record = FailureRecord(
+                    peer, "timeout", self.rank,
+                    f"is alive but waiting too (ranks wait on each other in a cycle: are "
+                    f"they calling the same collectives in the same order?) during {what}",
+                )  # fmt: skip
+        elif silent:
+            more = f" (no report from ranks {silent})" if len(silent) > 1 else ""
+            record = FailureRecord(silent[0], "timeout", self.rank, f"{verb}{more} during {what}")
+        else:
+            return FailureRecord(-1, "timeout", self.rank, f"every rank gave up during {what}")
+        return self.publish(record)
+
+
+def make_error(
+    record: FailureRecord, me: int, peer: int | None, what: str, cause: str, timeout: float
+) -> CommError:
+    """The error this rank raises for ``record``."""
+    waited = f"rank {peer}" if peer is not None else "its peers"
+    if record.rank < 0:
+        return CommTimeoutError(
+            f"rank {me}: timed out after {timeout:g}s in {what} waiting for {waited}; "
+            f"no rank could be singled out: {cause}",
+            peer=peer,
+        )
+    root = record.rank
+    origin = "this rank" if root == me else f"rank {root}"
+    seen = "" if record.reporter in (me, root) else f" (seen by rank {record.reporter})"
+    blame = f"{origin} {record.reason}{seen}"
+    if root == peer or peer is None:
+        detail = f"rank {me}: {what} failed: {blame}"
+    else:
+        detail = f"rank {me}: {what} failed waiting for rank {peer}, because {blame}"
+    detail += f" [{cause}]" if cause else ""
+    cls = CommTimeoutError if record.kind == "timeout" else PeerFailedError
+    return cls(detail, peer=root)
+
+
+def agent_store() -> bool:
+    """True under torchrun's agent store (the store does not live in rank 0)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def store_client(store: Any, timeout: float) -> Callable[[], Any] | None:
+    """A function opening a new client of the TCP store under ``store`` (unwrapping
+    prefix stores), or reusing ``store`` when it is of another kind."""
+    import datetime
+
+    import torch.distributed as dist
+
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if isinstance(inner, dist.TCPStore):
+        host, port = inner.host, inner.port
+        td = datetime.timedelta(seconds=timeout)
+
+        def connect() -> Any:
+            return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=td)
+
+        return connect
+    return lambda: store

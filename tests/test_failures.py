@@ -1,0 +1,240 @@
+"""Failure semantics users can rely on (issue 18): errors keep their type through the
+DDP hook and DistributedOptimizer, name the rank that actually failed, and misuse
+(mismatched settings, skipped calls, no process group, NaN with a quantizer) fails
+on every rank at once.
+
+The spawned-gloo cases run one or two fault runs each; ``sparcml bench-faults``
+runs the 10-run statistics (see docs/failures.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import failure_workers as fw
+import sparcml
+from sparcml import SparseStream, sparse_allreduce
+from sparcml.bench.faults import run_fault
+from sparcml.comm import run_ranks
+from sparcml.errors import CommError, CommTimeoutError, RankMismatchError
+from sparcml.launch import run_processes
+from sparcml.torch import SparcmlState
+from sparcml.torch.reduce import Bucket, reduce_bucket
+
+DOCUMENTED = {"PeerFailedError", "CommTimeoutError"}
+
+
+# --------------------------------------------------------------- in-process / no ranks
+def test_comm_errors_are_torch_dist_errors() -> None:
+    import torch.distributed as dist
+
+    e = CommTimeoutError("x", peer=3)
+    assert isinstance(e, dist.DistError) and isinstance(e, TimeoutError)
+    assert isinstance(e, CommError) and isinstance(e, RuntimeError) and e.peer == 3
+
+
+@pytest.mark.parametrize("var", ["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+def test_entry_points_refuse_a_silent_world_of_one(
+    monkeypatch: pytest.MonkeyPatch, var: str
+) -> None:
+    monkeypatch.setenv(var, "2")
+    s = SparseStream.dense(torch.ones(4))
+    with pytest.raises(RuntimeError, match=f"started 2 ranks \\({var}=2\\)"):
+        sparse_allreduce(s)
+    with pytest.raises(RuntimeError, match="no communicator connects them"):
+        sparcml.topk_sgd_step(torch.ones(4), "w", sparcml.ErrorFeedback(), k=1)
+    with pytest.raises(RuntimeError, match="no communicator connects them"):
+        SparcmlState("topk")
+    monkeypatch.setenv(var, "1")
+    assert sparse_allreduce(s).to_dense().tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize(
+    ("method", "algorithm", "match"),
+    [
+        ("topk", "oktopk", "Ok-Topk is a method of its own"),
+        ("topk", "gaussiank", "cannot run method 'topk'"),
+        ("topk+qsgd", "dense", "cannot run method 'topk\\+qsgd'"),
+        ("nonzeros", "gtopk", "cannot run method 'nonzeros'"),
+        ("qsgd", "topka", "does not apply to method 'qsgd'"),
+        ("oktopk", "ssar_split_allgather", "does not apply"),
+        ("topk", "ring", "unknown sparse allreduce algorithm"),
+    ],
+)
+def test_unworkable_method_algorithm_pairs_fail_at_construction(
+    method: str, algorithm: str, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        SparcmlState(method, algorithm=algorithm)
+    assert "valid choices" in str(info.value) or "leave algorithm='auto'" in str(info.value)
+
+
+def test_workable_pairs_are_accepted() -> None:
+    for method, algorithm in [("topk", "gtopk"), ("topk+qsgd", "topka"), ("nonzeros", "dense")]:
+        SparcmlState(method, algorithm=algorithm)
+
+
+NAN_METHODS = [
+    "dense", "nonzeros", "topk", "randomk", "topk+qsgd", "topk+natural", "oktopk",
+    "redsync", "qsgd", "natural", "natural_dithering", "dithering",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("method", NAN_METHODS)
+def test_nan_policy_is_the_same_for_every_method(method: str) -> None:
+    """propagate: the dense average (NaN/Inf where dense has them) on every rank, residuals
+    untouched; raise: the same FloatingPointError on every rank."""
+    n = 40
+
+    def fn(comm, policy):  # type: ignore[no-untyped-def]
+        state = SparcmlState(method, density=0.25, comm=comm, nan_policy=policy,
+                             redsync_min_bytes=0)  # fmt: skip
+        g = torch.arange(n, dtype=torch.float32) + comm.rank
+        if comm.rank == 1:
+            g[7] = float("nan")
+        if comm.rank == 2:
+            g[9] = float("inf")
+        try:
+            out = reduce_bucket(state, Bucket(("a", "b"), (20, 20), g, 0))
+        except FloatingPointError as e:
+            return str(e)
+        return out, {k: v.clone() for k, v in state.residuals.items()}
+
+    for got, residuals in run_ranks(3, fn, "propagate"):
+        assert torch.isnan(got[7]) and got[9] == float("inf")
+        ref = (3 * torch.arange(n, dtype=torch.float32) + 3) / 3
+        keep = [i for i in range(n) if i not in (7, 9)]
+        assert torch.allclose(got[keep], ref[keep])
+        assert all(bool(torch.isfinite(r).all()) for r in residuals.values())
+    msgs = run_ranks(3, fn, "raise")
+    assert all(isinstance(m, str) and "rank(s) [1, 2]" in m for m in msgs), msgs
+
+
+def test_nan_with_a_quantizer_fails_on_every_rank_at_once() -> None:
+    out = run_ranks(3, fw.quantizer_nan)
+    for o in out:
+        assert o["type"] == "NonFiniteError" and "rank(s) [2]" in o["message"], o
+        assert o["seconds"] < 5
+
+
+def test_a_call_number_mismatch_fails_on_every_rank() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 1:
+            comm.next_sequence()  # a call the others did not make
+        try:
+            sparse_allreduce(SparseStream.dense(torch.ones(4)), comm)
+        except RankMismatchError as e:
+            return str(e)
+        return None
+
+    for m in run_ranks(3, fn):
+        assert m is not None and "rank 1: call number 2" in m and "rank 0: call number 1" in m
+
+
+def test_settings_mismatch_names_ranks_and_settings_in_process() -> None:
+    from sparcml.torch.hook import check_settings
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        method = "oktopk" if comm.rank == 1 else "topk"
+        state = SparcmlState(method, density=0.1 if comm.rank == 2 else 0.01, comm=comm)
+        try:
+            check_settings(state)
+        except RankMismatchError as e:
+            return str(e)
+        return None
+
+    for m in run_ranks(3, fn):
+        assert m is not None and "ranks [1, 2]" in m
+        assert "method (rank 0: 'topk', rank 1: 'oktopk')" in m
+        assert "density (rank 0: 0.01, rank 2: 0.1)" in m
+
+
+# --------------------------------------------------------------- spawned gloo ranks
+@pytest.mark.spawn
+def test_hook_errors_keep_their_type_through_ddp() -> None:
+    out = run_processes(2, fw.ddp_nan, "topk", "raise", timeout=20)
+    for o in out:
+        assert o["steps"] == 2, o
+        (err,) = o["errors"]
+        assert err["type"] == "FloatingPointError" and "rank(s) [1]" in err["message"], err
+    # propagate: no error, the step's gradient is non-finite on every rank like dense DDP
+    out = run_processes(2, fw.ddp_nan, "qsgd", "propagate", timeout=20)
+    for o in out:
+        assert o["steps"] == 3 and "errors" not in o, o
+        assert not bool(torch.isfinite(o["grads"][1]).all())
+        assert bool(torch.isfinite(o["grads"][2]).all())
+
+
+@pytest.mark.spawn
+def test_ranks_configured_differently_fail_registration_on_every_rank() -> None:
+    hyper = [
+        {"method": "topk", "density": 0.01},
+        {"method": "oktopk", "density": 0.01},
+        {"method": "topk", "density": 0.05},
+    ]
+    out = run_processes(3, fw.register_mismatch, hyper, timeout=20)
+    for o in out:
+        assert o["type"] == "RankMismatchError", o
+        assert "ranks [1, 2]" in o["message"] and "'oktopk'" in o["message"]
+        assert "density (rank 0: 0.01, rank 2: 0.05)" in o["message"]
+        assert o["seconds"] < 10
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("use_call_id", [True, False])
+def test_a_rank_that_skips_a_step_fails_on_every_rank(use_call_id: bool) -> None:
+    out = run_processes(3, fw.skip_a_step, use_call_id, timeout=20)
+    if use_call_id:
+        for o in out:
+            err = o[-1]
+            assert isinstance(err, dict) and err["type"] == "RankMismatchError", o
+            assert "rank 1: call_id 2" in err["message"] and "rank 0: call_id 1" in err["message"]
+    else:
+        # the call counts agree (a skip plus an extra call): only call_id can tell
+        assert all(len(o) == 3 for o in out)
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("algorithm", ["dense", "ddp-dense"])
+def test_dense_collective_timeouts_name_the_absent_rank(algorithm: str) -> None:
+    out = run_processes(3, fw.dense_timeout, 2, algorithm, timeout=3, deadline=60, only=[0, 1])
+    for o in out[:2]:
+        assert o["type"] == "CommTimeoutError" and o["peer"] == 2, o
+
+
+@pytest.mark.spawn
+def test_a_rank_whose_code_raises_is_named_with_its_error() -> None:
+    out = run_processes(4, fw.raises_inside_collective, 3, timeout=4, deadline=60, only=[0, 1, 2])
+    for o in out[:3]:
+        assert o["type"] in DOCUMENTED and o["peer"] == 3, o
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize(
+    ("scenario", "mode", "world", "seed"),
+    [
+        ("collective", "kill", 4, 0),
+        ("collective", "stop", 4, 2),
+        ("ddp", "kill", 3, 1),
+        ("ddp", "stop", 3, 3),
+        ("optimizer", "kill", 3, 4),
+    ],
+)
+def test_survivors_name_the_rank_that_failed(
+    scenario: str, mode: str, world: int, seed: int
+) -> None:
+    r = run_fault(scenario, mode, world, seed, timeout=3.0)
+    assert not r.hang, r
+    for rank, o in r.survivors.items():
+        assert o["type"] in DOCUMENTED and o["peer"] == r.victim, (rank, r.victim, o)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("scenario", ["collective", "ddp", "optimizer"])
+@pytest.mark.parametrize("mode", ["kill", "stop"])
+def test_fault_statistics(scenario: str, mode: str) -> None:
+    """Opt-in (``-m faults``): 10 runs each at P = 3 and 4; every survivor right, 0 hangs."""
+    results = [run_fault(scenario, mode, 3 + seed % 2, seed, timeout=3.0) for seed in range(10)]
+    assert not any(r.hang for r in results)
+    assert all(r.all_right for r in results), [r for r in results if not r.all_right]
