@@ -15,10 +15,10 @@ import torch
 from sparcml.bench.allreduce import gradient_like
 from sparcml.cli import main
 from sparcml.collectives.registry import get_algorithm
-from sparcml.comm.sim import charge, simulate_ranks
+from sparcml.comm.sim import simulate_ranks
 from sparcml.costmodel import CostModel
 from sparcml.errors import CommTimeoutError
-from sparcml.simulate import SimConfig, run_simulation
+from sparcml.simulate import SimConfig, charge, run_simulation
 from sparcml.stream import SparseStream
 from sparcml.wire import encode, pack
 

@@ -45,9 +45,10 @@ from .bench.allreduce import gradient_like, machine_info
 from .collectives.codec import EXACT
 from .collectives.oktopk import OkTopkState
 from .collectives.registry import algorithm_info, algorithms, predict
-from .comm.sim import SimCommunicator, simulate_ranks
+from .comm.sim import Charge, SimCommunicator, bytes_charge, simulate_ranks
 from .costmodel import CostModel, expected_fill_in
-from .stream import SparseStream
+from .stream import SparseStream, index_bytes
+from .wire import HEADER_BYTES, peek, peek_bundle
 
 __all__ = [
     "SimConfig",
@@ -134,6 +135,50 @@ class SimConfig:
         ):
             s *= 2
         return s
+
+
+def charge(buf: torch.Tensor, scale: int = 1) -> Charge:
+    """What a point-to-point payload costs at full scale (data scaled down ``s`` times).
+
+    Sparse-stream messages and bundles of them are read with the wire module's
+    own header parser (:func:`sparcml.wire.peek`): ``nnz`` and dense lengths are
+    multiplied by ``s`` and indices charged at the width the full dimension
+    needs. Anything else (Ok-Topk's fixed-width records, quantized payloads) is
+    charged ``s`` times its length (:func:`~sparcml.comm.sim.bytes_charge`).
+
+    Example:
+        >>> from sparcml.wire import encode
+        >>> s = SparseStream(torch.tensor([1, 5]), torch.tensor([1.0, 2.0]), 65536)
+        >>> charge(encode(s), scale=4)  # 8 pairs of a 262144-vector: 4-byte indices
+        Charge(nbytes=88, elements=8, dense=False)
+    """
+    if buf.numel() == 0:
+        return Charge(0, 0, False)
+    got = _stream_charge(buf, 0, scale)
+    if got is not None:
+        return got
+    entries = peek_bundle(buf)
+    if entries is None:
+        return bytes_charge(buf, scale)
+    nbytes, elements = float(entries[0][0] if entries else buf.numel()), 0.0
+    for offset, length in entries:
+        entry = _stream_charge(buf, offset, scale)
+        if entry is None:
+            nbytes += length * scale
+        else:
+            nbytes += entry.nbytes
+            elements += entry.elements
+    return Charge(nbytes, elements, False)
+
+
+def _stream_charge(buf: torch.Tensor, offset: int, scale: int) -> Charge | None:
+    h = peek(buf, offset)
+    if h is None:
+        return None
+    if h.dense:
+        return Charge(HEADER_BYTES + h.size * scale * h.value_bytes, h.size * scale, True)
+    full_c = index_bytes(h.size * scale)
+    return Charge(HEADER_BYTES + h.nnz * scale * (full_c + h.value_bytes), h.nnz * scale, False)
 
 
 def model_time(model: CostModel, algorithm: str, p: int, n: int, k: int, isize: int = 4) -> float:
@@ -225,7 +270,7 @@ def run_simulation(cfg: SimConfig) -> list[dict[str, Any]]:
             mode: dict[str, Any] = {"compute": cfg.compute, "cpu_share": cfg.cpu_share(p)}
             rank_fn = _accumulator_rank if info.input == "accumulator" else _sparse_rank
             res = simulate_ranks(
-                p, rank_fn, cfg, algorithm, n, model=model, scale=s, size=n, **mode
+                p, rank_fn, cfg, algorithm, n, model=model, scale=s, size=n, charge=charge, **mode
             )
             digests = [r[:3] for r in res.results]
             identical = all(d == digests[0] for d in digests)

@@ -28,6 +28,7 @@ count, then per entry its owner rank and byte length, then the payloads.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Sequence
 
@@ -37,7 +38,18 @@ from .errors import WireFormatError
 from .reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from .stream import SparseStream, index_bytes
 
-__all__ = ["HEADER_BYTES", "check_indices", "decode", "encode", "encoded_nbytes", "pack", "unpack"]
+__all__ = [
+    "HEADER_BYTES",
+    "StreamHeader",
+    "check_indices",
+    "decode",
+    "encode",
+    "encoded_nbytes",
+    "pack",
+    "peek",
+    "peek_bundle",
+    "unpack",
+]
 
 MAGIC = b"SpS"
 VERSION = 1
@@ -194,6 +206,64 @@ def check_indices(indices: torch.Tensor, size: int, what: str = "message") -> No
         raise WireFormatError(f"negative index {int(indices[0])} in {what}")
     if int(indices[-1]) >= size:
         raise WireFormatError(f"index {int(indices[-1])} in {what} out of range for size {size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamHeader:
+    """What an encoded stream's header says (from :func:`peek`, unchecked)."""
+
+    size: int
+    nnz: int
+    index_bytes: int
+    value_bytes: int
+    dense: bool
+
+    @property
+    def nbytes(self) -> int:
+        """The encoded stream's length in bytes, header included."""
+        body = (
+            self.size * self.value_bytes
+            if self.dense
+            else self.nnz * (self.index_bytes + self.value_bytes)
+        )
+        return HEADER_BYTES + body
+
+
+def peek(buf: torch.Tensor, offset: int = 0) -> StreamHeader | None:
+    """The header of an encoded stream at ``buf[offset:]``, or None if there is none.
+
+    Lenient (magic and dtype code only, nothing else checked): for tools that
+    account for messages, such as the simulator's charge of full-scale bytes.
+    Use :func:`decode` to read a stream.
+    """
+    if buf.numel() - offset < HEADER_BYTES:
+        return None
+    magic, _v, flags, c, code, _r, size, nnz = _HEADER.unpack(
+        bytes(buf[offset : offset + HEADER_BYTES].tolist())
+    )
+    if magic != MAGIC or code not in _CODE_DTYPES:
+        return None
+    isize = torch.empty((), dtype=_CODE_DTYPES[code]).element_size()
+    return StreamHeader(size, nnz, c, isize, bool(flags & 1))
+
+
+def peek_bundle(buf: torch.Tensor) -> list[tuple[int, int]] | None:
+    """``(offset, length)`` of each entry of a :func:`pack` bundle, or None if ``buf`` is
+    not one (lenient, like :func:`peek`); the table's own bytes end at the first offset."""
+    n0 = _BUNDLE_HEADER.size
+    if buf.numel() < n0:
+        return None
+    magic, _v, count = _BUNDLE_HEADER.unpack(bytes(buf[:n0].tolist()))
+    table_end = n0 + count * _BUNDLE_ENTRY.size
+    if magic != _BUNDLE_MAGIC or buf.numel() < table_end:
+        return None
+    table = bytes(buf[n0:table_end].tolist())
+    out, offset = [], table_end
+    for i in range(count):
+        _owner, length = _BUNDLE_ENTRY.unpack_from(table, i * _BUNDLE_ENTRY.size)
+        out.append((offset, length))
+        offset += length
+    return out
 
 
 def pack(entries: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:

@@ -29,10 +29,11 @@ rendezvous keeps the simulation at ``O(P)`` Python work per collective instead o
 
 **Scaled data** (memory-light, for thousands of ranks): the ranks hold vectors of
 ``N / s`` with ``k / s`` pairs; the transport charges what the full-size message
-would cost. Sparse-stream messages (:mod:`sparcml.wire`) are parsed: ``nnz``
-and dense lengths are multiplied by ``s`` and indices are charged at the width
-the full dimension needs. Other point-to-point payloads (Ok-Topk's fixed-width
-records) are charged ``s`` times their length, unless sent inside
+would cost, through a ``charge`` function the caller passes (this module knows
+nothing of what payloads hold; :func:`sparcml.simulate.charge` reads the wire
+format: ``nnz`` and dense lengths multiplied by ``s``, indices at the width the
+full dimension needs). By default payloads are charged ``s`` times their
+length (:func:`bytes_charge`), unless sent inside
 :meth:`~sparcml.comm.base.Communicator.control` (metadata such as
 ``sparse_allreduce``'s consistency check). A dense-collective payload of at
 least ``N / (s P)`` elements (a partition of the vector or more) is data and
@@ -57,7 +58,6 @@ import dataclasses
 import gc
 import math
 import queue
-import struct
 import threading
 import time
 from collections import defaultdict
@@ -68,18 +68,21 @@ import torch
 
 from ..costmodel import CostModel
 from ..errors import CommTimeoutError, RankAbortedError
-from ..stream import index_bytes
 from .base import _REDUCERS, Communicator, Handle, _check_payload
 from .local import wait_for_message
 
-__all__ = ["SimCommunicator", "SimResult", "SimWorld", "charge", "simulate_ranks"]
+__all__ = [
+    "Charge",
+    "ChargeFn",
+    "SimCommunicator",
+    "SimResult",
+    "SimWorld",
+    "bytes_charge",
+    "simulate_ranks",
+]
 
 T = TypeVar("T")
 
-_HEADER = struct.Struct("<3sBBBBBQQ")
-_BUNDLE_HEADER = struct.Struct("<3sBI")
-_BUNDLE_ENTRY = struct.Struct("<iQ")
-_ISIZE = {1: 4, 2: 2, 3: 2, 4: 8}
 _POLL_S = 0.5
 
 
@@ -92,57 +95,20 @@ class Charge:
     dense: bool
 
 
-def _stream_charge(buf: torch.Tensor, offset: int, scale: int) -> tuple[Charge, int] | None:
-    """Charge of the sparse stream encoded at ``buf[offset:]``; None if it is not one."""
-    if buf.numel() - offset < _HEADER.size:
-        return None
-    magic, _v, flags, c, code, _r, size, nnz = _HEADER.unpack(
-        bytes(buf[offset : offset + _HEADER.size].tolist())
-    )
-    if magic != b"SpS" or code not in _ISIZE:
-        return None
-    isize = _ISIZE[code]
-    if flags & 1:
-        length = _HEADER.size + size * isize
-        return Charge(_HEADER.size + size * scale * isize, size * scale, True), length
-    length = _HEADER.size + nnz * (c + isize)
-    full_c = index_bytes(size * scale)
-    return Charge(_HEADER.size + nnz * scale * (full_c + isize), nnz * scale, False), length
+ChargeFn = Callable[[torch.Tensor, int], Charge]
 
 
-def charge(buf: torch.Tensor, scale: int = 1) -> Charge:
-    """The full-scale cost of a point-to-point payload (see the module docstring).
+def bytes_charge(buf: torch.Tensor, scale: int = 1) -> Charge:
+    """The default charge: ``scale`` times the payload's bytes, one element per 8 bytes.
+
+    The transport knows nothing of what payloads hold; a caller that does (the
+    simulator, which knows the wire format) passes its own ``charge`` function.
 
     Example:
-        >>> from sparcml.stream import SparseStream
-        >>> from sparcml.wire import encode
-        >>> s = SparseStream(torch.tensor([1, 5]), torch.tensor([1.0, 2.0]), 65536)
-        >>> charge(encode(s), scale=4)  # 8 pairs of a 262144-vector: 4-byte indices
-        Charge(nbytes=88, elements=8, dense=False)
+        >>> bytes_charge(torch.zeros(16, dtype=torch.uint8), scale=4)
+        Charge(nbytes=64, elements=8.0, dense=False)
     """
     n = buf.numel()
-    if n == 0:
-        return Charge(0, 0, False)
-    got = _stream_charge(buf, 0, scale)
-    if got is not None:
-        return got[0]
-    if n >= _BUNDLE_HEADER.size:
-        magic, _v, count = _BUNDLE_HEADER.unpack(bytes(buf[: _BUNDLE_HEADER.size].tolist()))
-        table_end = _BUNDLE_HEADER.size + count * _BUNDLE_ENTRY.size
-        if magic == b"SpB" and n >= table_end:
-            table = bytes(buf[_BUNDLE_HEADER.size : table_end].tolist())
-            nbytes, elements, offset = float(table_end), 0.0, table_end
-            for i in range(count):
-                _owner, length = _BUNDLE_ENTRY.unpack_from(table, i * _BUNDLE_ENTRY.size)
-                entry = _stream_charge(buf, offset, scale)
-                if entry is None:
-                    nbytes += length * scale
-                else:
-                    nbytes += entry[0].nbytes
-                    elements += entry[0].elements
-                offset += length
-            return Charge(nbytes, elements, False)
-    # fixed-width (index, value) records, e.g. Ok-Topk's balanced allgather
     return Charge(n * scale, n * scale / 8, False)
 
 
@@ -157,6 +123,7 @@ class SimWorld:
         size: int | None = None,
         compute: str = "model",
         cpu_share: float = 1.0,
+        charge: ChargeFn = bytes_charge,
     ) -> None:
         if scale < 1:
             raise ValueError(f"scale must be a positive integer, got {scale}")
@@ -172,6 +139,7 @@ class SimWorld:
         self.cpu_share = float(cpu_share)
         self.gamma_scale = 0.0 if self.measure else 1.0
         self.world_size = world_size
+        self.charge = charge
         self.model = model
         self.scale = int(scale)
         # elements of the scaled vector; dense-collective payloads of at least
@@ -333,7 +301,7 @@ class SimCommunicator(Communicator):
         if self.world.aborted.is_set():
             raise RankAbortedError(f"rank {self.rank}: aborted because another rank failed")
         self._charge_compute()
-        c = charge(buf, 1 if self._control else self.world.scale)
+        c = self.world.charge(buf, 1 if self._control else self.world.scale)
         wire = self._beta(c) * c.nbytes
         start = max(self.clock, self.tx_free)
         self.tx_free = start + wire
@@ -450,12 +418,12 @@ class SimCommunicator(Communicator):
         p, m = self.world_size, self.world.model
         if p == 1:
             return [buf]
-        mine = charge(buf, self.world.scale)
+        mine = self.world.charge(buf, self.world.scale)
         self.charged_bytes += (p - 1) * mine.nbytes  # each block crosses P-1 links
         self.messages += p - 1
 
         def finish(start: float, bufs: list[torch.Tensor]) -> list[tuple[float, Any]]:
-            charges = [charge(b, self.world.scale) for b in bufs]
+            charges = [self.world.charge(b, self.world.scale) for b in bufs]
             total_bytes = sum(c.nbytes * self._beta(c) for c in charges)
             out = list(bufs)
             return [
@@ -508,7 +476,10 @@ class SimCommunicator(Communicator):
         if p == 1:
             return mine
         scale, m = (1 if self._control else self.world.scale), self.world.model
-        charges = [charge(t, scale) if j != me else Charge(0, 0, False) for j, t in enumerate(mine)]
+        charges = [
+            self.world.charge(t, scale) if j != me else Charge(0, 0, False)
+            for j, t in enumerate(mine)
+        ]
         self.charged_bytes += sum(c.nbytes for c in charges)
         self.messages += p - 1
         contribution = (
@@ -567,6 +538,7 @@ def simulate_ranks(
     stack_kib: int = 1024,
     compute: str = "model",
     cpu_share: float = 1.0,
+    charge: ChargeFn = bytes_charge,
 ) -> SimResult:
     """Run ``fn(comm, *args)`` on ``world_size`` simulated ranks under ``model``.
 
@@ -583,6 +555,8 @@ def simulate_ranks(
         compute: ``"model"`` charges ``gamma`` per received element; ``"measured"``
             times each rank's local work between communication calls instead.
         cpu_share: with measured compute, its multiplier (ranks sharing one core).
+        charge: what a point-to-point payload costs at full scale (default
+            :func:`bytes_charge`; the simulator passes one that reads the wire format).
 
     Raises:
         The first exception of any rank (annotated with the rank), as ``run_ranks``.
@@ -603,6 +577,7 @@ def simulate_ranks(
         size,
         compute=compute,
         cpu_share=cpu_share,
+        charge=charge,
     )
     comms = [SimCommunicator(world, r, timeout) for r in range(world_size)]
     results: list[Any] = [None] * world_size
