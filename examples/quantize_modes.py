@@ -29,9 +29,7 @@ def error_of_mean(x: torch.Tensor, world: int, alg: str, q: str, mode: str, tria
             for _ in range(t):
                 comm.next_sequence()
             s = SparseStream.dense(x.clone())
-            out = sparse_allreduce(
-                s, comm, algorithm=alg, quantizer=compress.get(q), quantize=mode
-            )
+            out = sparse_allreduce(s, comm, algorithm=alg, quantizer=compress.get(q), quantize=mode)
             return out.to_dense()
 
         total += float(((run_ranks(world, fn)[0] / world - x) ** 2).sum())

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from sparcml.calibrate import fit_alpha_beta, fit_line, measure, to_model
-from sparcml.cli import main
 from sparcml.comm import run_ranks
 from sparcml.costmodel import CostModel
+from sparcml.tools.calibrate import fit_alpha_beta, fit_line, measure, to_model
+from sparcml.tools.cli import main
 
 
 def test_fit_line_recovers_alpha_and_beta() -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sparcml import algorithms
-from sparcml.cli import main
+from sparcml.tools.cli import main
 
 
 @pytest.mark.spawn

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sparcml.cli import main
+from sparcml.tools.cli import main
 
 
 def _can_make_namespaces() -> bool:

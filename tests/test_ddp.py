@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_workers
-from sparcml.launch import run_processes
+from sparcml.comm.launch import run_processes
 
 pytestmark = pytest.mark.spawn
 STEPS = 6

@@ -15,10 +15,10 @@ import torch
 import failure_workers as fw
 import sparcml
 from sparcml import SparseStream, sparse_allreduce
-from sparcml.bench.faults import run_fault
 from sparcml.comm import run_ranks
+from sparcml.comm.launch import run_processes
 from sparcml.errors import CommError, CommTimeoutError, RankMismatchError
-from sparcml.launch import run_processes
+from sparcml.tools.bench.faults import run_fault
 from sparcml.torch import SparcmlState
 from sparcml.torch.reduce import Bucket, reduce_bucket
 

@@ -8,7 +8,7 @@ import torch
 import gloo_workers
 from inputs import dense_reference
 from sparcml import algorithms
-from sparcml.launch import run_processes
+from sparcml.comm.launch import run_processes
 from sparcml.wire import decode
 
 pytestmark = pytest.mark.spawn
@@ -94,7 +94,7 @@ def test_topk_family_over_gloo(world: int) -> None:
 
 
 def test_launcher_reports_the_failing_rank_with_its_traceback() -> None:
-    from sparcml.launch import ProcessFailedError
+    from sparcml.comm.launch import ProcessFailedError
 
     with pytest.raises(ProcessFailedError, match="rank 1 raised KeyError") as info:
         run_processes(2, gloo_workers.raises_on_rank_one, timeout=20, deadline=60)

@@ -247,7 +247,7 @@ def test_bench_ina_runs_under_torchrun() -> None:
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "-m",
-           "sparcml.cli", "bench-ina", "--env", "-N", "8K", "--repeats", "1"]  # fmt: skip
+           "sparcml.tools.cli", "bench-ina", "--env", "-N", "8K", "--repeats", "1"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2 workers + 1 aggregator host" in done.stdout

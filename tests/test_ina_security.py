@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparcml.comm import run_ranks
+from sparcml.comm.launch import run_processes
 from sparcml.errors import CommTimeoutError
 from sparcml.ina import (
     AggregatorServer,
@@ -43,7 +44,6 @@ from sparcml.ina.packet import (
     verify,
 )
 from sparcml.ina.worker import _result
-from sparcml.launch import run_processes
 from sparcml.torch import Bucket, SparcmlState, reduce_bucket
 
 SINK = ("127.0.0.1", 9)  # results of handle()-driven scenarios go nowhere

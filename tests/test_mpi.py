@@ -21,7 +21,7 @@ import torch
 
 import train_workers
 from sparcml.comm import mpi_available
-from sparcml.launch import run_processes
+from sparcml.comm.launch import run_processes
 
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 pytestmark = [

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparcml.cli import main
-from sparcml.recipes import data
-from sparcml.recipes.newsgroups import FEATURES, _Bags, _hash_docs
-from sparcml.recipes.train import format_table, write_report
+from sparcml.tools.cli import main
+from sparcml.tools.recipes import data
+from sparcml.tools.recipes.newsgroups import FEATURES, _Bags, _hash_docs
+from sparcml.tools.recipes.train import format_table, write_report
 
 
 def _idx(path: Path, array: torch.Tensor) -> None:

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from sparcml import CostModel, SparseStream, sparse_allreduce
-from sparcml.bench.topk import topk_algorithms
 from sparcml.collectives import choose_algorithm, registry
 from sparcml.collectives.codec import EXACT, StreamCodec
 from sparcml.collectives.registry import algorithm_info, algorithms, choose, predict, register
 from sparcml.collectives.topka import topka
 from sparcml.comm import Communicator, run_ranks
-from sparcml.simulate import SimConfig, default_algorithms, run_simulation
+from sparcml.tools.bench.topk import topk_algorithms
+from sparcml.tools.simulate import SimConfig, default_algorithms, run_simulation
 
 
 def test_every_registration_carries_its_facts() -> None:

@@ -12,14 +12,14 @@ import math
 import pytest
 import torch
 
-from sparcml.bench.allreduce import gradient_like
-from sparcml.cli import main
 from sparcml.collectives.registry import get_algorithm
 from sparcml.comm.sim import simulate_ranks
 from sparcml.costmodel import CostModel
 from sparcml.errors import CommTimeoutError
-from sparcml.simulate import SimConfig, charge, run_simulation
 from sparcml.stream import SparseStream
+from sparcml.tools.bench.allreduce import gradient_like
+from sparcml.tools.cli import main
+from sparcml.tools.simulate import SimConfig, charge, run_simulation
 from sparcml.wire import encode, pack
 
 pytestmark = pytest.mark.timeout(300)

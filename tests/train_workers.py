@@ -112,7 +112,7 @@ def sparse_lr_losses(comm: Any, method: str, steps: int) -> dict[str, Any]:
     """The newsgroups recipe's model (2^22 hashed features) on synthetic sparse bags."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from sparcml.recipes.newsgroups import FEATURES, LogReg
+    from sparcml.tools.recipes.newsgroups import FEATURES, LogReg
 
     model = DDP(LogReg())
     state = st.register(model, method)

@@ -25,8 +25,8 @@ from .collectives import (
     ssar_recursive_double,
     ssar_split_allgather,
 )
+from .comm.engine import Work
 from .costmodel import CostModel, expected_fill_in
-from .engine import Work
 from .errors import (
     CommError,
     CommTimeoutError,
@@ -36,10 +36,10 @@ from .errors import (
     SparcmlError,
     WireFormatError,
 )
-from .feedback import ErrorFeedback
-from .oktopk_sgd import oktopk_sgd_step
+from .sgd.feedback import ErrorFeedback
+from .sgd.oktopk_sgd import oktopk_sgd_step
+from .sgd.topk_sgd import topk_sgd_step
 from .stream import SparseStream, dense_threshold, index_bytes
-from .topk_sgd import topk_sgd_step
 
 __version__ = "0.1.0"
 

@@ -169,10 +169,17 @@ class SparseStream:
 
     # ------------------------------------------------------------------ builders
     @classmethod
-    def _trusted(cls, indices: torch.Tensor, values: torch.Tensor, size: int) -> SparseStream:
-        """Build from pairs already sorted, unique, in range and of a supported dtype.
+    def from_sorted(cls, indices: torch.Tensor, values: torch.Tensor, size: int) -> SparseStream:
+        """Build from pairs the caller guarantees: 1-D, sorted, unique, in ``[0, size)``,
+        of a supported dtype, on one device (nothing is checked: no device sync).
 
-        Internal fast path for the collectives (no device sync for validation).
+        The fast path of the collectives, selectors and decoders, which produce
+        such pairs by construction; anything else should use the constructor.
+        Turns dense past ``delta`` like the constructor does.
+
+        Example:
+            >>> SparseStream.from_sorted(torch.tensor([1, 4]), torch.tensor([2.0, 3.0]), 8).nnz
+            2
         """
         s = cls.__new__(cls)
         s._set_sparse(indices, values, size)
@@ -215,7 +222,7 @@ class SparseStream:
         idx = torch.nonzero(tensor).flatten()
         if idx.numel() > dense_threshold(size, tensor.dtype):
             return cls.dense(tensor.clone())
-        return cls._trusted(idx, tensor[idx], size)
+        return cls.from_sorted(idx, tensor[idx], size)
 
     @classmethod
     def empty(
@@ -223,7 +230,7 @@ class SparseStream:
     ) -> SparseStream:
         """A stream with no non-zero entries."""
         _check_dtype(dtype)
-        return cls._trusted(
+        return cls.from_sorted(
             torch.empty(0, dtype=torch.int64, device=device),
             torch.empty(0, dtype=dtype, device=device),
             size,
@@ -305,12 +312,14 @@ class SparseStream:
             return self
         if self._dense:
             return SparseStream.dense(self._values.to(device))
-        return SparseStream._trusted(self._indices.to(device), self._values.to(device), self._size)
+        return SparseStream.from_sorted(
+            self._indices.to(device), self._values.to(device), self._size
+        )
 
     def clone(self) -> SparseStream:
         if self._dense:
             return SparseStream.dense(self._values.clone())
-        return SparseStream._trusted(self._indices.clone(), self._values.clone(), self._size)
+        return SparseStream.from_sorted(self._indices.clone(), self._values.clone(), self._size)
 
     # ------------------------------------------------------------------ summation
     def _check_compatible(self, other: SparseStream) -> None:
@@ -353,7 +362,7 @@ class SparseStream:
         values = torch.zeros(union.numel(), dtype=self.dtype, device=self.device)
         values[inverse[: self.nnz]] = self._values
         values[inverse[self.nnz :]] += other._values
-        return SparseStream._trusted(union, values, self._size)
+        return SparseStream.from_sorted(union, values, self._size)
 
     def add_(self, other: SparseStream) -> SparseStream:
         """In-place sum; reuses this stream's storage when it is dense (dense+dense in place)."""
@@ -389,7 +398,7 @@ class SparseStream:
             indices = torch.cat([s._indices for s in streams])
             values = torch.cat([s._values for s in streams])
             indices, values = _coalesce(indices, values)
-            return SparseStream._trusted(indices, values, first._size)
+            return SparseStream.from_sorted(indices, values, first._size)
         acc = first
         for s in streams[1:]:
             acc = acc + s
@@ -425,7 +434,7 @@ class SparseStream:
             self._indices, torch.tensor(b, dtype=torch.int64, device=self.device)
         ).tolist()
         return [
-            SparseStream._trusted(
+            SparseStream.from_sorted(
                 self._indices[cuts[j] : cuts[j + 1]] - b[j],
                 self._values[cuts[j] : cuts[j + 1]],
                 b[j + 1] - b[j],
@@ -455,7 +464,7 @@ class SparseStream:
             offsets.append(offsets[-1] + p.size)
         indices = torch.cat([p._indices + off for p, off in zip(parts, offsets, strict=True)])
         values = torch.cat([p._values for p in parts])
-        return SparseStream._trusted(indices, values, size)
+        return SparseStream.from_sorted(indices, values, size)
 
     def equal(self, other: SparseStream) -> bool:
         """Bitwise equality of representation and content (NaNs compare by bits)."""

@@ -188,7 +188,7 @@ def decode(
     indices = indices_from_low_bytes(body[: nnz * c], c)
     values = bytes_as(body[nnz * c :].clone(), dtype)
     check_indices(indices, size)
-    return SparseStream._trusted(indices, values, size)
+    return SparseStream.from_sorted(indices, values, size)
 
 
 def check_indices(indices: torch.Tensor, size: int, what: str = "message") -> None:

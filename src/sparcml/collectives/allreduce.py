@@ -18,9 +18,9 @@ from typing import Any, Literal, overload
 import torch
 
 from ..comm import Communicator, resolve
+from ..comm.engine import Work
 from ..compress.base import Quantizer
 from ..costmodel import CostModel
-from ..engine import Work
 from ..errors import NonFiniteError, RankMismatchError
 from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
@@ -210,7 +210,7 @@ def sparse_allreduce(
         algorithm: a registered algorithm (``ssar_recursive_double``,
             ``ssar_split_allgather``, ``dsar_split_allgather``, ``dense``, ...) or
             ``"auto"``: the fastest under the cost model for the observed nnz.
-        async_op: return a :class:`~sparcml.engine.Work` at once; the operation runs
+        async_op: return a :class:`~sparcml.comm.engine.Work` at once; the operation runs
             on the communicator's background engine, in submission order.
         quantizer: a value quantizer (``sparcml.compress.get("qsgd", bits=4)`` or a
             name such as ``"qsgd"``) for the messages' values; see

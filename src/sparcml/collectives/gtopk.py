@@ -40,12 +40,12 @@ def keep_topk(stream: SparseStream, k: int) -> SparseStream:
             return stream
         idx = torch.topk(torch.nan_to_num(values.abs(), nan=float("inf")), k).indices
         idx = torch.sort(idx).values
-        return SparseStream._trusted(idx, values[idx], stream.size)
+        return SparseStream.from_sorted(idx, values[idx], stream.size)
     if stream.nnz <= k:
         return stream
     mag = torch.nan_to_num(stream.values.abs(), nan=float("inf"))
     pos = torch.sort(torch.topk(mag, k).indices).values
-    return SparseStream._trusted(stream.indices[pos], stream.values[pos], stream.size)
+    return SparseStream.from_sorted(stream.indices[pos], stream.values[pos], stream.size)
 
 
 def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:

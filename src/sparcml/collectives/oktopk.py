@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..comm import Communicator, resolve
-from ..compress._selection import select_above
+from ..compress.selection import select_above
 from ..compress.threshold_reuse import kth_largest
 from ..errors import RankMismatchError
 from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
@@ -198,7 +198,7 @@ def oktopk_allreduce(
     if refresh:
         state.local_threshold = kth_largest(torch.nan_to_num(x.abs(), nan=float("inf")), k)
     idx = select_above(x, state.local_threshold, strict=state.local_threshold == 0)
-    local = SparseStream._trusted(idx, x[idx], n)
+    local = SparseStream.from_sorted(idx, x[idx], n)
     # Step 2: balanced split, re-estimated every tau calls
     if state.boundaries is None or state.calls % state.tau == 0 or len(state.boundaries) != p + 1:
         state.boundaries = _balanced_boundaries(idx, n, comm, state.quantiles)
@@ -221,7 +221,7 @@ def oktopk_allreduce(
     indices, values = _balanced_allgather(kept_idx, region.values[keep], n, comm)
     state.calls += 1
     state.last_local_indices = idx[torch.isin(idx, indices)]
-    return OkTopkResult(SparseStream._trusted(indices, values, n), state.last_local_indices)
+    return OkTopkResult(SparseStream.from_sorted(indices, values, n), state.last_local_indices)
 
 
 def _balanced_allgather(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Communicator, resolve
-from ..engine import Work
+from ..comm.engine import Work
 from ..errors import WireFormatError
 from ..stream import SparseStream
 from ..wire import pack, unpack
@@ -80,7 +80,7 @@ def sparse_allgather(
         stream: this rank's contribution; sizes may differ between ranks, all
             ranks must use the same value dtype.
         comm: the communicator (default: the default process group, or a world of one).
-        async_op: return a :class:`~sparcml.engine.Work` at once and run on the
+        async_op: return a :class:`~sparcml.comm.engine.Work` at once and run on the
             communicator's background engine (in submission order).
 
     Returns:

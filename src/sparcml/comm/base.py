@@ -87,7 +87,7 @@ class Handle:
         return self._waiter is None
 
 
-def _check_payload(buf: torch.Tensor) -> torch.Tensor:
+def check_payload(buf: torch.Tensor) -> torch.Tensor:
     if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
         raise TypeError("payloads are 1-D uint8 tensors")
     return buf.contiguous()
@@ -161,7 +161,7 @@ class Communicator(abc.ABC):
     def isend(self, buf: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         """Non-blocking send of a 1-D uint8 tensor of any length to ``dst``."""
         self._check_peer(dst, "destination")
-        buf = _check_payload(buf)
+        buf = check_payload(buf)
         self.stats.bytes_sent += buf.numel()
         self.stats.messages_sent += 1
         return self._isend(buf, dst, tag)
@@ -214,7 +214,7 @@ class Communicator(abc.ABC):
         out: list[torch.Tensor] = []
         for j in range(p):
             if j == me:
-                out.append(_check_payload(parts[me]))
+                out.append(check_payload(parts[me]))
             else:
                 got = recvs[j].wait()
                 assert got is not None
@@ -231,7 +231,7 @@ class Communicator(abc.ABC):
         """
         p, me = self.world_size, self.rank
         blocks: list[torch.Tensor | None] = [None] * p
-        blocks[me] = _check_payload(buf)
+        blocks[me] = check_payload(buf)
         right, left = (me + 1) % p, (me - 1) % p
         for s in range(p - 1):
             outgoing = blocks[(me - s) % p]
@@ -266,7 +266,7 @@ class Communicator(abc.ABC):
         Args:
             op: ``"sum"``, ``"max"`` or ``"min"``.
         """
-        reducer = _REDUCERS.get(op)
+        reducer = REDUCERS.get(op)
         if reducer is None:
             raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
         p, me = self.world_size, self.rank
@@ -302,7 +302,7 @@ class Communicator(abc.ABC):
         """This communicator's background engine (created on first use)."""
         with self._engine_lock:
             if self._engine is None:
-                from ..engine import Engine
+                from .engine import Engine
 
                 self._engine = Engine(self)
             return self._engine
@@ -314,7 +314,7 @@ class Communicator(abc.ABC):
     def run_ordered(self, fn: Callable[[], Any], async_op: bool = False) -> Any:
         """Run a collective ``fn`` keeping one order with the outstanding non-blocking ones.
 
-        ``async_op`` returns a :class:`~sparcml.engine.Work`. Blocking calls run
+        ``async_op`` returns a :class:`~sparcml.comm.engine.Work`. Blocking calls run
         inline while no engine exists, else queue behind the outstanding work.
         """
         if async_op or self.has_engine:
@@ -342,7 +342,7 @@ def _sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a + b
 
 
-_REDUCERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+REDUCERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "sum": _sum,
     "max": torch.maximum,
     "min": torch.minimum,

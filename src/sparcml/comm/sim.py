@@ -30,7 +30,7 @@ rendezvous keeps the simulation at ``O(P)`` Python work per collective instead o
 **Scaled data** (memory-light, for thousands of ranks): the ranks hold vectors of
 ``N / s`` with ``k / s`` pairs; the transport charges what the full-size message
 would cost, through a ``charge`` function the caller passes (this module knows
-nothing of what payloads hold; :func:`sparcml.simulate.charge` reads the wire
+nothing of what payloads hold; :func:`sparcml.tools.simulate.charge` reads the wire
 format: ``nnz`` and dense lengths multiplied by ``s``, indices at the width the
 full dimension needs). By default payloads are charged ``s`` times their
 length (:func:`bytes_charge`), unless sent inside
@@ -68,7 +68,7 @@ import torch
 
 from ..costmodel import CostModel
 from ..errors import CommTimeoutError, RankAbortedError
-from .base import _REDUCERS, Communicator, Handle, _check_payload
+from .base import REDUCERS, Communicator, Handle, check_payload
 from .local import wait_for_message
 
 __all__ = [
@@ -375,7 +375,7 @@ class SimCommunicator(Communicator):
         library picks for small payloads such as counts and thresholds). Reduced
         once in rank order, so every rank receives the same bits.
         """
-        reducer = _REDUCERS.get(op)
+        reducer = REDUCERS.get(op)
         if reducer is None:
             raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
         flat = tensor.detach().contiguous().reshape(-1).clone()
@@ -414,7 +414,7 @@ class SimCommunicator(Communicator):
 
         (Recursive doubling's latency; every rank receives the others' bytes once.)
         """
-        buf = _check_payload(buf)
+        buf = check_payload(buf)
         p, m = self.world_size, self.world.model
         if p == 1:
             return [buf]
@@ -472,7 +472,7 @@ class SimCommunicator(Communicator):
         p, me = self.world_size, self.rank
         if len(parts) != p:
             raise ValueError(f"alltoallv needs {p} parts (one per rank), got {len(parts)}")
-        mine = [_check_payload(t) for t in parts]
+        mine = [check_payload(t) for t in parts]
         if p == 1:
             return mine
         scale, m = (1 if self._control else self.world.scale), self.world.model

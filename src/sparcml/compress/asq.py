@@ -25,8 +25,8 @@ import torch
 from ..errors import WireFormatError
 from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from ..stream import SparseStream, index_bytes
-from ._selection import KSpec
 from .base import Compressor, Context, check_input, get, make_header, read_header, register
+from .selection import KSpec
 
 __all__ = ["ASQ"]
 
@@ -74,7 +74,7 @@ class ASQ(Compressor):
         else:  # RedSync's selector on the wanted sign's magnitudes
             idx = self._select.select(signed.clamp(min=0)).indices
         mean = x[idx].double().mean().to(x.dtype)
-        return SparseStream._trusted(idx, mean.expand(idx.numel()).clone(), n)
+        return SparseStream.from_sorted(idx, mean.expand(idx.numel()).clone(), n)
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
         ctx = Context.of(tensor)

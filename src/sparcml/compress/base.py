@@ -45,6 +45,7 @@ __all__ = [
     "Selector",
     "available",
     "get",
+    "operator_class",
     "register",
 ]
 
@@ -330,7 +331,7 @@ def decode_quantized_stream(
         values = quantizer.dequantize(body[8 + used :], dtype, device)
         if values.numel() != nnz:
             raise WireFormatError(f"{what}: {values.numel()} values for {nnz} indices")
-        return SparseStream._trusted(indices, _values_of(values, dtype), n)
+        return SparseStream.from_sorted(indices, _values_of(values, dtype), n)
     c = index_bytes(n)
     if nnz < 0 or nnz > n or body.numel() < 8 + nnz * c:
         raise WireFormatError(f"{what}: malformed payload (nnz={nnz}, n={n})")
@@ -339,7 +340,7 @@ def decode_quantized_stream(
     values = quantizer.dequantize(body[8 + nnz * c :], dtype, device)
     if values.numel() != nnz:
         raise WireFormatError(f"{what}: {values.numel()} values for {nnz} indices")
-    return SparseStream._trusted(indices, _values_of(values, dtype), n)
+    return SparseStream.from_sorted(indices, _values_of(values, dtype), n)
 
 
 def _values_of(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -361,6 +362,11 @@ def register(name: str) -> Callable[[type[Compressor]], type[Compressor]]:
         return cls
 
     return deco
+
+
+def operator_class(name: str) -> type[Compressor] | None:
+    """The class registered as ``name`` (None if there is none)."""
+    return _REGISTRY.get(name)
 
 
 def available() -> dict[str, str]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..stream import SparseStream
-from ._selection import magnitude, stream_of
 from .base import Selector, check_input, register
+from .selection import magnitude, stream_of
 
 __all__ = ["BlockTopK"]
 

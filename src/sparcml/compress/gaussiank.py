@@ -19,8 +19,8 @@ import math
 import torch
 
 from ..stream import SparseStream
-from ._selection import KSpec, count_above, select_above
 from .base import Selector, check_input, register
+from .selection import KSpec, count_above, select_above
 
 __all__ = ["GaussianK"]
 
@@ -66,4 +66,4 @@ class GaussianK(Selector):
                 break
         # Step 4: select (NaN always)
         idx = select_above(centred, t)
-        return SparseStream._trusted(idx, x[idx], n)
+        return SparseStream.from_sorted(idx, x[idx], n)

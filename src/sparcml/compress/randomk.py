@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..stream import SparseStream
-from ._selection import KSpec, stream_of
 from .base import Selector, check_input, register
+from .selection import KSpec, stream_of
 
 __all__ = ["RandomK"]
 
@@ -45,5 +45,5 @@ class RandomK(Selector):
         idx = torch.randperm(n, generator=g)[:k].to(x.device)
         s = stream_of(x, idx)
         if self.scale and k:
-            return SparseStream._trusted(s.indices, s.values * (n / k), n)
+            return SparseStream.from_sorted(s.indices, s.values * (n / k), n)
         return s

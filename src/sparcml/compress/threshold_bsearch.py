@@ -36,8 +36,8 @@ import math
 import torch
 
 from ..stream import SparseStream
-from ._selection import KSpec, max_magnitude, select_above
 from .base import Selector, check_input, register
+from .selection import KSpec, max_magnitude, select_above
 
 __all__ = ["SampledThresholdBinarySearch", "ThresholdBinarySearch", "bsearch_threshold"]
 
@@ -153,7 +153,7 @@ class ThresholdBinarySearch(Selector):
             self.threshold, idx = bsearch_threshold(x, k, self.eps)
             self.searches += 1
         self.calls += 1
-        return SparseStream._trusted(idx, x[idx], x.numel())
+        return SparseStream.from_sorted(idx, x[idx], x.numel())
 
 
 @register("sampled_threshold_bsearch")

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..stream import SparseStream
-from ._selection import KSpec, magnitude, select_above
 from .base import Selector, check_input, register
+from .selection import KSpec, magnitude, select_above
 
 __all__ = ["ThresholdReuse", "kth_largest", "top_k_positions"]
 
@@ -83,4 +83,4 @@ class ThresholdReuse(Selector):
             self.refreshes += 1
             idx = top_k_positions(mag, self.threshold, k)
         self.calls += 1
-        return SparseStream._trusted(idx, x[idx], x.numel())
+        return SparseStream.from_sorted(idx, x[idx], x.numel())

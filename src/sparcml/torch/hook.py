@@ -205,7 +205,9 @@ def check_parameters(
             )
 
 
-def _named(model: torch.nn.Module | Iterable[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def named_parameters_of(
+    model: torch.nn.Module | Iterable[torch.Tensor],
+) -> list[tuple[str, torch.Tensor]]:
     if isinstance(model, torch.nn.Module):
         return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = list(model)
@@ -258,7 +260,7 @@ def register(
             "(it gets one bucket at a time); use clip_scope='bucket' with DDP, or "
             "sync_gradients / DistributedOptimizer without DDP"
         )
-    named = _named(model.module)
+    named = named_parameters_of(model.module)
     check_settings(state)
     check_parameters(state, named)
     state.param_names = {id(p): n for n, p in named}

@@ -125,7 +125,7 @@ def redsync_allgather(
         else:
             s = op.select(layer)
             if s.is_dense:
-                s = SparseStream._trusted(
+                s = SparseStream.from_sorted(
                     torch.arange(s.size, device=acc.device), s.to_dense(), s.size
                 )
             plain_idx.append(s.indices + lo)
@@ -139,7 +139,7 @@ def redsync_allgather(
     # Step 3: one message per rank.
     if plain_idx:
         idx = torch.cat(plain_idx)
-        plain = SparseStream._trusted(idx, acc[idx], n)
+        plain = SparseStream.from_sorted(idx, acc[idx], n)
     else:
         plain = SparseStream.empty(n, acc.dtype, acc.device)
     # slot 0: the exactly sent layers; slot j + 1: layer j's ASQ payload
@@ -166,4 +166,4 @@ def redsync_allgather(
                 lo, hi = offsets[slot - 1], offsets[slot]
                 ctx = Context((hi - lo,), acc.dtype, acc.device)
                 total[lo:hi] += _ASQ_DECODER.decompress(data, ctx)
-    return SparseStream._trusted(all_idx, all_val, n), total
+    return SparseStream.from_sorted(all_idx, all_val, n), total

@@ -121,7 +121,7 @@ def _oktopk(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ig
     k = min(acc.numel(), max(1, round(state.density * acc.numel())))  # as the selectors count
     result = oktopk_allreduce(acc, k, state.comm, state.oktopk_state(bucket.key))
     idx = result.local_indices
-    sent = SparseStream._trusted(idx, acc[idx], acc.numel())
+    sent = SparseStream.from_sorted(idx, acc[idx], acc.numel())
     return sent, result.stream.to_dense()
 
 

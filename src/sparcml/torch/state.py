@@ -416,11 +416,11 @@ def _check_algorithm(kind: str, method: str, algorithm: str) -> None:
 def _init_params(method: str) -> set[str]:
     import inspect
 
-    from ..compress.base import _REGISTRY
+    from ..compress.base import operator_class
 
     names: set[str] = set()
     for part in method.split("+"):
-        cls = _REGISTRY.get(part)
+        cls = operator_class(part)
         if cls is not None:
             names |= set(inspect.signature(cls.__init__).parameters)
     return names

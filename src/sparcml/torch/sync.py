@@ -25,7 +25,7 @@ import torch
 
 from ..stream import SparseStream
 from ..wire import decode, encode
-from .hook import _named, check_parameters, check_settings
+from .hook import check_parameters, check_settings, named_parameters_of
 from .reduce import Bucket, reduce_bucket
 from .state import SparcmlState
 
@@ -101,7 +101,7 @@ def sync_gradients(model: torch.nn.Module | Iterable[torch.Tensor], state: Sparc
         FloatingPointError: a NaN/Inf gradient with ``nan_policy="raise"``.
         CommTimeoutError / PeerFailedError: naming a rank that stopped answering.
     """
-    named = _named(model)
+    named = named_parameters_of(model)
     _attach(state, named)
     step = state.step
     works = []
@@ -137,7 +137,7 @@ def broadcast_parameters(
     Uses the state's communicator, so it works on every transport (MPI included).
     """
     comm = state.comm
-    named = _named(model)
+    named = named_parameters_of(model)
     if comm.world_size == 1:
         return
     flat = torch.cat([p.detach().reshape(-1) for _, p in named]) if named else torch.zeros(0)

@@ -138,7 +138,7 @@ class FaultResult:
 
 def run_fault(scenario: str, mode: str, world: int, seed: int, timeout: float = 4.0) -> FaultResult:
     """One run: a random victim fails after a random number of its messages."""
-    from ..launch import ProcessFailedError, run_processes
+    from ...comm.launch import ProcessFailedError, run_processes
 
     rng = random.Random(seed)
     victim = rng.randrange(world)

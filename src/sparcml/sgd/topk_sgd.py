@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import sparse_allreduce
-from .comm import Communicator
-from .compress import Quantizer, Selector, get
+from ..collectives import sparse_allreduce
+from ..comm import Communicator
+from ..compress import Quantizer, Selector, get
 from .feedback import ErrorFeedback
 
 __all__ = ["topk_sgd_step"]

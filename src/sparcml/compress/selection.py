@@ -49,7 +49,7 @@ def magnitude(x: torch.Tensor) -> torch.Tensor:
 def stream_of(x: torch.Tensor, idx: torch.Tensor) -> SparseStream:
     """The entries ``idx`` (any order, unique) of the flat tensor ``x``."""
     idx = torch.sort(idx).values
-    return SparseStream._trusted(idx, x[idx], x.numel())
+    return SparseStream.from_sorted(idx, x[idx], x.numel())
 
 
 def max_magnitude(x: torch.Tensor) -> float:

@@ -142,7 +142,7 @@ def _in_job(rank_main: Any, cfg: Any, title: str) -> tuple[Any, list[dict[str, A
     """
     import torch.distributed as dist
 
-    from .comm import TorchDistCommunicator
+    from ..comm import TorchDistCommunicator
 
     dist.init_process_group("gloo")
     comm = TorchDistCommunicator(timeout=cfg.timeout)
@@ -168,9 +168,9 @@ def _run(args: argparse.Namespace, title: str) -> int:
         return 2
     t0 = time.monotonic()
     if getattr(args, "env", False):  # one rank of a torchrun / sparcml cluster job
-        from .bench.allreduce import _rank_main
+        from .bench.allreduce import rank_main
 
-        cfg, got = _in_job(_rank_main, cfg, title)
+        cfg, got = _in_job(rank_main, cfg, title)
         if got is None:
             return 0
         rows = got
@@ -248,9 +248,9 @@ def _bench_topk(args: argparse.Namespace) -> int:
         return 2
     t0 = time.monotonic()
     if args.env:  # one rank of a torchrun / sparcml cluster job
-        from .bench.topk import _rank_main
+        from .bench.topk import rank_main
 
-        cfg, got = _in_job(_rank_main, cfg, "sparcml bench-topk")
+        cfg, got = _in_job(rank_main, cfg, "sparcml bench-topk")
         if got is None:
             return 0
         rows = got
@@ -294,10 +294,10 @@ def _bench_faults(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from ..torch.state import methods as known_methods
     from .recipes import RECIPES
     from .recipes.data import DataMissingError
     from .recipes.train import format_table, run_recipe, write_report
-    from .torch.state import methods as known_methods
 
     recipe = RECIPES[args.recipe]
     chosen = args.methods.split(",") if args.methods else list(recipe.methods)
@@ -373,7 +373,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.env:  # one rank of a job started by torchrun or sparcml cluster
         import torch.distributed as dist
 
-        from .comm import TorchDistCommunicator
+        from ..comm import TorchDistCommunicator
 
         dist.init_process_group("gloo")
         comm = TorchDistCommunicator()
@@ -384,7 +384,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         if rank != 0:
             return 0
     else:
-        from .launch import run_processes
+        from ..comm.launch import run_processes
 
         figures = run_processes(args.world_size, measure, args.repeats, timeout=300)[0]
     model = to_model(figures)
@@ -409,7 +409,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .costmodel import CostModel
+    from ..costmodel import CostModel
     from .simulate import (
         SimConfig,
         format_sim_table,
@@ -473,7 +473,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _ina_server(args: argparse.Namespace) -> int:
     import logging
 
-    from .ina import AggregatorServer
+    from ..ina import AggregatorServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     secret = None
@@ -519,7 +519,7 @@ def _ina_stats(args: argparse.Namespace) -> int:
     import json
     import socket
 
-    from .ina.packet import HEADER, STATS, STATS_REPLY, Packet, build, parse
+    from ..ina.packet import HEADER, STATS, STATS_REPLY, Packet, build, parse
 
     if not 64 <= args.pad <= 8192:
         print(f"sparcml ina-stats: --pad must be in 64..8192, got {args.pad}", file=sys.stderr)
@@ -859,26 +859,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "ina-fuzz":
         import logging
 
-        from .ina.fuzz import fuzz
+        from ..ina.fuzz import fuzz
 
         logging.getLogger("sparcml.ina").setLevel(logging.ERROR)
         if args.flood:
             import json
 
-            from .ina.fuzz import flood
+            from ..ina.fuzz import flood
 
             print(json.dumps(flood(seed=args.seed), indent=2))
             return 0
         print(fuzz(args.count, args.seed))
         return 0
     if args.command == "methods":
-        from .torch.state import methods
+        from ..torch.state import methods
 
         for name, text in methods().items():
             print(f"{name:<28} {text}")
         return 0
     if args.command == "algorithms":
-        from .collectives import algorithms
+        from ..collectives import algorithms
 
         exact, topk = algorithms(exact=True), algorithms(exact=False)
         print("sum of the inputs:  " + ", ".join([*exact, "auto"]))

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from .comm import Communicator
-from .costmodel import CostModel
-from .stream import SparseStream
+from ..comm import Communicator
+from ..costmodel import CostModel
+from ..stream import SparseStream
 
 __all__ = ["fit_alpha_beta", "fit_line", "measure"]
 

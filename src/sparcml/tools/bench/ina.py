@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ina import AggregatorServer, InaSession, InaStats, ina_allreduce
+from ...ina import AggregatorServer, InaSession, InaStats, ina_allreduce
 
 __all__ = ["run_ina_bench"]
 

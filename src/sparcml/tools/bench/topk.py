@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from ..collectives import OkTopkState, sparse_allreduce
-from ..collectives.registry import algorithm_info, algorithms, predict
-from ..comm import Communicator
-from ..compress.gaussiank import GaussianK
-from ..compress.topk import TopK
-from ..costmodel import CostModel
-from ..launch import run_processes
-from ..stream import SparseStream
+from ...collectives import OkTopkState, sparse_allreduce
+from ...collectives.registry import algorithm_info, algorithms, predict
+from ...comm import Communicator
+from ...comm.launch import run_processes
+from ...compress.gaussiank import GaussianK
+from ...compress.topk import TopK
+from ...costmodel import CostModel
+from ...stream import SparseStream
 
 __all__ = ["TopkBenchConfig", "run_topk_benchmark"]
 
@@ -48,7 +48,7 @@ def topk_algorithms() -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class TopkBenchConfig:
-    """What to run (attribute names shared with :class:`~sparcml.bench.BenchConfig`)."""
+    """What to run (attribute names shared with :class:`~sparcml.tools.bench.BenchConfig`)."""
 
     world_size: int = 4
     size: int = 1 << 24
@@ -85,7 +85,7 @@ def _rel_err(got: SparseStream, ref: torch.Tensor, scale: torch.Tensor) -> float
     return float((err / scale.clamp_min(1e-30)).max()) if err.numel() else 0.0
 
 
-def _rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] | None:
+def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] | None:
     n, p = cfg.size, comm.world_size
     k = max(1, round(cfg.density * n))
     g = torch.Generator().manual_seed(cfg.seed * 7919 + comm.rank)
@@ -228,7 +228,7 @@ def run_topk_benchmark(cfg: TopkBenchConfig) -> list[dict[str, Any]]:
     """Spawn ``cfg.world_size`` local gloo ranks and run the benchmark; rank 0's rows."""
     cfg.validate()
     out = run_processes(
-        cfg.world_size, _rank_main, cfg, timeout=cfg.timeout, deadline=cfg.timeout * 20
+        cfg.world_size, rank_main, cfg, timeout=cfg.timeout, deadline=cfg.timeout * 20
     )
     assert out[0] is not None
     return out[0]

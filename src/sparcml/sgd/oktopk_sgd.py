@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .collectives.oktopk import OkTopkState, oktopk_allreduce
-from .comm import Communicator, resolve
+from ..collectives.oktopk import OkTopkState, oktopk_allreduce
+from ..comm import Communicator, resolve
+from ..stream import SparseStream
 from .feedback import ErrorFeedback
-from .stream import SparseStream
 
 __all__ = ["oktopk_sgd_step"]
 
@@ -51,5 +51,5 @@ def oktopk_sgd_step(
     # Line 6: eps = acc - acc(indexes)
     flat = acc.reshape(-1)
     idx = result.local_indices
-    feedback.update(acc, SparseStream._trusted(idx, flat[idx], flat.numel()), name)
+    feedback.update(acc, SparseStream.from_sorted(idx, flat[idx], flat.numel()), name)
     return result.stream.to_dense().reshape(grad.shape)

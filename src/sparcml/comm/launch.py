@@ -60,7 +60,7 @@ def _worker(
 ) -> None:
     import torch.distributed as dist
 
-    from .comm import TorchDistCommunicator
+    from . import TorchDistCommunicator
 
     torch.set_num_threads(threads)
     try:

@@ -41,14 +41,14 @@ from typing import Any
 
 import torch
 
+from ..collectives.codec import EXACT
+from ..collectives.oktopk import OkTopkState
+from ..collectives.registry import algorithm_info, algorithms, predict
+from ..comm.sim import Charge, SimCommunicator, bytes_charge, simulate_ranks
+from ..costmodel import CostModel, expected_fill_in
+from ..stream import SparseStream, index_bytes
+from ..wire import HEADER_BYTES, peek, peek_bundle
 from .bench.allreduce import gradient_like, machine_info
-from .collectives.codec import EXACT
-from .collectives.oktopk import OkTopkState
-from .collectives.registry import algorithm_info, algorithms, predict
-from .comm.sim import Charge, SimCommunicator, bytes_charge, simulate_ranks
-from .costmodel import CostModel, expected_fill_in
-from .stream import SparseStream, index_bytes
-from .wire import HEADER_BYTES, peek, peek_bundle
 
 __all__ = [
     "SimConfig",

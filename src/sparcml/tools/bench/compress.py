@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..compress import get
+from ...compress import get
 
 __all__ = ["OPERATORS", "CompressBenchConfig", "format_compress_table", "run_compress_benchmark"]
 

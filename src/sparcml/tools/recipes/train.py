@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..launch import run_processes
+from ...comm.launch import run_processes
 
 __all__ = ["run_recipe", "train_worker", "write_report"]
 
@@ -48,10 +48,10 @@ def train_worker(
     comm: Any, recipe_name: str, method: str, hyper: dict[str, Any], epochs: int,
     seed: int, options: dict[str, Any], progress: bool,
 ) -> dict[str, Any]:  # fmt: skip
-    """One rank of one method's run (for :func:`sparcml.launch.run_processes`)."""
+    """One rank of one method's run (for :func:`sparcml.comm.launch.run_processes`)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .. import torch as st
+    from ... import torch as st
     from . import RECIPES
 
     recipe = RECIPES[recipe_name](comm.rank, comm.world_size, seed, **options)
@@ -132,7 +132,7 @@ def run_recipe(
             h["momentum"] = 0.9
         server = None
         if method == "natural_ina" and "ina_server" not in h:
-            from ..ina import AggregatorServer
+            from ...ina import AggregatorServer
 
             server = AggregatorServer().start()  # an aggregator for this run, on loopback
             h["ina_server"] = f"{server.address[0]}:{server.address[1]}"

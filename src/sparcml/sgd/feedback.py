@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .stream import SparseStream
+from ..stream import SparseStream
 
 __all__ = ["ErrorFeedback"]
 

@@ -29,7 +29,7 @@ class Recipe(abc.ABC):
 
     @classmethod
     def check_data(cls) -> None:
-        """Raise :class:`~sparcml.recipes.data.DataMissingError` if the data is absent."""
+        """Raise :class:`~sparcml.tools.recipes.data.DataMissingError` if the data is absent."""
         return None
 
     @abc.abstractmethod

@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from ..collectives import algorithms, choose_algorithm, sparse_allreduce
-from ..collectives.registry import algorithm_info, predict
-from ..comm import Communicator
-from ..costmodel import CostModel
-from ..launch import run_processes
-from ..stream import SparseStream
+from ...collectives import algorithms, choose_algorithm, sparse_allreduce
+from ...collectives.registry import algorithm_info, predict
+from ...comm import Communicator
+from ...comm.launch import run_processes
+from ...costmodel import CostModel
+from ...stream import SparseStream
 from .peers import PEERS, PeerRunner
 
 __all__ = ["BenchConfig", "Row", "format_table", "gradient_like", "run_benchmark"]
@@ -145,7 +145,7 @@ def gradient_like(
     return SparseStream(idx, vals, size)
 
 
-def _rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | None:
+def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | None:
     dtype = _DTYPES[cfg.dtype]
     names = cfg.algorithm_list()
     times: dict[str, list[float]] = {a: [] for a in names}
@@ -284,7 +284,7 @@ def run_benchmark(cfg: BenchConfig) -> list[dict[str, Any]]:
     """Spawn ``cfg.world_size`` gloo ranks on loopback and run the benchmark; rank 0's rows."""
     cfg.validate()
     out = run_processes(
-        cfg.world_size, _rank_main, cfg, timeout=cfg.timeout, deadline=cfg.timeout * 20
+        cfg.world_size, rank_main, cfg, timeout=cfg.timeout, deadline=cfg.timeout * 20
     )
     rows = out[0]
     assert rows is not None

@@ -1,0 +1,141 @@
+"""The import rules of docs/ARCHITECTURE.md, checked so that they stay true.
+
+* every import points down the layers (a package may import only the layers
+  listed for it below, and itself);
+* the library never imports ``sparcml.tools`` (the command line's package);
+* no module imports another module's private name (``_x``), or reaches into a
+  private attribute of a name it imported (``SparseStream._x``);
+* no import cycles between packages.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "sparcml"
+
+CORE = {"stream", "wire", "errors", "reinterpret", "costmodel"}
+# layer -> the layers it may import (besides itself and the core)
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "comm": set(),
+    "compress": set(),
+    "collectives": {"comm", "compress"},
+    "sgd": {"comm", "compress", "collectives"},
+    "ina": {"comm", "compress"},
+    "torch": {"comm", "compress", "collectives", "sgd", "ina"},
+    "top": {"comm", "compress", "collectives", "sgd", "ina", "torch"},  # sparcml/__init__
+    "tools": {"comm", "compress", "collectives", "sgd", "ina", "torch", "top"},
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if parts == ["sparcml"]:
+        return "top"
+    head = parts[1]
+    return "core" if head in CORE else head
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """(absolute module, imported names, line) of every import in ``path``."""
+    me = _module(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.append((mod, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            out.extend((a.name, [], node.lineno) for a in node.names)
+    return [(m, n, line) for m, n, line in out if m == "sparcml" or m.startswith("sparcml.")]
+
+
+FILES = sorted(SRC.rglob("*.py"))
+
+
+def test_every_import_points_down_the_layers() -> None:
+    bad = []
+    for path in FILES:
+        me = _module(path)
+        mine = _layer(me)
+        for mod, names, line in _imports(path):
+            targets = [mod]
+            if mod == "sparcml":  # `from sparcml import x`: a subpackage, or the top level
+                targets = [
+                    f"sparcml.{n}"
+                    if (SRC / n).is_dir() or (SRC / f"{n}.py").exists()
+                    else "sparcml"
+                    for n in names
+                ]
+            for target in targets:
+                theirs = _layer(target)
+                if theirs in (mine, "core") or theirs in ALLOWED[mine]:
+                    continue
+                bad.append(f"{me}:{line} ({mine}) imports {target} ({theirs})")
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_the_library_never_imports_the_tools() -> None:
+    bad = [
+        f"{_module(p)}:{line} imports {mod}"
+        for p in FILES
+        if _layer(_module(p)) != "tools"
+        for mod, _, line in _imports(p)
+        if _layer(mod) == "tools"
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_name_crosses_modules() -> None:
+    bad = []
+    for path in FILES:
+        me = _module(path)
+        tree = ast.parse(path.read_text())
+        imported: set[str] = set()
+        for mod, names, line in _imports(path):
+            for n in names:
+                if n.startswith("_") and not n.startswith("__"):
+                    bad.append(f"{me}:{line} imports {mod}.{n}")
+                imported.add(n)
+            if mod.rpartition(".")[2].startswith("_") and mod.rpartition(".")[0] != (
+                me if path.name == "__init__.py" else me.rpartition(".")[0]
+            ):
+                bad.append(f"{me}:{line} imports private module {mod} from another package")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in imported
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                bad.append(f"{me}:{node.lineno} uses {node.value.id}.{node.attr}")
+    assert not bad, "private names used across modules:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_no_cycles_between_packages() -> None:
+    edges: dict[str, set[str]] = {}
+    for path in FILES:
+        mine = _layer(_module(path))
+        for mod, _, _ in _imports(path):
+            theirs = _layer(mod)
+            if theirs != mine:
+                edges.setdefault(mine, set()).add(theirs)
+    for a, b in itertools.permutations(edges, 2):
+        assert not (b in edges.get(a, set()) and a in edges.get(b, set())), f"{a} <-> {b}"
