@@ -34,7 +34,6 @@ import dataclasses
 import json
 import math
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,8 @@ from ..comm.sim import Charge, SimCommunicator, bytes_charge, simulate_ranks
 from ..costmodel import CostModel, expected_fill_in
 from ..stream import SparseStream, index_bytes
 from ..wire import HEADER_BYTES, peek, peek_bundle
-from .bench.allreduce import gradient_like, machine_info
+from .bench.allreduce import gradient_like
+from .bench.harness import write_json
 
 __all__ = [
     "SimConfig",
@@ -405,19 +405,13 @@ def write_simulation(
         f"# {title}\n\nCommand: `{command}`\n\n{format_sim_table(rows, model)}\n\n"
         "![time and bytes vs P](simulate.png)\n"
     )
-    js = out / "simulate.json"
-    js.write_text(
-        json.dumps(
-            {
-                "config": dataclasses.asdict(cfg),
-                "model": dataclasses.asdict(model),
-                "machine": machine_info(),
-                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                "rows": [{k: v for k, v in r.items()} for r in rows],
-            },
-            indent=2,
-        )
-        + "\n"
+    js = write_json(
+        out / "simulate.json",
+        "simulate",
+        [dict(r) for r in rows],
+        dataclasses.asdict(cfg),
+        command=command,
+        model=dataclasses.asdict(model),
     )
     return [md, js, *plot_simulation(rows, out / "simulate.png", title)]
 

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
-import platform
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +32,10 @@ from ...comm import Communicator
 from ...comm.launch import run_processes
 from ...costmodel import CostModel
 from ...stream import SparseStream
+from .harness import Case, percentiles, time_case, write_csv, write_json
 from .peers import PEERS, PeerRunner
+
+TRANSPORT = "torch.distributed gloo, TCP loopback or the emulated cluster, one process per rank"
 
 __all__ = ["BenchConfig", "Row", "format_table", "gradient_like", "run_benchmark"]
 
@@ -195,21 +195,13 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
                 assert dense_in is not None
                 return SparseStream.dense(peer(dense_in).to(dtype))
 
-            for _ in range(cfg.warmup):
-                call()
-            for _ in range(cfg.repeats):
-                comm.barrier()
-                before = comm.stats.bytes_sent
-                t0 = time.perf_counter()
-                result = call()
-                elapsed = time.perf_counter() - t0
-                sent[name].append(
-                    comm.stats.bytes_sent - before
-                    if peer is None
-                    else round(peer.bytes_sent(cfg.size))
-                )
-                slowest = comm.allreduce(torch.tensor([elapsed], dtype=torch.float64), op="max")
-                times[name].append(float(slowest))
+            timing = time_case(comm, Case(name, call), cfg.warmup, cfg.repeats)
+            result = timing.result
+            times[name].extend(timing.times)
+            # the peers' hooks go around our communicator: their bytes by formula
+            sent[name].extend(
+                timing.sent if peer is None else [round(peer.bytes_sent(cfg.size))] * cfg.repeats
+            )
             err = (result.to_dense().to(torch.float64) - ref).abs()
             rel = float((err / scale.clamp_min(1e-30)).max()) if err.numel() else 0.0
             tol = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 4e-2}[cfg.dtype]
@@ -253,14 +245,14 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
     rows = []
     isize = torch.empty((), dtype=dtype).element_size()
     for a in names:
-        q = statistics.quantiles(times[a], n=4) if len(times[a]) > 1 else [times[a][0]] * 3
+        p25, p50, p75 = percentiles(times[a])
         rows.append(
             dataclasses.asdict(
                 Row(
                     algorithm=a,
-                    p25=q[0],
-                    p50=statistics.median(times[a]),
-                    p75=q[2],
+                    p25=p25,
+                    p50=p50,
+                    p75=p75,
                     bytes_sent=float(mean_sent[a]),
                     bytes_sent_max=int(max_sent[a]),
                     result_nnz=int(last[a]["nnz"]),
@@ -289,21 +281,6 @@ def run_benchmark(cfg: BenchConfig) -> list[dict[str, Any]]:
     rows = out[0]
     assert rows is not None
     return rows
-
-
-def machine_info() -> dict[str, Any]:
-    """The machine and software a figure was measured on."""
-    import os
-
-    return {
-        "host": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transport": "torch.distributed gloo, TCP loopback, one process per rank",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
 
 
 def check_label(row: dict[str, Any]) -> str:
@@ -355,21 +332,12 @@ def write_outputs(
     json_path: str | None = None,
     csv_path: str | None = None,
 ) -> None:
-    """Save the rows with the configuration and the machine next to them."""
+    """Save the rows with the configuration, the machine and the command next to them."""
     if json_path:
-        doc = {"config": dataclasses.asdict(cfg), "machine": machine_info(), "rows": list(rows)}
-        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(json_path, "bench", list(rows), dataclasses.asdict(cfg), transport=TRANSPORT)
     if csv_path:
-        import csv
-
-        fields = list(rows[0].keys()) if rows else []
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["world_size", "size", "density", *fields])
-            w.writeheader()
-            for r in rows:
-                w.writerow(
-                    {"world_size": cfg.world_size, "size": cfg.size, "density": cfg.density, **r}
-                )
+        fixed = {"world_size": cfg.world_size, "size": cfg.size, "density": cfg.density}
+        write_csv(csv_path, rows, fixed)
 
 
 def sweep_table(

@@ -37,6 +37,7 @@ from ...compress.gaussiank import GaussianK
 from ...compress.topk import TopK
 from ...costmodel import CostModel
 from ...stream import SparseStream
+from .harness import Case, percentiles, time_case
 
 __all__ = ["TopkBenchConfig", "run_topk_benchmark"]
 
@@ -121,17 +122,8 @@ def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] 
 
     rows: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(names, 1):
-        times, sent = [], []
-        for _ in range(cfg.warmup):
-            run(name)
-        for _ in range(cfg.repeats):
-            comm.barrier()
-            before = comm.stats.bytes_sent
-            t = time.perf_counter()
-            result = run(name)
-            elapsed = time.perf_counter() - t
-            sent.append(comm.stats.bytes_sent - before)
-            times.append(float(comm.allreduce(torch.tensor([elapsed]), op="max")))
+        timing = time_case(comm, Case(name, lambda name=name: run(name)), cfg.warmup, cfg.repeats)
+        times, sent, result = timing.times, timing.sent, timing.result
         same = _checksum(comm, result)
         if name == "dense":
             err = _rel_err(result, dense_ref, scale_all)
@@ -176,12 +168,12 @@ def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] 
             ok = same
         ok_all = bool(comm.allreduce(torch.tensor([int(ok and same)]), op="min"))
         mean_sent = float(comm.allreduce(torch.tensor([statistics.fmean(sent)]))) / p
-        q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+        p25, p50, p75 = percentiles(times)
         rows[name] = {
             "algorithm": name,
-            "p25": q[0],
-            "p50": statistics.median(times),
-            "p75": q[2],
+            "p25": p25,
+            "p50": p50,
+            "p75": p75,
             "bytes_sent": mean_sent,
             "result_nnz": result.count_nonzero(),
             "result_dense": result.is_dense,

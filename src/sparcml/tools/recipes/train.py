@@ -9,7 +9,6 @@ this rank sent and the wall time; per epoch the test figures (rank 0).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from ...comm.launch import run_processes
+from ..bench.harness import write_json
 
 __all__ = ["run_recipe", "train_worker", "write_report"]
 
@@ -217,7 +217,8 @@ def write_report(result: dict[str, Any], out: Path, command: str) -> list[Path]:
     """Write ``results.json``, ``results.md`` (table + command) and plots into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    (out / "results.json").write_text(json.dumps({**result, "command": command}, indent=1))
+    config = {k: v for k, v in result.items() if k != "runs"}
+    write_json(out / "results.json", "train", result["runs"], config, command=command, **config)
     written.append(out / "results.json")
     md = [
         f"# {result['recipe']}: {result['world']} ranks, {result['epochs']} epochs",

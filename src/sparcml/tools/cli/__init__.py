@@ -1,0 +1,46 @@
+"""The ``sparcml`` command line: one module per command family.
+
+Each family module (:mod:`.bench`, :mod:`.train`, :mod:`.simulate`,
+:mod:`.cluster`, :mod:`.ina`) registers its commands with ``add_parsers(sub)``;
+every command's parser carries its handler (``run``). Handlers import what they
+need when they run, so ``sparcml --help`` starts fast. Only the CLI prints.
+
+* ``sparcml demo`` — the main job: local ranks reduce gradient-like sparse
+  vectors with every algorithm and with a dense allreduce, check each result
+  against the dense sum and print a table.
+* ``sparcml bench``, ``bench-plot``, ``bench-topk``, ``bench-compress``,
+  ``bench-faults``, ``algorithms`` — benchmarks and listings;
+* ``sparcml train``, ``methods`` — the training recipes;
+* ``sparcml simulate`` — the simulator;
+* ``sparcml calibrate``, ``cluster`` — calibration and the emulated cluster;
+* ``sparcml ina-server``, ``bench-ina``, ``ina-fuzz``, ``ina-stats`` — in-network aggregation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import bench, cluster, ina, simulate, train
+
+__all__ = ["main"]
+
+FAMILIES = (bench, train, ina, simulate, cluster)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``sparcml`` command."""
+    parser = argparse.ArgumentParser(
+        prog="sparcml", description="Sparse and compressed gradient collectives for PyTorch."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for family in FAMILIES:
+        family.add_parsers(sub)
+    args = parser.parse_args(argv)
+    args.command_line = list(argv) if argv is not None else None
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Benchmarks: ``demo``, ``bench``, ``bench-plot``, ``algorithms``, ``bench-topk``,
+``bench-compress``, ``bench-faults``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Any
+
+from .common import add_bench_args, bench_config, fraction_arg, join_job, positive_arg, size_arg
+
+__all__ = ["add_parsers"]
+
+
+def bench_plot(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from ..bench.allreduce import crossovers, plot_sweep, sweep_table
+
+    docs = []
+    for f in args.files:
+        try:
+            docs.append(json.loads(Path(f).read_text()))
+        except (OSError, ValueError) as e:
+            print(f"sparcml bench-plot: cannot read {f}: {e}", file=sys.stderr)
+            return 2
+    key = {"P": "world_size", "density": "density"}[args.over]
+    if len({d["config"][key] for d in docs}) < 2:
+        print(f"sparcml bench-plot: the files must differ in {args.over}", file=sys.stderr)
+        return 2
+    table, best, series = sweep_table(docs, args.over)
+    print(table)
+    for line in crossovers(best) or ["no crossover: one algorithm is fastest everywhere"]:
+        print("crossover " + line if line.startswith("between") else line)
+    if args.out:
+        c = docs[0]["config"]
+        fixed = f"d={c['density']:g}" if args.over == "P" else f"P={c['world_size']}"
+        title = args.title or f"time vs {args.over}, N={c['size']:,}, {fixed}"
+        print(f"wrote {plot_sweep(series, args.over, Path(args.out), title)}")
+    return 0
+
+
+def run_bench(args: argparse.Namespace, title: str) -> int:
+    from ..bench import format_table, run_benchmark, write_outputs
+
+    cfg = bench_config(args)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        print(f"sparcml: error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    if getattr(args, "env", False):  # one rank of a torchrun / sparcml cluster job
+        from ..bench.allreduce import rank_main
+
+        cfg, got = join_job(rank_main, cfg, title)
+        if got is None:
+            return 0
+        rows = got
+    else:
+        print(
+            f"{title}: {cfg.world_size} local ranks over gloo (loopback)",
+            file=sys.stderr,
+            flush=True,
+        )
+        rows = run_benchmark(cfg)
+    print(format_table(rows, cfg), flush=True)
+    print(f"total {time.monotonic() - t0:.1f} s")
+    write_outputs(rows, cfg, getattr(args, "json", None), getattr(args, "csv", None))
+    return 0 if all(r["correct"] for r in rows) else 1
+
+
+def bench_compress(args: argparse.Namespace) -> int:
+    from ..bench.compress import (
+        CompressBenchConfig,
+        format_compress_table,
+        run_compress_benchmark,
+    )
+
+    cfg = CompressBenchConfig(
+        sizes_mb=tuple(args.sizes),
+        repeats=args.repeats,
+        device=args.device,
+        threads=args.threads,
+        progress=not args.quiet,
+    )
+    try:
+        rows = run_compress_benchmark(cfg)
+    except ValueError as e:
+        print(f"sparcml: error: {e}", file=sys.stderr)
+        return 2
+    from ..bench.compress import check_targets
+
+    print(format_compress_table(rows, cfg), flush=True)
+    if args.json:
+        from ..bench.harness import write_json
+
+        write_json(args.json, "bench-compress", rows, dataclasses.asdict(cfg))
+    missed = [what for what, _, _, met in check_targets(rows) if not met]
+    if missed:
+        print(f"sparcml bench-compress: {len(missed)} target(s) NOT met", file=sys.stderr)
+        return 1
+    return 0
+
+
+def bench_topk(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ..bench.allreduce import format_table
+    from ..bench.topk import TopkBenchConfig, run_topk_benchmark
+
+    cfg = TopkBenchConfig(
+        world_size=args.world_size,
+        size=args.size,
+        density=args.density,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        seed=args.seed,
+        timeout=args.timeout,
+        progress=not args.quiet,
+    )
+    try:
+        cfg.validate()
+    except ValueError as e:
+        print(f"sparcml: error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    if args.env:  # one rank of a torchrun / sparcml cluster job
+        from ..bench.topk import rank_main
+
+        cfg, got = join_job(rank_main, cfg, "sparcml bench-topk")
+        if got is None:
+            return 0
+        rows = got
+    else:
+        print(f"sparcml bench-topk: {cfg.world_size} local ranks over gloo (loopback)", flush=True)
+        rows = run_topk_benchmark(cfg)
+    print(format_table(rows, cfg), flush=True)  # type: ignore[arg-type]
+    print(f"total {time.monotonic() - t0:.1f} s")
+    if args.json:
+        from ..bench.harness import write_json
+
+        write_json(args.json, "bench-topk", rows, dataclasses.asdict(cfg))
+    return 0 if all(r["correct"] for r in rows) else 1
+
+
+def bench_faults(args: argparse.Namespace) -> int:
+    from ..bench.faults import run_fault
+
+    bad = 0
+    for scenario in args.scenarios.split(","):
+        for mode in args.modes.split(","):
+            right = hangs = total = 0
+            for seed in range(args.runs):
+                t0 = time.monotonic()
+                r = run_fault(scenario, mode, 3 + seed % 2, seed, timeout=args.timeout)
+                total += len(r.survivors) if not r.hang else r.world - 1
+                right += r.right if not r.hang else 0
+                hangs += r.hang
+                wrong = {k: (o.get("type"), o.get("peer")) for k, o in r.survivors.items()
+                         if not r.all_right}  # fmt: skip
+                print(f"{scenario:<10} {mode:<4} P={r.world} victim={r.victim} "
+                      f"after {r.after} msgs: {r.right}/{r.world - 1} right"
+                      + (" HANG" if r.hang else "") + (f" {wrong}" if wrong else "")
+                      + f" ({time.monotonic() - t0:.1f} s)", flush=True)  # fmt: skip
+            print(f"== {scenario} {mode}: {right}/{total} survivors named the failed rank, "
+                  f"{hangs} hangs in {args.runs} runs", flush=True)  # fmt: skip
+            bad += (total - right) + hangs
+    return 1 if bad else 0
+
+
+def list_algorithms(args: argparse.Namespace) -> int:
+    from ...collectives import algorithms
+    from ...collectives.registry import describe
+
+    exact, topk = algorithms(exact=True), algorithms(exact=False)
+    print("sum of the inputs:  " + ", ".join([*exact, "auto"]))
+    print("top-k family:       " + ", ".join(topk))
+    print()
+    print(f"{'name':<22} {'exact':<6} {'input':<12} {'auto':<5} {'options':<8} summary")
+    for r in describe():
+        alias = f" (= {r['alias_of']})" if r["alias_of"] else ""
+        print(
+            f"{r['name']:<22} {'yes' if r['exact'] else 'no':<6} {r['input']:<12} "
+            f"{'yes' if r['auto'] else '':<5} {r['options']:<8} {r['summary']}{alias}"
+        )
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    """Register this family's commands on the ``sparcml`` subparsers."""
+    demo = sub.add_parser(
+        "demo",
+        help="reduce gradient-like sparse vectors on local ranks with every algorithm",
+        description="Spawns local ranks (gloo on loopback), reduces gradient-like sparse "
+        "vectors with every algorithm and a dense allreduce, checks every result against the "
+        "dense sum and prints time, bytes and speedup.",
+    )
+    add_bench_args(demo, repeats=5, size="4M")
+    demo.set_defaults(run=lambda args: run_bench(args, "sparcml demo"))
+    bench = sub.add_parser(
+        "bench",
+        help="sparse allreduce micro-benchmark with CSV/JSON output",
+        description="Like demo, with repeated runs over fresh data and machine-readable output.",
+    )
+    add_bench_args(bench, repeats=10, size="16M")
+    bench.add_argument("--json", help="write results (with config and machine) to this JSON file")
+    bench.add_argument("--csv", help="write results to this CSV file")
+    bench.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run PyTorch's fp16 and PowerSGD DDP hooks on the same vectors",
+    )
+    bench.add_argument(
+        "--env",
+        action="store_true",
+        help="join a job started by torchrun / sparcml cluster (-P is ignored)",
+    )
+    bench.set_defaults(run=lambda args: run_bench(args, "sparcml bench"))
+    bp = sub.add_parser(
+        "bench-plot",
+        help="combine bench JSON files into a time-vs-P or time-vs-density log-log plot",
+        description="Reads `sparcml bench --json` files that differ in P or in density, prints "
+        "p50 per algorithm, the fastest one at each point and the crossovers, and plots.",
+    )
+    bp.add_argument("files", nargs="+")
+    bp.add_argument("--over", choices=["P", "density"], required=True)
+    bp.add_argument("--out", help="PNG to write")
+    bp.add_argument("--title")
+    bp.set_defaults(run=bench_plot)
+    _p = sub.add_parser("algorithms", help="list the registered sparse allreduce algorithms")
+    _p.set_defaults(run=list_algorithms)
+    bt = sub.add_parser(
+        "bench-topk",
+        help="Ok-Topk against TopkA, TopkDSA, gTopk, Gaussiank and dense allreduce",
+        description="Local gloo ranks reduce Gaussian accumulators with every top-k sparse "
+        "allreduce (paper 001) and a dense allreduce; prints time, bytes and checks.",
+    )
+    bt.add_argument("-P", "--world-size", type=positive_arg, default=4)
+    bt.add_argument("-N", "--size", type=size_arg, default=size_arg("16M"))
+    bt.add_argument("-d", "--density", type=fraction_arg, default=0.01)
+    bt.add_argument("--repeats", type=positive_arg, default=5)
+    bt.add_argument("--warmup", type=int, default=1)
+    bt.add_argument("--seed", type=int, default=0)
+    bt.add_argument("--timeout", type=float, default=300.0)
+    bt.add_argument("--json", help="write the rows to this JSON file")
+    bt.add_argument(
+        "--env",
+        action="store_true",
+        help="join a job started by torchrun / sparcml cluster (-P is ignored)",
+    )
+    bt.add_argument("-q", "--quiet", action="store_true")
+    bt.set_defaults(run=bench_topk)
+    bc = sub.add_parser(
+        "bench-compress",
+        help="throughput of every compression operator next to a plain copy",
+        description="Times compress() of every operator and a clone of the same tensor in one "
+        "run (4 MB and 64 MB float32 by default) and checks the throughput targets.",
+    )
+    bc.add_argument(
+        "--sizes", type=positive_arg, nargs="+", default=[4, 64], help="tensor sizes in MB"
+    )
+    bc.add_argument("--repeats", type=positive_arg, default=7)
+    bc.add_argument("--device", default="cpu", help="cpu or cuda")
+    bc.add_argument("--threads", type=positive_arg, default=1, help="torch intra-op threads")
+    bc.add_argument("--json", help="write the rows to this JSON file")
+    bc.add_argument("-q", "--quiet", action="store_true")
+    bc.set_defaults(run=bench_compress)
+    bf = sub.add_parser(
+        "bench-faults",
+        help="kill / freeze a rank mid-collective: is the failed rank the one named?",
+        description="Runs fault-injection runs over spawned gloo ranks (P = 3 and 4, "
+        "alternating): a random rank is killed (os._exit) or frozen (SIGSTOP) inside a "
+        "collective, DDP training or DistributedOptimizer training, and every survivor's "
+        "error is checked: a documented type naming that rank. Exits 1 unless all are.",
+    )
+    bf.add_argument("--runs", type=positive_arg, default=10, help="runs per scenario and mode")
+    bf.add_argument("--scenarios", default="collective,ddp,optimizer")
+    bf.add_argument("--modes", default="kill,stop")
+    bf.add_argument("--timeout", type=float, default=3.0, help="communicator timeout, s")
+    bf.set_defaults(run=bench_faults)
