@@ -165,3 +165,36 @@ def test_equal_is_bitwise() -> None:
     b = SparseStream(torch.tensor([1]), torch.tensor([-0.0]), 4)
     c = SparseStream(torch.tensor([1]), torch.tensor([0.0]), 4)
     assert not b.equal(c)
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_torch_sparse_round_trip_of_an_embedding_gradient(dtype: torch.dtype) -> None:
+    emb = torch.nn.Embedding(50, 4, sparse=True).to(dtype)
+    emb(torch.tensor([[3, 17, 3], [40, 0, 17]])).float().sum().backward()
+    g = emb.weight.grad
+    assert g.layout == torch.sparse_coo
+    s = SparseStream.from_torch_sparse(g)
+    assert s.size == 200 and not s.is_dense
+    assert torch.equal(s.to_dense(), g.to_dense().reshape(-1))  # duplicates (row 3, 17) summed
+    back = s.to_torch_sparse(g.shape, sparse_dim=1)
+    assert back.is_coalesced() and torch.equal(back.to_dense(), g.to_dense())
+    assert torch.equal(back.indices(), g.coalesce().indices())
+
+
+def test_torch_sparse_any_layout_and_dense_streams() -> None:
+    t = torch.sparse_coo_tensor([[0, 2, 2], [1, 0, 3]], torch.tensor([1.0, 2.0, 3.0]), (3, 4))
+    s = SparseStream.from_torch_sparse(t)
+    assert s.indices.tolist() == [1, 8, 11]
+    assert torch.equal(s.to_torch_sparse((3, 4)).to_dense(), t.to_dense())
+    d = SparseStream.dense(torch.arange(6.0))
+    assert torch.equal(
+        d.to_torch_sparse((2, 3), sparse_dim=1).to_dense(), torch.arange(6.0).reshape(2, 3)
+    )
+    empty = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64), torch.zeros(0, 5), (7, 5))
+    e = SparseStream.from_torch_sparse(empty)
+    assert e.nnz == 0 and e.size == 35
+    assert e.to_torch_sparse((7, 5), sparse_dim=1).to_dense().abs().sum() == 0
+    with pytest.raises(TypeError, match="sparse COO"):
+        SparseStream.from_torch_sparse(torch.ones(3))
+    with pytest.raises(ValueError, match="does not hold"):
+        s.to_torch_sparse((5, 5))

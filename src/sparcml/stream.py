@@ -25,6 +25,7 @@ Everything here is pure tensor code: no communication, CPU or CUDA tensors.
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from collections.abc import Sequence
 
@@ -223,6 +224,83 @@ class SparseStream:
         if idx.numel() > dense_threshold(size, tensor.dtype):
             return cls.dense(tensor.clone())
         return cls.from_sorted(idx, tensor[idx], size)
+
+    @classmethod
+    def from_torch_sparse(cls, tensor: torch.Tensor) -> SparseStream:
+        """A PyTorch sparse COO tensor (any shape, hybrid included) as a stream over
+        its flattened (row-major) entries, without densifying.
+
+        The gradient of ``nn.Embedding(..., sparse=True)`` is such a tensor: one
+        sparse dimension (the rows) and one dense (the embedding); each stored row
+        becomes ``dim`` consecutive pairs. Duplicates are summed (``coalesce``);
+        stored zeros are kept, as the constructor keeps explicit zeros.
+
+        Raises:
+            TypeError: not a sparse COO tensor, or an unsupported dtype.
+
+        Example:
+            >>> g = torch.sparse_coo_tensor([[2, 0]], torch.ones(2, 3), (4, 3))
+            >>> SparseStream.from_torch_sparse(g).indices.tolist()
+            [0, 1, 2, 6, 7, 8]
+        """
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+            what = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise TypeError(f"from_torch_sparse expects a sparse COO tensor, got {what}")
+        _check_dtype(tensor.dtype)
+        t = tensor.detach().coalesce()
+        sd = t.sparse_dim()
+        shape = tuple(t.shape)
+        inner = math.prod(shape[sd:])
+        size = math.prod(shape)
+        coords = t.indices()  # (sparse_dim, nnz), lexicographically sorted by coalesce
+        device = coords.device
+        strides = torch.tensor(
+            [math.prod(shape[i + 1 : sd]) for i in range(sd)], dtype=torch.int64, device=device
+        )
+        linear = (coords * strides[:, None]).sum(0) if sd else coords.new_zeros(1)
+        values = t.values().reshape(-1, inner) if inner else t.values().reshape(-1, 0)
+        flat = (linear[:, None] * inner + torch.arange(inner, device=device)).reshape(-1)
+        return cls.from_sorted(flat, dense_1d(values.reshape(-1)), size)
+
+    def to_torch_sparse(
+        self, shape: Sequence[int] | None = None, sparse_dim: int | None = None
+    ) -> torch.Tensor:
+        """This stream as a coalesced PyTorch sparse COO tensor of ``shape`` (default ``(N,)``).
+
+        ``sparse_dim`` (default: all dimensions) leaves the trailing dimensions dense:
+        ``sparse_dim=1`` gives the row layout of an embedding gradient (a stored row
+        for every row with any stored entry, zeros filled in).
+
+        Raises:
+            ValueError: ``shape`` does not hold ``N`` entries, or a bad ``sparse_dim``.
+
+        Example:
+            >>> s = SparseStream(torch.tensor([1, 7]), torch.tensor([1.0, 2.0]), 12)
+            >>> s.to_torch_sparse((4, 3), sparse_dim=1).to_dense().tolist()
+            [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 0.0]]
+        """
+        shape = tuple(shape) if shape is not None else (self._size,)
+        if math.prod(shape) != self._size:
+            raise ValueError(f"shape {shape} does not hold the stream's {self._size} entries")
+        sd = len(shape) if sparse_dim is None else sparse_dim
+        if not 0 < sd <= len(shape):
+            raise ValueError(f"sparse_dim must lie in [1, {len(shape)}], got {sparse_dim}")
+        inner = math.prod(shape[sd:])
+        idx, vals = self.indices, self.values
+        if inner > 1:
+            rows, inverse = torch.unique_consecutive(idx // inner, return_inverse=True)
+            dense_rows = torch.zeros(rows.numel(), inner, dtype=self.dtype, device=self.device)
+            dense_rows[inverse, idx % inner] = vals
+            idx, vals = rows, dense_rows.reshape(rows.numel(), *shape[sd:])
+        coords = []
+        rest = idx
+        for d in reversed(shape[:sd]):
+            coords.append(rest % d)
+            rest = rest // d
+        index = torch.stack(coords[::-1]) if coords else idx.new_zeros(0, idx.numel())
+        return torch.sparse_coo_tensor(
+            index, vals, shape, dtype=self.dtype, device=self.device, is_coalesced=True
+        )
 
     @classmethod
     def empty(
