@@ -299,7 +299,13 @@ class SparseStream:
             rest = rest // d
         index = torch.stack(coords[::-1]) if coords else idx.new_zeros(0, idx.numel())
         return torch.sparse_coo_tensor(
-            index, vals, shape, dtype=self.dtype, device=self.device, is_coalesced=True
+            index,
+            vals,
+            shape,
+            dtype=self.dtype,
+            device=self.device,
+            is_coalesced=True,
+            check_invariants=False,  # valid by construction (sorted, unique, in range)
         )
 
     @classmethod
