@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RankMismatchError
-from .reduce import Bucket, reduce_bucket
+from .layout import reduce_ddp_bucket
+from .reduce import Bucket
 from .state import SparcmlState
 
 __all__ = ["check_parameters", "register", "sparcml_hook"]
@@ -48,9 +49,10 @@ def sparcml_hook(
             f"parameters have {sum(sizes)}"
         )
     item = Bucket(names, sizes, flat, state.step)
-    if bucket.is_last():
+    last = bucket.is_last()
+    if last:
         state.step += 1
-    work = state.comm.run_ordered(lambda: reduce_bucket(state, item), async_op=True)
+    work = state.comm.run_ordered(lambda: reduce_ddp_bucket(state, item, last), async_op=True)
     return work.get_future()
 
 
