@@ -76,3 +76,21 @@ def test_state_through_distributed_checkpoint(tmp_path) -> None:  # type: ignore
     assert fresh.operators[key].calls == 3
     for k, v in state.residuals.items():
         assert torch.equal(fresh.residuals[k], v)
+
+
+def test_compression_stats_are_logged(caplog) -> None:  # type: ignore[no-untyped-def]
+    from sparcml.torch.stats import compression_stats, log_every
+
+    state = st.SparcmlState("topk", density=0.3, comm=SelfCommunicator())
+    model = torch.nn.Linear(5, 3)
+    logged = []
+    with caplog.at_level("INFO", logger="sparcml.stats"):
+        for _ in range(4):
+            model(torch.randn(4, 5)).sum().backward()
+            st.sync_gradients(model, state)
+            logged.append(log_every(state, 2, dense_bytes=72.0))
+    assert logged == [False, True, False, True]
+    assert "step 4" in caplog.text
+    s = compression_stats(state)
+    ref = torch.cat([r.reshape(-1) for r in state.residuals.values()]).double().norm()
+    assert abs(s["residual_norm"] - float(ref)) < 1e-9 and s["step"] == 4

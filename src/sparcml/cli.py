@@ -283,7 +283,18 @@ def _train(args: argparse.Namespace) -> int:
         hyper["momentum"] = args.momentum_correction
     if args.index_coding != "fixed":
         hyper["index_coding"] = args.index_coding
-    options = {"limit": args.limit} if args.limit else {}
+    options: dict = {"limit": args.limit} if args.limit else {}
+    if args.fsdp:
+        from .torch.fsdp import FSDP_METHODS
+        from .torch.state import _kind
+
+        if not args.methods:
+            chosen = [m for m in chosen if _kind(m) in FSDP_METHODS]
+        for m in chosen:
+            if _kind(m) not in FSDP_METHODS:
+                print(f"sparcml train: {m!r} has no FSDP reduce-scatter", file=sys.stderr)
+                return 2
+        options["fsdp"] = True
     command = "sparcml " + " ".join(
         sys.argv[1:] if args.command_line is None else args.command_line
     )
@@ -650,6 +661,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(the optimizer then runs without momentum)",
     )
     tr.add_argument("--limit", type=_positive, help="use only this many training examples")
+    tr.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 (fully_shard) instead of DDP: the method is the compressed "
+        "reduce-scatter (sparcml.torch.register_fsdp)",
+    )
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", help="output directory (default docs/results/train/RECIPE)")
     tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
