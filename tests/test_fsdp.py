@@ -47,7 +47,8 @@ def _padded(world: int) -> int:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp_methods(world: int) -> None:
-    runs = [("plain", None, {}), *LOSSLESS, *LOSSY] + (OPTIONS if world == 2 else [])
+    lossy = LOSSY if world == 2 else [LOSSY[0], LOSSY[3]]  # (P = 3: natural, topk)
+    runs = [("plain", None, {}), *LOSSLESS, *lossy] + (OPTIONS if world == 2 else [])
     out = run_processes(world, fsdp_workers.fsdp_runs, runs, STEPS, timeout=90)
     plain = out[0]["plain"]["params"]
     for label, *_ in runs:
@@ -58,7 +59,7 @@ def test_fsdp_methods(world: int) -> None:
     ring = (world - 1) / world * _padded(world) * 4  # plain FSDP's bytes per rank and step
     dense = out[0]["dense"]["step_bytes"]
     assert len(dense) == STEPS and 0.9 * ring < dense[0] < 1.05 * ring, (dense, ring)
-    for label, *_ in LOSSY:
+    for label, *_ in lossy:
         r0 = out[0][label]
         assert r0["losses"][-1] < r0["losses"][0], label
         assert len(r0["step_bytes"]) == STEPS
