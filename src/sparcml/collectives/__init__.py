@@ -5,6 +5,7 @@ Importing this package registers every built-in algorithm.
 
 from __future__ import annotations
 
+from ._common import split_and_reduce
 from .allreduce import check_consistent, choose_algorithm, sparse_allreduce
 from .dense import dense_allreduce
 from .dsar_split_allgather import dsar_split_allgather
@@ -34,6 +35,7 @@ __all__ = [
     "register",
     "sparse_allgather",
     "sparse_allreduce",
+    "split_and_reduce",
     "ssar_recursive_double",
     "ssar_split_allgather",
     "topka",

@@ -11,11 +11,16 @@ Without DDP (any transport, MPI included)::
     state = sparcml.torch.SparcmlState("oktopk", density=0.01)
     loss.backward(); sparcml.torch.sync_gradients(model, state); optimizer.step()
 
+With FSDP2 (after ``fully_shard``): ``sparcml.torch.register_fsdp(model, method="topk")``
+(:mod:`sparcml.torch.fsdp`). Checkpoints: ``state.state_dict()`` per rank
+(:mod:`sparcml.torch.checkpoint`).
+
 Methods: :func:`methods`. Hyperparameters: :class:`SparcmlState`.
 """
 
 from __future__ import annotations
 
+from .fsdp import register_fsdp
 from .hook import check_parameters, register, sparcml_hook
 from .reduce import Bucket, reduce_bucket
 from .state import SparcmlState, methods, needs_momentum_correction
@@ -31,6 +36,7 @@ __all__ = [
     "needs_momentum_correction",
     "reduce_bucket",
     "register",
+    "register_fsdp",
     "sparcml_hook",
     "sync_gradients",
 ]

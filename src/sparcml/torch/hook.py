@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RankMismatchError
-from .reduce import Bucket, reduce_bucket
+from .layout import reduce_ddp_bucket
+from .reduce import Bucket
 from .state import SparcmlState
 
 __all__ = ["check_parameters", "check_settings", "register", "sparcml_hook"]
@@ -60,14 +61,15 @@ def sparcml_hook(
         )
     state.check()  # an error that no backward has raised yet
     item = Bucket(names, sizes, flat, state.step)
-    if bucket.is_last():
+    last = bucket.is_last()
+    if last:
         state.step += 1
     _arm_backward_check(state)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def run() -> torch.Tensor:
         try:
-            out = reduce_bucket(state, item)
+            out = reduce_ddp_bucket(state, item, last)
         except BaseException as e:
             state.comm.record_failure(e)
             if state.hook_error is None:

@@ -57,10 +57,10 @@ def needs_momentum_correction(method: str) -> bool:
     ``redsync``. Their residual and an optimizer's momentum amplify each other and
     training diverges; give the momentum to the state (``momentum=0.9``, DGC momentum
     correction) and use the optimizer without momentum."""
-    return _kind(method) in ("sparse", "oktopk", "redsync")
+    return method_kind(method) in ("sparse", "oktopk", "redsync")
 
 
-def _kind(method: str) -> str:
+def method_kind(method: str) -> str:
     """``dense``, ``oktopk``, ``redsync``, ``sparse`` (a selector, maybe + quantizer) or
     ``quantized`` (a value quantizer alone)."""
     if method in _SPECIAL:
@@ -189,7 +189,7 @@ class SparcmlState:
         comm: Communicator | None = None,
         timeout: float = 300.0,
     ) -> None:
-        self.kind = _kind(method)
+        self.kind = method_kind(method)
         self.method = method
         if not 0.0 < density <= 1.0 or math.isnan(density):
             raise ValueError(f"density must be in (0, 1], got {density}")
@@ -291,6 +291,10 @@ class SparcmlState:
         self.hook_error: BaseException | None = None  # raised at the end of backward
         self.hook_armed = False
         self.hook_works: list[Any] = []
+        # the DDP bucket keys of the last step, and after a resume the checkpoint's
+        # (sparcml.torch.layout)
+        self.layout: list[tuple[str, ...]] = []
+        self.replay_layout: list[tuple[str, ...]] | None = None
 
     # ------------------------------------------------------------------ operators
     def _make_operator(self) -> Any:
@@ -365,6 +369,61 @@ class SparcmlState:
         self.momenta.clear()
         self.operators.clear()
         self.oktopk_states.clear()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's compression state as tensors and plain data (per-rank: save
+        one per rank; see :mod:`sparcml.torch.checkpoint`). Call it between steps."""
+        from . import checkpoint as ck
+
+        return {
+            "version": 1,
+            "method": self.method,
+            "density": self.density,
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
+            "step": self.step,
+            "bytes_sent": self.bytes_sent,
+            "step_bytes": list(self.step_bytes),
+            "ina_calls": self.ina_calls,
+            # the collective call number: quantizers' rounding seeds derive from it
+            "comm_sequence": getattr(self.comm, "_sequence", 0),
+            "residuals": ck.tensors(self.residuals),
+            "momenta": ck.tensors(self.momenta),
+            "operators": ck.keyed(self.operators),
+            "oktopk_states": ck.keyed(self.oktopk_states),
+            "layout": [list(k) for k in self.layout],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; the run then continues bitwise as
+        the uninterrupted one would (with the same model, optimizer and data).
+
+        Raises:
+            ValueError: the checkpoint is of another method, density, world size or rank.
+        """
+        from . import checkpoint as ck
+
+        sd = state_dict
+        mine = (self.method, self.density, self.comm.world_size, self.comm.rank)
+        theirs = (sd["method"], sd["density"], sd["world_size"], sd["rank"])
+        if mine != theirs:
+            raise ValueError(
+                "sparcml checkpoint of (method, density, world size, rank) = "
+                f"{theirs}, this state is {mine}"
+            )
+        self.step = int(sd["step"])
+        self.bytes_sent = int(sd["bytes_sent"])
+        self.step_bytes = [int(b) for b in sd["step_bytes"]]
+        self.ina_calls = int(sd["ina_calls"])
+        if hasattr(self.comm, "_sequence"):
+            self.comm._sequence = int(sd["comm_sequence"])
+        self.residuals = ck.tensors(sd["residuals"])
+        self.momenta = ck.tensors(sd["momenta"])
+        self.operators = ck.unkeyed(sd["operators"])
+        self.oktopk_states = ck.unkeyed(sd["oktopk_states"])
+        self.layout = [tuple(k) for k in sd["layout"]]
+        self.replay_layout = list(self.layout) or None
 
     def __repr__(self) -> str:
         return (

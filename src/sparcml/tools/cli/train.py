@@ -34,7 +34,18 @@ def train(args: argparse.Namespace) -> int:
         hyper["momentum"] = args.momentum_correction
     if args.index_coding != "fixed":
         hyper["index_coding"] = args.index_coding
-    options = {"limit": args.limit} if args.limit else {}
+    options: dict = {"limit": args.limit} if args.limit else {}
+    if args.fsdp:
+        from ...torch.fsdp import FSDP_METHODS
+        from ...torch.state import method_kind
+
+        if not args.methods:
+            chosen = [m for m in chosen if method_kind(m) in FSDP_METHODS]
+        for m in chosen:
+            if method_kind(m) not in FSDP_METHODS:
+                print(f"sparcml train: {m!r} has no FSDP reduce-scatter", file=sys.stderr)
+                return 2
+        options["fsdp"] = True
     command = "sparcml " + " ".join(
         sys.argv[1:] if args.command_line is None else args.command_line
     )
@@ -101,6 +112,12 @@ def add_parsers(sub: Any) -> None:
         type=positive_arg,
         help="use only this many training samples (images, documents, or 64-character "
         "sequences for shakespeare); refused if too few for one step per epoch",
+    )
+    tr.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 (fully_shard) instead of DDP: the method is the compressed "
+        "reduce-scatter (sparcml.torch.register_fsdp)",
     )
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument(

@@ -61,8 +61,23 @@ def train_worker(
             f"training step at {comm.world_size} ranks x batch {getattr(recipe, 'batch', '?')}; "
             f"use --limit >= {comm.world_size * getattr(recipe, 'batch', 1)} (it counts samples)"
         )
-    model = DDP(recipe.model())
-    state = st.register(model, method, **hyper)
+    fsdp = bool(options.get("fsdp"))
+    if fsdp:
+        # FSDP2: every module with parameters of its own sharded, then the root; the
+        # method is the reduce-scatter (sparcml.torch.register_fsdp)
+        from torch.distributed.fsdp import fully_shard
+
+        model = recipe.model()
+        for sub in model.modules():
+            if sub is not model and any(True for _ in sub.parameters(recurse=False)):
+                fully_shard(sub)
+        fully_shard(model)
+        state = st.register_fsdp(model, method, **hyper)
+        inner = model
+    else:
+        model = DDP(recipe.model())
+        state = st.register(model, method, **hyper)
+        inner = model.module
     # DGC momentum correction moves the momentum from the optimizer into the state
     opt = recipe.optimizer(model.parameters(), momentum=not hyper.get("momentum"))
     steps = recipe.steps_per_epoch()
@@ -83,7 +98,10 @@ def train_worker(
             losses.append(float(loss.detach()))
             bar.update(epoch * steps + i + 1, f"loss {losses[-1]:.3f}")
         model.eval()
-        figures = recipe.evaluate(model.module) if comm.rank == 0 else {}
+        # (FSDP's forward is a collective: every rank evaluates, rank 0's figures kept)
+        figures = recipe.evaluate(inner) if comm.rank == 0 or fsdp else {}
+        if comm.rank != 0:
+            figures = {}
         figures["epoch"] = epoch + 1
         evals.append(figures)
     # every rank's mean loss per step, so the curve is the global training loss
