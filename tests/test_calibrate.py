@@ -50,4 +50,5 @@ def test_cli_calibrate_writes_where_auto_reads(tmp_path: Path, monkeypatch) -> N
     monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "c.json"))
     assert main(["calibrate", "--repeats", "2", "--json", str(tmp_path / "all.json")]) == 0
     assert CostModel.load().source == str(tmp_path / "c.json")
-    assert len(json.loads((tmp_path / "all.json").read_text())["ping_one_way_s"]) == 7
+    doc = json.loads((tmp_path / "all.json").read_text())
+    assert len(doc["rows"]["ping_one_way_s"]) == 7 and doc["machine"]["versions"]["torch"]

@@ -23,7 +23,7 @@ def test_demo_runs_every_algorithm_and_checks_results(capsys, tmp_path) -> None:
     rows = [line for line in text.splitlines() if not line.startswith("(")]  # not the legend
     assert not any("WRONG" in line for line in rows)
     doc = json.loads(out_json.read_text())
-    assert doc["config"]["world_size"] == 3 and doc["machine"]["torch"]
+    assert doc["config"]["world_size"] == 3 and doc["machine"]["versions"]["torch"]
     assert {r["algorithm"] for r in doc["rows"]} == {*algorithms(exact=True), "auto"}
     assert all(r["correct"] for r in doc["rows"])
     dense = next(r for r in doc["rows"] if r["algorithm"] == "dense")

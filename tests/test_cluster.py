@@ -93,5 +93,6 @@ def test_bench_runs_inside_the_cluster(capsys) -> None:  # type: ignore[no-untyp
     out = capsys.readouterr().out
     assert code == 0, out
     assert "2 ranks of a torch.distributed job (emulated cluster, 200mbit links)" in out
-    rows = [line for line in out.splitlines() if not line.startswith("(")]  # not the legend
+    # not the legend (lines are prefixed "[rank 0] " by the cluster)
+    rows = [line for line in out.splitlines() if not line.split("] ", 1)[-1].startswith("(")]
     assert out.count(" ok ") >= 5 and not any("WRONG" in line for line in rows)

@@ -7,20 +7,119 @@ way. :class:`ErrorFeedback` holds one residual tensor per name (a parameter, a
 DDP bucket), reused in place: memory does not grow over steps.
 
 Invariant (tested in float64): ``acc == sent + residual`` after :meth:`update`.
+
+The same object serves the per-tensor SGD steps (:func:`~sparcml.sgd.topk_sgd_step`)
+and the training pipeline (the DDP hook, ``sync_gradients``, FSDP), which works on
+*buckets*: a flat view of several parameters. :meth:`NamedBuffers.gather` builds a
+bucket's flat view from the per-name buffers (zeros where none exists yet) and
+:meth:`NamedBuffers.scatter` stores a flat result back by name, so buffers survive
+DDP's bucket rebuilds. :class:`MomentumCorrection` is the sibling that keeps DGC's
+momentum ``u`` per name (RedSync sec. 3.5: ``u = m u + g; v = v + u``, momentum
+factor masking). Both have ``state_dict`` / ``load_state_dict``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..stream import SparseStream
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "MomentumCorrection", "NamedBuffers"]
 
 
-class ErrorFeedback:
+class NamedBuffers:
+    """One tensor per name, with bucket views: the storage both feedbacks share."""
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The tensors by name (the live mapping)."""
+        return self._residuals
+
+    @buffers.setter
+    def buffers(self, value: dict[str, torch.Tensor]) -> None:
+        self._residuals = dict(value)
+
+    def gather(
+        self, names: Sequence[str], sizes: Sequence[int], like: torch.Tensor
+    ) -> torch.Tensor:
+        """A bucket's flat view: the buffers of ``names`` concatenated, zeros where a
+        buffer is missing or does not match ``like``'s dtype and device or its size."""
+        parts = []
+        for name, n in zip(names, sizes, strict=True):
+            t = self._residuals.get(name)
+            if t is None or t.numel() != n or t.dtype != like.dtype or t.device != like.device:
+                t = torch.zeros(n, dtype=like.dtype, device=like.device)
+            parts.append(t)
+        return torch.cat(parts) if parts else like.new_zeros(0)
+
+    def scatter(self, names: Sequence[str], sizes: Sequence[int], flat: torch.Tensor) -> None:
+        """Store a bucket's flat tensor back by name (views of ``flat``, no copy)."""
+        for name, part in zip(names, flat.split(list(sizes)), strict=True):
+            self._residuals[name] = part
+
+    def reset(self, name: str | None = None) -> None:
+        """Forget one buffer, or all."""
+        if name is None:
+            self._residuals.clear()
+        else:
+            self._residuals.pop(name, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {k: v.clone() for k, v in self._residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
+
+    def __len__(self) -> int:
+        return len(self._residuals)
+
+
+class MomentumCorrection(NamedBuffers):
+    """DGC momentum correction (RedSync sec. 3.5): the momentum ``u`` per name.
+
+    ``accumulate`` gives ``u = m u + g`` for a bucket (what is added to the
+    residual instead of ``g``); ``keep`` stores it back, zeroed where the rank sent
+    (momentum factor masking) when ``masking``.
+
+    Args:
+        momentum: ``m`` in ``[0, 1)``.
+        masking: DGC's momentum factor masking.
+    """
+
+    def __init__(self, momentum: float, masking: bool = True) -> None:
+        super().__init__()
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.momentum, self.masking = float(momentum), masking
+
+    def accumulate(
+        self, names: Sequence[str], sizes: Sequence[int], g: torch.Tensor
+    ) -> torch.Tensor:
+        """``u = m u + g`` for the bucket (not stored yet: see :meth:`keep`)."""
+        u = self.gather(names, sizes, g)
+        u.mul_(self.momentum).add_(g)
+        return u
+
+    def keep(
+        self,
+        names: Sequence[str],
+        sizes: Sequence[int],
+        u: torch.Tensor,
+        sent_mask: torch.Tensor | None = None,
+    ) -> None:
+        """Store ``u``, masked where ``sent_mask`` is set (if masking)."""
+        if sent_mask is not None and self.masking:
+            u = u.masked_fill(sent_mask, 0.0)
+        self.scatter(names, sizes, u)
+
+
+class ErrorFeedback(NamedBuffers):
     """Residuals per tensor name.
 
     Example:
@@ -30,9 +129,6 @@ class ErrorFeedback:
         >>> ef.residual("w").tolist()
         [0.0, 0.10000000149011612]
     """
-
-    def __init__(self) -> None:
-        self._residuals: dict[str, torch.Tensor] = {}
 
     def residual(self, name: str) -> torch.Tensor | None:
         """The current residual of ``name`` (None before the first update)."""
@@ -94,18 +190,14 @@ class ErrorFeedback:
         else:
             r -= sent.to(acc.dtype)
 
-    def reset(self, name: str | None = None) -> None:
-        """Forget one residual, or all."""
-        if name is None:
-            self._residuals.clear()
-        else:
-            self._residuals.pop(name, None)
+    def compensate_bucket(
+        self, names: Sequence[str], sizes: Sequence[int], g: torch.Tensor
+    ) -> torch.Tensor:
+        """A bucket's ``acc = residual + g`` (``g`` flat; a new tensor)."""
+        return self.gather(names, sizes, g) + g
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {k: v.clone() for k, v in self._residuals.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
-
-    def __len__(self) -> int:
-        return len(self._residuals)
+    def update_bucket(
+        self, names: Sequence[str], sizes: Sequence[int], acc: torch.Tensor, sent: torch.Tensor
+    ) -> None:
+        """A bucket's ``residual = acc - sent`` (``sent`` dense and flat), stored by name."""
+        self.scatter(names, sizes, acc - sent)

@@ -156,13 +156,19 @@ class SparcmlReduceScatter:  # made a ReduceScatter subclass in register_fsdp
         elif kind == "quantized":
             op = state.operator(("fsdp", self.name))
             assert isinstance(op, Quantizer)
-            codec = StreamCodec(op, "contributions", index_coding=state.index_coding)
+            codec = StreamCodec(
+                op, "contributions", index_coding=getattr(state.config, "index_coding", "fixed")
+            )
             stream = SparseStream.dense(g)
         else:  # sparse, with error feedback
             op = state.operator(("fsdp", self.name))
             selector: Selector = op.selector if isinstance(op, Composed) else op
             if isinstance(op, Composed):
-                codec = StreamCodec(op.quantizer, "contributions", index_coding=state.index_coding)
+                codec = StreamCodec(
+                    op.quantizer,
+                    "contributions",
+                    index_coding=getattr(state.config, "index_coding", "fixed"),
+                )
             r = state.residuals.get(self.name)
             acc = g + r if state.error_feedback and r is not None and r.numel() == g.numel() else g
             stream = selector.select(acc)

@@ -32,14 +32,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
 
 import torch
 
-from ..collectives import oktopk_allreduce, sparse_allreduce
-from ..compress.base import Composed, Quantizer, Selector
 from ..stream import SparseStream
-from .redsync import redsync_allgather
+from .methods import method_spec
 from .state import SparcmlState
 
 __all__ = ["Bucket", "reduce_bucket"]
@@ -59,123 +56,6 @@ class Bucket:
     @property
     def key(self) -> tuple[str, ...]:
         return self.names
-
-
-# Each method returns (what this rank sent, as a dense tensor or stream, or None when
-# nothing is fed back; the sum over ranks as a flat dense tensor).
-Method = Callable[
-    [SparcmlState, Bucket, torch.Tensor], tuple[torch.Tensor | SparseStream | None, torch.Tensor]
-]
-
-
-def _dense(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
-    return acc, state.comm.allreduce(acc)
-
-
-def _sparse(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
-    """SparCML's (quantized) TopK SGD, Alg. 1 step 3: allreduce of Q(TopK(acc))."""
-    op = state.operator(bucket.key)
-    selector: Selector = op.selector if isinstance(op, Composed) else op
-    quantizer = op.quantizer if isinstance(op, Composed) else None
-    selected = selector.select(acc)
-    total = sparse_allreduce(
-        selected,
-        state.comm,
-        algorithm=state.algorithm,
-        quantizer=quantizer,
-        quantize=state.quantize if quantizer is not None else "dense",
-        index_coding=state.index_coding,
-        call_id=bucket.step,
-    )
-    return selected, total.to_dense()
-
-
-def _quantized(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
-    """Dense quantized allreduce: DSAR's split allgather with every message's values
-    quantized (paper 000 sec. 6; paper 004's C_nat / dithering as ``Q``)."""
-    op = state.operator(bucket.key)
-    assert isinstance(op, Quantizer)
-    total = sparse_allreduce(
-        SparseStream.from_dense(acc),
-        state.comm,
-        algorithm="dsar_split_allgather",
-        quantizer=op,
-        quantize="all",
-        call_id=bucket.step,
-    )
-    # Unbiased quantizers feed nothing back (the state refuses error feedback here).
-    return None, total.to_dense()
-
-
-def _nonzeros(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
-    """Lossless: the gradient's own non-zeros through the sparse allreduce (paper 000
-    sec. 8.2, Table 2: linear models, whose gradients are sparse without any selection)."""
-    total = sparse_allreduce(
-        SparseStream.from_dense(acc), state.comm, algorithm=state.algorithm, call_id=bucket.step
-    )
-    return None, total.to_dense()
-
-
-def _oktopk(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
-    """Ok-Topk SGD (paper 001), lines 5-6: ``u, indexes = Ok_sparse_allreduce(acc)``."""
-    k = min(acc.numel(), max(1, round(state.density * acc.numel())))  # as the selectors count
-    result = oktopk_allreduce(acc, k, state.comm, state.oktopk_state(bucket.key))
-    idx = result.local_indices
-    sent = SparseStream.from_sorted(idx, acc[idx], acc.numel())
-    return sent, result.stream.to_dense()
-
-
-def _natural_ina(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
-    """Paper 004 Alg. 1 with INA: workers send C_nat(g_i) as integers, the aggregator
-    sums them and returns C_nat(sum) (master-side compression). The first call agrees
-    on the session (a random token, and a MAC key with ``ina_secret``) through the
-    process group: a collective, in the same order on every rank like every bucket."""
-    from ..ina import InaStats, agree_session, ina_allreduce
-
-    assert state.ina_address is not None
-    comm = state.comm
-    if state.ina_session is None:
-        state.ina_session = agree_session(comm, state.ina_mode, state.ina_secret)
-    stats = InaStats()
-    call = state.ina_calls
-    state.ina_calls += 1
-    total = ina_allreduce(
-        acc, state.ina_address, state.ina_session, comm.rank, comm.world_size, state.ina_mode,
-        job=state.ina_job, seed=state.seed, call=call, timeout=comm.timeout, stats=stats,
-    )  # fmt: skip
-    comm.stats.bytes_sent += stats.bytes_sent  # counted like every method's traffic
-    return None, total
-
-
-def _redsync(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
-    return redsync_allgather(state, bucket, acc)
-
-
-METHODS: dict[str, Method] = {
-    "dense": _dense,
-    "sparse": _sparse,
-    "quantized": _quantized,
-    "nonzeros": _nonzeros,
-    "oktopk": _oktopk,
-    "redsync": _redsync,
-    "natural_ina": _natural_ina,
-}
-
-
-def _gather(store: dict[str, torch.Tensor], bucket: Bucket, like: torch.Tensor) -> torch.Tensor:
-    """The bucket's flat view of per-parameter buffers (zeros where none exists yet)."""
-    parts = []
-    for name, n in zip(bucket.names, bucket.sizes, strict=True):
-        t = store.get(name)
-        if t is None or t.numel() != n or t.dtype != like.dtype or t.device != like.device:
-            t = torch.zeros(n, dtype=like.dtype, device=like.device)
-        parts.append(t)
-    return torch.cat(parts) if parts else like.new_zeros(0)
-
-
-def _scatter(store: dict[str, torch.Tensor], bucket: Bucket, flat: torch.Tensor) -> None:
-    for name, part in zip(bucket.names, flat.split(list(bucket.sizes)), strict=True):
-        store[name] = part
 
 
 def _sent_and_mask(
@@ -233,9 +113,8 @@ def reduce_bucket(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
             if state.momentum and state.kind != "dense":
                 # with momentum correction the optimizer has no momentum: warm-up
                 # steps are dense momentum SGD, u = m u + g, averaged (no masking)
-                u = _gather(state.momenta, bucket, g)
-                u.mul_(state.momentum).add_(g)
-                _scatter(state.momenta, bucket, u)
+                u = state.momentum_correction.accumulate(bucket.names, bucket.sizes, g)
+                state.momentum_correction.keep(bucket.names, bucket.sizes, u)
                 return comm.allreduce(u) / p
             return comm.allreduce(g) / p
         # Step 2: NaN policy.
@@ -259,25 +138,23 @@ def reduce_bucket(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
             if norm > limit:
                 g = g * (limit / (norm + 1e-12))
         # Step 4: accumulation.
+        names, sizes = bucket.names, bucket.sizes
         if state.momentum:
-            u = _gather(state.momenta, bucket, g)
-            u.mul_(state.momentum).add_(g)
-            acc = _gather(state.residuals, bucket, g) + u
+            u = state.momentum_correction.accumulate(names, sizes, g)
+            acc = state.feedback.compensate_bucket(names, sizes, u)
         elif state.error_feedback:
-            acc = _gather(state.residuals, bucket, g) + g
+            acc = state.feedback.compensate_bucket(names, sizes, g)
         else:
             acc = g.clone()
-        # Step 5: the method's collective.
-        sent, total = METHODS[state.kind](state, bucket, acc)
+        # Step 5: the method's collective (sparcml.torch.methods).
+        sent, total = method_spec(state.kind).run(state, bucket, acc)
         # Step 6: residuals (and momentum factor masking).
         if state.momentum or state.error_feedback:
             assert sent is not None
             sent_dense, mask = _sent_and_mask(sent, acc)
-            _scatter(state.residuals, bucket, acc - sent_dense)
+            state.feedback.update_bucket(names, sizes, acc, sent_dense)
             if state.momentum:
-                if state.momentum_masking:
-                    u = u.masked_fill(mask, 0.0)
-                _scatter(state.momenta, bucket, u)
+                state.momentum_correction.keep(names, sizes, u, mask)
         # Step 7: the average.
         return (total / p).to(g.dtype)
     finally:

@@ -8,48 +8,43 @@ object and persist across steps.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..collectives import OkTopkState, algorithms
-from ..collectives.codec import QUANTIZE_MODES
+from ..collectives import OkTopkState
 from ..comm import Communicator, SelfCommunicator, TorchDistCommunicator
 from ..comm import refuse_silent_world_of_one as _refuse_silent_world_of_one
 from ..compress import get
-from ..compress.base import available
+from ..compress.base import operator_class
+from ..sgd.feedback import ErrorFeedback, MomentumCorrection
+from .methods import MethodConfig, method_kind, method_spec, methods, valid_algorithms
 
-__all__ = ["SparcmlState", "methods", "needs_momentum_correction"]
+__all__ = [
+    "SparcmlState",
+    "method_kind",
+    "methods",
+    "needs_momentum_correction",
+    "valid_algorithms",
+]
 
-#: Methods that are not a compressor name (those come from :mod:`sparcml.compress`).
-_SPECIAL = {
-    "dense": "dense allreduce (the baseline; what DDP does without a hook)",
-    "nonzeros": "lossless sparse allreduce of the gradient's non-zeros (SparCML on "
-    "naturally sparse gradients, e.g. linear models on hashed features)",
-    "oktopk": "Ok-Topk SGD: O(k) sparse allreduce with global top-k (paper 001)",
-    "natural_ina": "natural compression summed by an integer-only aggregator "
-    "(sparcml ina-server) that re-compresses the sum: bidirectional compression "
-    "(paper 004 Alg. 1, appendix A); needs ina_server='host:port'",
-    "redsync": "RedSync RGC: per-layer trimmed top-k / threshold binary search, "
-    "optional ASQ, one packed allgather message per rank (paper 002)",
-}
+log = logging.getLogger("sparcml")
 
-
-def methods() -> dict[str, str]:
-    """Every method name with a one-line description.
-
-    Besides these, any selector (``topk``, ``randomk``, ...) or ``selector+quantizer``
-    composition (``topk+natural``) of :mod:`sparcml.compress` is a method.
-    """
-    out = dict(_SPECIAL)
-    for name, kind in available().items():
-        if kind == "selector":
-            out[name] = f"sparse: {name} selection + error feedback + sparse allreduce"
-        elif kind == "quantizer":
-            out[name] = f"dense: {name} quantization in DSAR's quantized allreduce"
-    return out
+PIPELINE = (
+    "error_feedback",
+    "warmup_steps",
+    "momentum",
+    "momentum_masking",
+    "clip_norm",
+    "clip_scope",
+    "nan_policy",
+    "bucket_bytes",
+    "seed",
+)
 
 
 def needs_momentum_correction(method: str) -> bool:
@@ -57,26 +52,37 @@ def needs_momentum_correction(method: str) -> bool:
     ``redsync``. Their residual and an optimizer's momentum amplify each other and
     training diverges; give the momentum to the state (``momentum=0.9``, DGC momentum
     correction) and use the optimizer without momentum."""
-    return method_kind(method) in ("sparse", "oktopk", "redsync")
+    return not method_spec(method_kind(method)).unbiased
 
 
-def method_kind(method: str) -> str:
-    """``dense``, ``oktopk``, ``redsync``, ``sparse`` (a selector, maybe + quantizer) or
-    ``quantized`` (a value quantizer alone)."""
-    if method in _SPECIAL:
-        return method
-    kinds = available()
-    parts = method.split("+")
-    if len(parts) == 1 and kinds.get(method) == "selector":
-        return "sparse"
-    if len(parts) == 1 and kinds.get(method) == "quantizer":
-        return "quantized"
-    if len(parts) == 2 and kinds.get(parts[0]) == "selector" and kinds.get(parts[1]) == "quantizer":
-        return "sparse"
-    raise ValueError(
-        f"unknown method {method!r}; use one of {', '.join(sorted(methods()))} "
-        "or a 'selector+quantizer' composition such as 'topk+natural'"
-    )
+def _route(method: str, config: type[MethodConfig], options: dict[str, Any]) -> MethodConfig:
+    """The method's config from the keyword arguments that name its fields.
+
+    Options of *other* methods are ignored (one set of hyperparameters may serve a
+    sweep over methods), logged at debug level; a name no method takes raises.
+    """
+    from .methods.base import all_options
+
+    fields = {f.name for f in dataclasses.fields(config)}
+    if "algorithm" in options and "algorithm" not in fields and options["algorithm"] != "auto":
+        raise ValueError(
+            f"algorithm={options['algorithm']!r} does not apply to method {method!r}: only "
+            "selector methods ('topk', 'topk+natural', ...) and 'nonzeros' run a sparse "
+            "allreduce algorithm; leave algorithm='auto'"
+        )
+    owners = all_options()
+    unknown = sorted(o for o in options if o not in fields and o not in owners)
+    if unknown:
+        takes = ", ".join(sorted(fields)) or "none"
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for method {method!r}; its own options: "
+            f"{takes}; other methods': {', '.join(sorted(set(owners) - fields))}; the "
+            f"pipeline's: density, {', '.join(PIPELINE)}, comm, timeout"
+        )
+    ignored = sorted(set(options) - fields)
+    if ignored:
+        log.debug("method %r ignores %s (options of other methods)", method, ", ".join(ignored))
+    return config(**{k: v for k, v in options.items() if k in fields})
 
 
 class SparcmlState:
@@ -162,8 +168,6 @@ class SparcmlState:
         method: str = "topk",
         density: float = 0.01,
         *,
-        algorithm: str = "auto",
-        compressor_params: dict[str, Any] | None = None,
         error_feedback: bool | None = None,
         warmup_steps: int = 0,
         momentum: float = 0.0,
@@ -171,34 +175,22 @@ class SparcmlState:
         clip_norm: float | None = None,
         clip_scope: str = "bucket",
         nan_policy: str = "propagate",
-        oktopk_tau: int = 64,
-        oktopk_tau_prime: int = 32,
-        redsync_asq: bool = False,
-        redsync_asq_feedback: str = "paper",
-        redsync_output_layer: str | None = "auto",
-        redsync_min_bytes: int = 128 * 1024,
-        index_coding: str = "fixed",
-        quantize: str = "contributions",
-        redsync_bsearch_numel: int = 1 << 20,
         bucket_bytes: int = 25 * 1024 * 1024,
-        ina_server: str | None = None,
-        ina_job: int = 1,
-        ina_mode: str = "natural",
-        ina_secret: bytes | None = None,
         seed: int = 0,
         comm: Communicator | None = None,
         timeout: float = 300.0,
+        **method_options: Any,
     ) -> None:
         self.kind = method_kind(method)
         self.method = method
+        spec = method_spec(self.kind)
+        # the method's own hyperparameters, by name (before anything communicates)
+        self.config = _route(method, spec.config, method_options)
+        self.config.validate(method)
         if not 0.0 < density <= 1.0 or math.isnan(density):
             raise ValueError(f"density must be in (0, 1], got {density}")
-        if algorithm != "auto":
-            _check_algorithm(self.kind, method, algorithm)
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         if clip_scope not in ("bucket", "model"):
@@ -207,18 +199,8 @@ class SparcmlState:
             raise ValueError(f"nan_policy must be 'propagate' or 'raise', got {nan_policy!r}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        if index_coding not in ("fixed", "delta"):
-            raise ValueError(f"index_coding must be 'fixed' or 'delta', got {index_coding!r}")
-        if quantize not in QUANTIZE_MODES:
-            raise ValueError(
-                f"quantize must be one of {', '.join(map(repr, QUANTIZE_MODES))}, got {quantize!r}"
-            )
-        if redsync_min_bytes < 0 or redsync_bsearch_numel < 1:
-            raise ValueError("redsync_min_bytes must be >= 0 and redsync_bsearch_numel >= 1")
         self.density = float(density)
-        self.algorithm = algorithm
-        self.compressor_params = dict(compressor_params or {})
-        unbiased = self.kind in ("quantized", "dense", "nonzeros", "natural_ina")
+        unbiased = spec.unbiased
         if error_feedback and unbiased:
             raise ValueError(
                 f"error feedback applies to sparse methods; {method!r} sends every entry "
@@ -230,46 +212,18 @@ class SparcmlState:
                 "momentum correction applies to sparse methods; use the optimizer's momentum"
             )
         self.warmup_steps = warmup_steps
-        self.momentum = float(momentum)
-        self.momentum_masking = momentum_masking
+        # residuals and DGC momenta per parameter name (sparcml.sgd.feedback)
+        self.feedback = ErrorFeedback()
+        self.momentum_correction = MomentumCorrection(momentum, momentum_masking)
         self.clip_norm = clip_norm
         self.clip_scope = clip_scope
         self.nan_policy = nan_policy
-        self.oktopk_tau, self.oktopk_tau_prime = oktopk_tau, oktopk_tau_prime
-        OkTopkState(tau=oktopk_tau, tau_prime=oktopk_tau_prime)  # validates them
-        self.redsync_asq = redsync_asq
-        if redsync_asq_feedback not in ("paper", "quantization_error"):
-            raise ValueError(
-                "redsync_asq_feedback must be 'paper' or 'quantization_error', "
-                f"got {redsync_asq_feedback!r}"
-            )
-        self.redsync_asq_feedback = redsync_asq_feedback
-        self.redsync_output_layer = redsync_output_layer
-        self.redsync_min_bytes = redsync_min_bytes
-        self.index_coding = index_coding
-        self.quantize = quantize
-        self.redsync_bsearch_numel = redsync_bsearch_numel
         self.bucket_bytes = bucket_bytes
-        self.ina_address: tuple[str, int] | None = None
-        if self.kind == "natural_ina":
-            if not ina_server:
-                raise ValueError(
-                    "natural_ina needs ina_server='host:port' (start one: sparcml ina-server)"
-                )
-            host, _, port = ina_server.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"ina_server must be 'host:port', got {ina_server!r}")
-            if ina_mode not in ("natural", "fixed"):
-                raise ValueError(f"ina_mode must be 'natural' or 'fixed', got {ina_mode!r}")
-            self.ina_address = (host, int(port))
-        if ina_secret is not None and not 1 <= len(ina_secret) <= 64:
-            raise ValueError(f"ina_secret must be 1..64 bytes, got {len(ina_secret)}")
-        self.ina_job, self.ina_mode, self.ina_secret = ina_job, ina_mode, ina_secret
+        self.seed = seed
         self.ina_calls = 0
         self.ina_session: Any = None  # an InaSession, agreed at the first call
-        self.seed = seed
         # Build one operator now so that bad parameters fail here, not mid-training.
-        if self.kind in ("sparse", "quantized"):
+        if spec.operator:
             self._make_operator()
         if comm is None:
             if dist.is_available() and dist.is_initialized():
@@ -282,8 +236,6 @@ class SparcmlState:
         self.step = 0
         self.bytes_sent = 0
         self.step_bytes: list[int] = []
-        self.residuals: dict[str, torch.Tensor] = {}
-        self.momenta: dict[str, torch.Tensor] = {}
         self.operators: dict[tuple[str, ...], Any] = {}
         self.oktopk_states: dict[tuple[str, ...], OkTopkState] = {}
         self.param_names: dict[int, str] = {}
@@ -296,10 +248,53 @@ class SparcmlState:
         self.layout: list[tuple[str, ...]] = []
         self.replay_layout: list[tuple[str, ...]] | None = None
 
+    def __getattr__(self, name: str) -> Any:
+        """The chosen method's hyperparameters read as attributes (``state.algorithm``,
+        ``state.redsync_asq``, ...): they live in ``state.config``."""
+        config = self.__dict__.get("config")
+        if config is not None and name in {f.name for f in dataclasses.fields(config)}:
+            return getattr(config, name)
+        raise AttributeError(
+            f"{type(self).__name__} of method {self.__dict__.get('method')!r} has no attribute "
+            f"{name!r}"
+        )
+
+    # ------------------------------------------------------------------ feedback
+    @property
+    def momentum(self) -> float:
+        """DGC momentum correction's ``m`` (0: off)."""
+        return self.momentum_correction.momentum
+
+    @property
+    def momentum_masking(self) -> bool:
+        return self.momentum_correction.masking
+
+    @property
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """The error-feedback residuals by parameter name (``self.feedback``'s)."""
+        return self.feedback.buffers
+
+    @residuals.setter
+    def residuals(self, value: dict[str, torch.Tensor]) -> None:
+        self.feedback.buffers = value
+
+    @property
+    def momenta(self) -> dict[str, torch.Tensor]:
+        """DGC's momenta ``u`` by parameter name (``self.momentum_correction``'s)."""
+        return self.momentum_correction.buffers
+
+    @momenta.setter
+    def momenta(self, value: dict[str, torch.Tensor]) -> None:
+        self.momentum_correction.buffers = value
+
+    @property
+    def ina_address(self) -> tuple[str, int] | None:
+        return self.config.address if self.kind == "natural_ina" else None
+
     # ------------------------------------------------------------------ operators
     def _make_operator(self) -> Any:
         """A fresh selector / ``selector+quantizer`` / quantizer for this method."""
-        params = dict(self.compressor_params)
+        params = dict(getattr(self.config, "compressor_params", {}))
         accepted = _init_params(self.method)
         if self.kind == "sparse" and "k" not in params and "density" in accepted:
             params.setdefault("density", self.density)
@@ -329,28 +324,21 @@ class SparcmlState:
         return name if name is not None else f"bucket{bucket}.param{position}"
 
     def settings(self) -> dict[str, Any]:
-        """The hyperparameters every rank must share (compared at registration)."""
+        """The hyperparameters every rank must share (compared at registration):
+        the pipeline's and the method's own (secrets excluded)."""
         return {
             "method": self.method,
             "density": self.density,
-            "algorithm": self.algorithm,
-            "compressor_params": {k: repr(v) for k, v in sorted(self.compressor_params.items())},
             "error_feedback": self.error_feedback,
             "warmup_steps": self.warmup_steps,
             "momentum": self.momentum,
             "momentum_masking": self.momentum_masking,
             "clip_norm": self.clip_norm,
+            "clip_scope": self.clip_scope,
             "nan_policy": self.nan_policy,
-            "oktopk_tau": self.oktopk_tau,
-            "oktopk_tau_prime": self.oktopk_tau_prime,
-            "redsync_asq": self.redsync_asq,
-            "redsync_min_bytes": self.redsync_min_bytes,
-            "redsync_bsearch_numel": self.redsync_bsearch_numel,
-            "index_coding": self.index_coding,
             "bucket_bytes": self.bucket_bytes,
-            "ina_server": None if self.ina_address is None else list(self.ina_address),
-            "ina_mode": getattr(self, "ina_mode", None),
             "seed": self.seed,
+            **self.config.settings(),
         }
 
     def check(self) -> None:
@@ -365,8 +353,8 @@ class SparcmlState:
 
     def reset(self) -> None:
         """Forget residuals, momenta and reused thresholds (e.g. after loading a checkpoint)."""
-        self.residuals.clear()
-        self.momenta.clear()
+        self.feedback.reset()
+        self.momentum_correction.reset()
         self.operators.clear()
         self.oktopk_states.clear()
 
@@ -428,54 +416,14 @@ class SparcmlState:
     def __repr__(self) -> str:
         return (
             f"SparcmlState(method={self.method!r}, density={self.density}, "
-            f"algorithm={self.algorithm!r}, error_feedback={self.error_feedback}, "
+            f"config={self.config!r}, error_feedback={self.error_feedback}, "
             f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, step={self.step}, "
             f"world_size={self.comm.world_size})"
         )
 
 
-def valid_algorithms(kind: str, method: str) -> list[str]:
-    """The ``algorithm=`` choices that work with a method (besides ``"auto"``)."""
-    from ..collectives.registry import algorithm_info
-
-    if kind not in ("sparse", "nonzeros"):
-        return []
-    out = []
-    for name in algorithms():
-        if algorithm_info(name).options:
-            continue  # needs per-call options (k=, state=): not a selected stream's reducer
-        if kind == "nonzeros" and name not in algorithms(exact=True):
-            continue  # lossless: no algorithm that drops entries
-        if "+" in method and name == "dense":
-            continue  # cannot quantize
-        out.append(name)
-    return out
-
-
-def _check_algorithm(kind: str, method: str, algorithm: str) -> None:
-    valid = valid_algorithms(kind, method)
-    if not valid:
-        raise ValueError(
-            f"algorithm={algorithm!r} does not apply to method {method!r}: only selector "
-            "methods ('topk', 'topk+natural', ...) and 'nonzeros' run a sparse allreduce "
-            "algorithm; leave algorithm='auto'"
-        )
-    if algorithm not in valid:
-        hint = ""
-        if algorithm == "oktopk":
-            hint = " (Ok-Topk is a method of its own: SparcmlState('oktopk'))"
-        elif algorithm not in algorithms():
-            hint = " (unknown sparse allreduce algorithm)"
-        raise ValueError(
-            f"algorithm {algorithm!r} cannot run method {method!r}{hint}; "
-            f"valid choices: auto, {', '.join(valid)}"
-        )
-
-
 def _init_params(method: str) -> set[str]:
     import inspect
-
-    from ..compress.base import operator_class
 
     names: set[str] = set()
     for part in method.split("+"):

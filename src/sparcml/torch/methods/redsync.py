@@ -22,7 +22,8 @@ pipeline's steps 4 and 6, :mod:`sparcml.torch.reduce`):
    values ... we package them into a single message to reduce latency".
 4. Allgather of the packed messages (recursive doubling, unknown sizes), then
    every rank decodes the ``P`` messages and adds them in rank order, so the
-   result has the same bits everywhere.
+   result has the same bits everywhere: steps 3-4 are the collective
+   :func:`~sparcml.collectives.packed_allgather.packed_allgather`.
 
 Cost (sec. 3.4's model, ``D`` the density averaged over ranks, ``M`` bucket
 entries, ``isize + c`` bytes per pair): ``T = log2(P) alpha +
@@ -32,30 +33,60 @@ with ASQ ``(P-1) M D c beta``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..collectives.sparse_allgather import allgather_buffers
-from ..compress import get
-from ..compress.asq import ASQ
-from ..compress.base import Context
-from ..errors import RankMismatchError
-from ..stream import SparseStream
-from ..wire import decode, encode, pack, unpack
+from ...collectives.packed_allgather import packed_allgather
+from ...compress import get
+from ...compress.asq import ASQ
+from ...compress.base import Context
+from ...stream import SparseStream
+from .base import MethodConfig, MethodSpec, register_method
 
 if TYPE_CHECKING:
-    from .reduce import Bucket
-    from .state import SparcmlState
+    from ..reduce import Bucket
+    from ..state import SparcmlState
 
-__all__ = ["redsync_allgather", "redsync_selector"]
+__all__ = ["REDSYNC", "RedSyncConfig", "redsync_allgather", "redsync_selector"]
 
-_ASQ_DECODER = ASQ(k=1)  # decompress() only reads the payload
+
+@dataclasses.dataclass
+class RedSyncConfig(MethodConfig):
+    """RedSync's hyperparameters.
+
+    Attributes:
+        redsync_asq: alternating-sign quantization on top of the selection.
+        redsync_asq_feedback: what an ASQ-sent entry leaves in the residual:
+            ``"paper"`` (Alg. 1: the sent entries restart at zero) or
+            ``"quantization_error"`` (``x - mean``; beyond the paper).
+        redsync_output_layer: the layer left unquantized under ASQ: ``"auto"`` (the
+            module of the last registered parameter), a name prefix, or None.
+        redsync_min_bytes: layers smaller than this go uncompressed (RedSync: 128 KB).
+        redsync_bsearch_numel: layers with at least this many entries use threshold
+            binary search (sampled, unless quantized), smaller ones trimmed top-k.
+    """
+
+    redsync_asq: bool = False
+    redsync_asq_feedback: str = "paper"
+    redsync_output_layer: str | None = "auto"
+    redsync_min_bytes: int = 128 * 1024
+    redsync_bsearch_numel: int = 1 << 20
+
+    def validate(self, method: str) -> None:
+        if self.redsync_asq_feedback not in ("paper", "quantization_error"):
+            raise ValueError(
+                "redsync_asq_feedback must be 'paper' or 'quantization_error', "
+                f"got {self.redsync_asq_feedback!r}"
+            )
+        if self.redsync_min_bytes < 0 or self.redsync_bsearch_numel < 1:
+            raise ValueError("redsync_min_bytes must be >= 0 and redsync_bsearch_numel >= 1")
 
 
 def is_output_layer(state: SparcmlState, name: str) -> bool:
     """Whether ``name`` belongs to the layer RedSync leaves unquantized."""
-    prefix = state.redsync_output_layer
+    prefix = state.config.redsync_output_layer
     if prefix == "auto":
         names = list(state.param_names.values())  # in registration order
         if not names:
@@ -73,13 +104,13 @@ def redsync_selector(state: SparcmlState, name: str, numel: int, element_size: i
     Selectors keep state across calls (ASQ's sign, the sampled threshold), so one
     instance is kept per parameter name.
     """
-    if numel * element_size < state.redsync_min_bytes:
+    if numel * element_size < state.config.redsync_min_bytes:
         return None
     key = ("redsync", name)
     op = state.operators.get(key)
     if op is None:
-        large = numel >= state.redsync_bsearch_numel
-        if state.redsync_asq and not is_output_layer(state, name):
+        large = numel >= state.config.redsync_bsearch_numel
+        if state.config.redsync_asq and not is_output_layer(state, name):
             selector = "threshold_bsearch" if large else "trimmed_topk"
             op = ASQ(density=state.density, selector=selector)
         elif large:
@@ -120,7 +151,7 @@ def redsync_allgather(
             sent_idx.append(nz + lo)
             # what the residual update subtracts: the entries themselves (paper), or
             # the mean that travelled (the quantization error stays in the residual)
-            paper = state.redsync_asq_feedback == "paper"
+            paper = state.config.redsync_asq_feedback == "paper"
             sent_val.append(layer[nz] if paper else mine[nz])
         else:
             s = op.select(layer)
@@ -142,28 +173,18 @@ def redsync_allgather(
         plain = SparseStream.from_sorted(idx, acc[idx], n)
     else:
         plain = SparseStream.empty(n, acc.dtype, acc.device)
-    # slot 0: the exactly sent layers; slot j + 1: layer j's ASQ payload
-    message = pack([(0, encode(plain)), *asq_parts]) if asq_parts else encode(plain)
-    # Step 4: allgather, decode, add in rank order.
-    total = torch.zeros(n, dtype=acc.dtype, device=acc.device)
-    layers = len(bucket.names) + 1
-    for buf in allgather_buffers(message, comm):
-        buf = buf.to(acc.device)
-        entries = unpack(buf, layers) if asq_parts else [(0, buf)]
-        for slot, data in entries:
-            if slot == 0:
-                s = decode(data, device=acc.device)
-                if s.size != n:
-                    raise RankMismatchError(
-                        f"redsync: a rank sent a bucket of {s.size} entries, this rank has {n} "
-                        "(do all ranks register the same parameters in the same order?)"
-                    )
-                if s.is_dense:
-                    total += s.to_dense()
-                elif s.nnz:
-                    total[s.indices] += s.values.to(acc.dtype)
-            else:
-                lo, hi = offsets[slot - 1], offsets[slot]
-                ctx = Context((hi - lo,), acc.dtype, acc.device)
-                total[lo:hi] += _ASQ_DECODER.decompress(data, ctx)
+    # Steps 3-4: one packed message per rank, allgathered and summed in rank order
+    total = packed_allgather(plain, asq_parts, offsets, comm)
     return SparseStream.from_sorted(all_idx, all_val, n), total
+
+
+REDSYNC = register_method(
+    MethodSpec(
+        "redsync",
+        "RedSync RGC: per-layer trimmed top-k / threshold binary search, optional ASQ, "
+        "one packed allgather message per rank (paper 002)",
+        redsync_allgather,
+        config=RedSyncConfig,
+        names=("redsync",),
+    )
+)
