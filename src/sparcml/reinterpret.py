@@ -21,7 +21,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["as_bytes", "bytes_as", "dense_1d", "index_low_bytes", "indices_from_low_bytes"]
+__all__ = [
+    "as_bytes",
+    "bytes_as",
+    "dense_1d",
+    "index_low_bytes",
+    "indices_from_low_bytes",
+    "write_low_bytes",
+]
 
 
 def dense_1d(t: torch.Tensor) -> torch.Tensor:
@@ -75,11 +82,22 @@ def index_low_bytes(indices: torch.Tensor, c: int) -> torch.Tensor:
     return words[:, :c].reshape(-1) if c < 8 else words.reshape(-1)
 
 
+def write_low_bytes(out: torch.Tensor, indices: torch.Tensor, c: int) -> None:
+    """:func:`index_low_bytes` written into the uint8 tensor ``out`` (``c * n`` bytes) in
+    one pass: a narrowing copy when ``out`` is aligned for ``c``-byte words."""
+    if out.storage_offset() % c or out.stride(0) != 1:
+        out.copy_(index_low_bytes(indices, c))
+    else:
+        out.view(_UNSIGNED[c] if c < 8 else torch.int64).copy_(indices)
+
+
 def indices_from_low_bytes(raw: torch.Tensor, c: int) -> torch.Tensor:
     """Inverse of :func:`index_low_bytes`: ``int64`` indices from ``c``-byte fields."""
     raw = dense_1d(raw)
     if c == 8:
         return bytes_as(raw, torch.int64)
-    rows = raw.reshape(-1, c)
-    pad = torch.zeros(rows.shape[0], 8 - c, dtype=torch.uint8, device=raw.device)
-    return torch.cat([rows, pad], dim=1).view(torch.int64).reshape(-1)
+    # one widening pass from the unsigned c-byte words (a view when aligned)
+    return bytes_as(raw, _UNSIGNED[c]).to(torch.int64)
+
+
+_UNSIGNED = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}

@@ -16,6 +16,12 @@ compact ``c``-byte indices are used on the wire (:mod:`sparcml.wire`).
 Input convention: indices given to the constructor may be unsorted and may
 repeat; they are sorted and duplicates are *combined by summation* (in the order
 they were given, so the result is deterministic). Explicit zero values are kept.
+
+Explicitly stored zeros: a pair whose value is zero stays a pair through every
+sum (the union of indices is what a sum stores, whatever the values), and a
+value present in one operand only is carried bit for bit (``-0.0`` included:
+sparse sums accumulate from ``-0.0``, the identity of IEEE addition; see
+:mod:`sparcml.merge`). Sparse sums add operands in the order given.
 NaN and Inf values are carried through like any other value, exactly as a dense
 allreduce would carry them.
 
@@ -31,6 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .merge import merge_sum
 from .reinterpret import dense_1d
 
 __all__ = [
@@ -440,12 +447,7 @@ class SparseStream:
             out = self.to_dense()
             out[other._indices] += other._values
             return SparseStream.dense(out)
-        union, inverse = torch.unique(
-            torch.cat([self._indices, other._indices]), sorted=True, return_inverse=True
-        )
-        values = torch.zeros(union.numel(), dtype=self.dtype, device=self.device)
-        values[inverse[: self.nnz]] = self._values
-        values[inverse[self.nnz :]] += other._values
+        union, values = merge_sum([self._indices, other._indices], [self._values, other._values])
         return SparseStream.from_sorted(union, values, self._size)
 
     def add_(self, other: SparseStream) -> SparseStream:
@@ -465,10 +467,11 @@ class SparseStream:
     def sum(streams: Sequence[SparseStream]) -> SparseStream:
         """Sum of several streams, each entry added in list order (deterministic).
 
-        All-sparse inputs are merged in one pass (a stable sort of all pairs, then
-        a left-to-right segment sum), which is much cheaper than pairwise unions
-        for many pieces; the result is dense if the exact union exceeds ``delta``.
-        With a dense input the streams are added pairwise, left to right.
+        All-sparse inputs are merged in one pass (:func:`sparcml.merge.merge_sum`:
+        a linear merge of the sorted runs, values added in list order), which is much
+        cheaper than pairwise unions for many pieces; the result is dense if the exact
+        union exceeds ``delta``. With a dense input the streams are added pairwise,
+        left to right.
 
         Raises:
             ValueError: if ``streams`` is empty.
@@ -479,9 +482,7 @@ class SparseStream:
         for s in streams[1:]:
             first._check_compatible(s)
         if len(streams) > 2 and not any(s._dense for s in streams):
-            indices = torch.cat([s._indices for s in streams])
-            values = torch.cat([s._values for s in streams])
-            indices, values = _coalesce(indices, values)
+            indices, values = merge_sum([s._indices for s in streams], [s._values for s in streams])
             return SparseStream.from_sorted(indices, values, first._size)
         acc = first
         for s in streams[1:]:
@@ -543,10 +544,13 @@ class SparseStream:
         total = sum(p.nnz for p in parts)
         if any(p.is_dense for p in parts) or total > dense_threshold(size, dtype):
             return SparseStream.dense(torch.cat([p.to_dense() for p in parts]))
-        offsets = [0]
-        for p in parts[:-1]:
-            offsets.append(offsets[-1] + p.size)
-        indices = torch.cat([p._indices + off for p, off in zip(parts, offsets, strict=True)])
+        # one pass per part: shifted indices written straight into the result
+        indices = torch.empty(total, dtype=torch.int64, device=device)
+        offset = start = 0
+        for p in parts:
+            torch.add(p._indices, offset, out=indices[start : start + p.nnz])
+            offset += p.size
+            start += p.nnz
         values = torch.cat([p._values for p in parts])
         return SparseStream.from_sorted(indices, values, size)
 

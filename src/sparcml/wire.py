@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from .errors import WireFormatError
-from .reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
+from .reinterpret import as_bytes, bytes_as, indices_from_low_bytes, write_low_bytes
 from .stream import SparseStream, index_bytes
 
 __all__ = [
@@ -108,18 +108,20 @@ def encode(stream: SparseStream) -> torch.Tensor:
         1.5
     """
     device = stream.device
-    values = stream.values
+    values = as_bytes(stream.values)
     if stream.is_dense:
         header = _HEADER.pack(
             MAGIC, VERSION, 1, 0, dtype_code(stream.dtype), 0, stream.size, stream.size
         )
-        return torch.cat([_bytes_tensor(header, device), as_bytes(values)])
-    c = index_bytes(stream.size)
-    header = _HEADER.pack(
-        MAGIC, VERSION, 0, c, dtype_code(stream.dtype), 0, stream.size, stream.nnz
-    )
-    idx = index_low_bytes(stream.indices, c)
-    return torch.cat([_bytes_tensor(header, device), idx, as_bytes(values)])
+        return torch.cat([_bytes_tensor(header, device), values])
+    c, nnz = index_bytes(stream.size), stream.nnz
+    header = _HEADER.pack(MAGIC, VERSION, 0, c, dtype_code(stream.dtype), 0, stream.size, nnz)
+    # one write of each field into the message (the index field starts 8-byte aligned)
+    out = torch.empty(HEADER_BYTES + nnz * c + values.numel(), dtype=torch.uint8, device=device)
+    out[:HEADER_BYTES].copy_(_bytes_tensor(header, device))
+    write_low_bytes(out[HEADER_BYTES : HEADER_BYTES + nnz * c], stream.indices, c)
+    out[HEADER_BYTES + nnz * c :].copy_(values)
+    return out
 
 
 def _read_header(buf: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -159,6 +161,10 @@ def decode(
     Raises:
         WireFormatError: truncated, trailing or corrupt data, or an unexpected
             size/dtype.
+
+    A sparse stream's values are a view into ``buf`` where the alignment allows
+    (no copy): do not overwrite ``buf`` while the stream is in use. A dense
+    stream gets its own copy (dense streams are summed in place).
     """
     flags, c, code, size, nnz, _ = _read_header(buf)
     dtype = code_dtype(code)
@@ -186,7 +192,8 @@ def decode(
     if dense:
         return SparseStream.dense(body.clone().view(dtype))
     indices = indices_from_low_bytes(body[: nnz * c], c)
-    values = bytes_as(body[nnz * c :].clone(), dtype)
+    # a view into the message when aligned: sparse streams never write their values
+    values = bytes_as(body[nnz * c :], dtype)
     check_indices(indices, size)
     return SparseStream.from_sorted(indices, values, size)
 

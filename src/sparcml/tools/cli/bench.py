@@ -1,5 +1,5 @@
 """Benchmarks: ``demo``, ``bench``, ``bench-plot``, ``algorithms``, ``bench-topk``,
-``bench-compress``, ``bench-faults``."""
+``bench-compress``, ``bench-faults``, ``bench-local``."""
 
 from __future__ import annotations
 
@@ -172,6 +172,30 @@ def bench_faults(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def bench_local(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..bench.local import collective_rows, copy_bandwidth, kernel_rows
+
+    torch.set_num_threads(1)
+    n, p, d = args.size, args.world_size, args.density
+    print(f"N={n:,} P={p} d={d:g}, one torch thread, uniform independent indices; "
+          f"copy bandwidth {copy_bandwidth() / 1e9:.1f} GB/s (read + write)")  # fmt: skip
+    print()
+    print(f"{'kernel':<52} {'elements':>9} {'ms':>7} {'ns/elem':>8} {'bound ms':>9}")
+    for r in kernel_rows(n, p, d, args.reps):
+        print(f"{r['kernel']:<52} {r['elements']:>9,} {r['ms']:>7.2f} "
+              f"{r['ns_per_element']:>8.1f} {r['bound_ms']:>9.2f}")  # fmt: skip
+    print()
+    print(f"{'algorithm (per rank per call)':<30} {'result nnz':>10} {'CPU ms p50':>10} "
+          f"{'CPU ms max':>10} {'bound MB':>9} {'bound ms':>9}")  # fmt: skip
+    for r in collective_rows(n, p, d, args.calls, tuple(args.algorithms.split(","))):
+        print(f"{r['algorithm']:<30} {r['result_nnz']:>10,} {r['cpu_ms_median']:>10.1f} "
+              f"{r['cpu_ms_max']:>10.1f} {r['rank_bound_bytes'] / 1e6:>9.1f} "
+              f"{r['bound_ms']:>9.2f}")  # fmt: skip
+    return 0
+
+
 def list_algorithms(args: argparse.Namespace) -> int:
     from ...collectives import algorithms
     from ...collectives.registry import describe
@@ -282,3 +306,18 @@ def add_parsers(sub: Any) -> None:
     bf.add_argument("--modes", default="kill,stop")
     bf.add_argument("--timeout", type=float, default=3.0, help="communicator timeout, s")
     bf.set_defaults(run=bench_faults)
+    bl = sub.add_parser(
+        "bench-local",
+        help="local CPU work of the sparse collectives next to its memory-traffic bound",
+        description="Times, in one process with one torch thread, each local kernel of the "
+        "sparse collectives (ns per element) and the thread CPU time per rank per call of the "
+        "sparse allreduce algorithms on P in-process ranks with uniform independent indices, "
+        "each next to the time its bytes take at the measured copy bandwidth.",
+    )
+    bl.add_argument("-P", "--world-size", type=positive_arg, default=8)
+    bl.add_argument("-N", "--size", type=size_arg, default=16 << 20)
+    bl.add_argument("-d", "--density", type=fraction_arg, default=0.00781)
+    bl.add_argument("--reps", type=positive_arg, default=7, help="timed runs per kernel")
+    bl.add_argument("--calls", type=positive_arg, default=3, help="timed calls per rank")
+    bl.add_argument("--algorithms", default="ssar_split_allgather,ssar_recursive_double")
+    bl.set_defaults(run=bench_local)

@@ -1,0 +1,187 @@
+"""``sparcml bench-local``: the local work of the sparse collectives next to its memory bound.
+
+Two tables, measured in one process with one torch thread:
+
+* kernels: ns per element of each step a sparse collective runs locally (the
+  merge-sum of the ``P`` sorted pieces of one range, the two-way merge of
+  recursive doubling, encode, decode, the final concatenation), and the time
+  the bytes that step must read and write take at this machine's measured
+  copy bandwidth (``bound``);
+* collectives: thread CPU time per rank per call of ``ssar_split_allgather``
+  and ``ssar_recursive_double`` on ``P`` in-process ranks
+  (:func:`sparcml.comm.run_ranks`), uniform independent indices on every rank
+  (the papers' setting), next to the memory-traffic bound of the bytes one
+  rank must touch: its own pairs, the messages it writes and reads, the
+  partial sums and the result (``rank_bound_bytes``).
+
+Timings are medians over ``reps`` calls (per rank, then the median and the
+maximum over ranks); the machine's other load shows in the spread.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...collectives import sparse_allreduce
+from ...comm import Communicator, run_ranks
+from ...stream import SparseStream, index_bytes
+from ...wire import decode, encode
+
+__all__ = ["collective_rows", "copy_bandwidth", "kernel_rows", "uniform_stream"]
+
+
+def _median_s(fn: Callable[[], Any], reps: int) -> float:
+    fn()  # warm-up (compiles kernels on first use)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> float:
+    """Bytes per second of a large copy (read + write counted), the memory bound's unit."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _median_s(lambda: dst.copy_(src), reps)
+
+
+def uniform_stream(size: int, nnz: int, seed: int) -> SparseStream:
+    """``nnz`` uniform random distinct positions in ``[0, size)`` with normal values."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(size, generator=g)[:nnz].sort().values
+    return SparseStream.from_sorted(idx, torch.randn(nnz, generator=g), size)
+
+
+def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str, Any]]:
+    """One row per local kernel: elements, ms, ns per element, and the memory bound."""
+    bw = copy_bandwidth()
+    k = max(int(n * density), 1)
+    c, isize = index_bytes(n), 4
+    pair = 8 + isize  # an in-memory pair: int64 index, float32 value
+    wire_pair = c + isize
+    width = n // p
+    pieces = [uniform_stream(width, max(k // p, 1), 100 + r) for r in range(p)]
+    reduced = SparseStream.sum(pieces)
+    half = max(int(n * (1 - (1 - density) ** (p // 2))), 1)
+    a, b = uniform_stream(n, half, 1), uniform_stream(n, half, 2)
+    union = a + b
+    parts = [uniform_stream(width, reduced.nnz, 200 + r) for r in range(p)]
+    bufs = [encode(x) for x in parts]
+    decoded = [decode(x) for x in bufs]
+    result = SparseStream.concat(decoded)
+    cases: list[tuple[str, int, int, Callable[[], Any]]] = [
+        (
+            f"merge-sum of {p} sorted pieces of one range",
+            k,
+            k * pair + reduced.nnz * pair,
+            lambda: SparseStream.sum(pieces),
+        ),
+        (
+            "two-way merge-sum (recursive doubling, last stage)",
+            2 * half,
+            2 * half * pair + union.nnz * pair,
+            lambda: a + b,
+        ),
+        (
+            f"encode {p} reduced ranges",
+            p * reduced.nnz,
+            p * reduced.nnz * (pair + wire_pair),
+            lambda: [encode(x) for x in parts],
+        ),
+        (
+            f"decode {p} reduced ranges",
+            p * reduced.nnz,
+            p * reduced.nnz * (wire_pair + 8),
+            lambda: [decode(x) for x in bufs],
+        ),
+        (
+            f"concatenate {p} ranges into the result",
+            result.nnz,
+            2 * result.nnz * pair,
+            lambda: SparseStream.concat(decoded),
+        ),
+    ]
+    rows = []
+    for name, elems, nbytes, fn in cases:
+        s = _median_s(fn, reps)
+        rows.append(
+            {
+                "kernel": name,
+                "elements": elems,
+                "ms": s * 1e3,
+                "ns_per_element": s * 1e9 / elems,
+                "bound_ms": nbytes / bw * 1e3,
+            }
+        )
+    return rows
+
+
+def _rank_bound_bytes(algorithm: str, n: int, p: int, k: int, result_nnz: int) -> int:
+    """Bytes one rank must read and write for one call (module docstring)."""
+    c, isize = index_bytes(n), 4
+    pair, wire_pair = 8 + isize, c + isize
+    if algorithm == "ssar_split_allgather":
+        mine = result_nnz // p
+        return (
+            k * pair  # read its own pairs
+            + 2 * k * wire_pair  # write the pieces, read the received ones
+            + mine * pair  # write the reduced range
+            + result_nnz * wire_pair  # read the gathered ranges
+            + result_nnz * pair  # write the result
+        )
+    total, held, group = 0, k, 1
+    d = k / n
+    while group < p:
+        group *= 2
+        merged = int(n * (1 - (1 - d) ** group))
+        total += held * pair + 2 * held * wire_pair + merged * pair
+        held = merged
+    return total
+
+
+def collective_rows(
+    n: int, p: int, density: float, reps: int = 3, algorithms: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """Thread CPU ms per rank per call of each algorithm on ``p`` in-process ranks."""
+    bw = copy_bandwidth()
+    k = max(int(n * density), 1)
+    algorithms = algorithms or ("ssar_split_allgather", "ssar_recursive_double")
+    streams = [uniform_stream(n, k, r) for r in range(p)]
+
+    def body(comm: Communicator, algorithm: str) -> tuple[list[float], int]:
+        mine = streams[comm.rank]
+        out = sparse_allreduce(mine, comm, algorithm=algorithm)  # warm-up
+        times = []
+        for _ in range(reps):
+            t0 = time.thread_time()
+            out = sparse_allreduce(mine, comm, algorithm=algorithm)
+            times.append(time.thread_time() - t0)
+        return times, out.nnz
+
+    rows = []
+    for algorithm in algorithms:
+        got = run_ranks(p, body, algorithm, timeout=600.0)
+        per_rank = [statistics.median(t) * 1e3 for t, _ in got]
+        nnz = got[0][1]
+        nbytes = _rank_bound_bytes(algorithm, n, p, k, nnz)
+        rows.append(
+            {
+                "algorithm": algorithm,
+                "P": p,
+                "N": n,
+                "density": density,
+                "result_nnz": nnz,
+                "cpu_ms_median": statistics.median(per_rank),
+                "cpu_ms_max": max(per_rank),
+                "rank_bound_bytes": nbytes,
+                "bound_ms": nbytes / bw * 1e3,
+            }
+        )
+    return rows
