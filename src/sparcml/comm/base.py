@@ -137,6 +137,16 @@ class Communicator(abc.ABC):
         finally:
             self._control -= 1
 
+    @property
+    def sequence(self) -> int:
+        """The number of the last collective call (0 before the first); settable, for
+        a resumed run that must continue the numbering (quantizers' seeds use it)."""
+        return self._sequence
+
+    @sequence.setter
+    def sequence(self, value: int) -> None:
+        self._sequence = int(value)
+
     def next_sequence(self) -> int:
         """Number the collective calls: every rank calls them in the same order."""
         self._sequence += 1

@@ -375,7 +375,7 @@ class SparcmlState:
             "step_bytes": list(self.step_bytes),
             "ina_calls": self.ina_calls,
             # the collective call number: quantizers' rounding seeds derive from it
-            "comm_sequence": getattr(self.comm, "_sequence", 0),
+            "comm_sequence": self.comm.sequence,
             "residuals": ck.tensors(self.residuals),
             "momenta": ck.tensors(self.momenta),
             "operators": ck.keyed(self.operators),
@@ -404,8 +404,7 @@ class SparcmlState:
         self.bytes_sent = int(sd["bytes_sent"])
         self.step_bytes = [int(b) for b in sd["step_bytes"]]
         self.ina_calls = int(sd["ina_calls"])
-        if hasattr(self.comm, "_sequence"):
-            self.comm._sequence = int(sd["comm_sequence"])
+        self.comm.sequence = int(sd["comm_sequence"])
         self.residuals = ck.tensors(sd["residuals"])
         self.momenta = ck.tensors(sd["momenta"])
         self.operators = ck.unkeyed(sd["operators"])
