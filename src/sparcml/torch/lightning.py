@@ -1,0 +1,63 @@
+"""PyTorch Lightning: a callback that switches a ``Trainer``'s DDP to a sparcml method.
+
+    from sparcml.torch.lightning import SparcmlCallback
+
+    trainer = lightning.Trainer(strategy="ddp", callbacks=[SparcmlCallback("topk", density=0.01)])
+
+Why a callback and not ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``:
+the :class:`~sparcml.torch.SparcmlState` is a collective object (a dedicated
+process group of its own, and a check that every rank runs the same method and
+parameters), so it must be made after the process group exists, which Lightning
+creates inside ``Trainer.fit``. The callback builds it at ``on_fit_start``, when
+the strategy has wrapped the model in DDP, and registers it exactly as
+:func:`sparcml.torch.register` does; ``callback.state`` is the state (bytes,
+checkpoints).
+
+Requires the ``lightning`` package (``pip install lightning``); this module is
+not imported by ``sparcml.torch``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.nn.parallel import DistributedDataParallel
+
+from .hook import register
+from .state import SparcmlState, needs_momentum_correction
+
+__all__ = ["SparcmlCallback"]
+
+
+class SparcmlCallback(pl.Callback):
+    """Register a sparcml method on the Trainer's DDP model when fitting starts.
+
+    Args:
+        method: see :func:`sparcml.torch.methods`.
+        **hyper: :class:`~sparcml.torch.SparcmlState` hyperparameters
+            (``density=``, ``momentum=`` for DGC momentum correction, ...).
+
+    Raises:
+        TypeError (at ``on_fit_start``): the strategy did not wrap the model in DDP
+            (use ``strategy="ddp"``).
+    """
+
+    def __init__(self, method: str = "topk", **hyper: Any) -> None:
+        self.method = method
+        self.hyper = hyper
+        self.state: SparcmlState | None = None
+
+    @staticmethod
+    def needs_momentum_correction(method: str) -> bool:
+        """Whether the optimizer should run without momentum (give it to the state)."""
+        return needs_momentum_correction(method)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = trainer.strategy.model
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(
+                f"SparcmlCallback needs strategy='ddp' (the model is a {type(model).__name__})"
+            )
+        if self.state is None:
+            self.state = register(model, self.method, **self.hyper)

@@ -1,0 +1,42 @@
+"""Lightning and Accelerate: the shipped examples run on two CPU ranks under torchrun.
+
+Skipped when the packages are not installed (they are in the dev extra).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def _torchrun(script: str, method: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(EXAMPLES / script), "--method", method, "--steps", "12"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[:1500] + done.stderr[-1500:]
+    return done.stdout
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("method", ["topk"])  # a sparse method with error feedback
+def test_lightning_callback_switches_the_trainer(method: str) -> None:
+    pytest.importorskip("lightning")
+    out = _torchrun("lightning_train.py", method)
+    assert f"{method}: final loss" in out and "models identical on every rank: True" in out
+    sent = int(out.split("sent ")[1].split(" bytes")[0].replace(",", ""))
+    assert sent > 0  # the hook ran (plain DDP would not count bytes here)
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("method", ["natural"])  # a quantized method
+def test_accelerate_prepared_model_takes_the_hook(method: str) -> None:
+    pytest.importorskip("accelerate")
+    out = _torchrun("accelerate_train.py", method)
+    assert f"{method}: final loss" in out and "models identical on every rank: True" in out
+    sent = int(out.split("sent ")[1].split(" bytes")[0].replace(",", ""))
+    assert sent > 0
