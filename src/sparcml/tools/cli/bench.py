@@ -9,7 +9,15 @@ import sys
 import time
 from typing import Any
 
-from .common import add_bench_args, bench_config, fraction_arg, join_job, positive_arg, size_arg
+from .common import (
+    add_bench_args,
+    bench_config,
+    fraction_arg,
+    invalid,
+    join_job,
+    positive_arg,
+    size_arg,
+)
 
 __all__ = ["add_parsers"]
 
@@ -47,10 +55,7 @@ def run_bench(args: argparse.Namespace, title: str) -> int:
     from ..bench import format_table, run_benchmark, write_outputs
 
     cfg = bench_config(args)
-    try:
-        cfg.validate()
-    except ValueError as e:
-        print(f"sparcml: error: {e}", file=sys.stderr)
+    if invalid(cfg):
         return 2
     t0 = time.monotonic()
     if getattr(args, "env", False):  # one rank of a torchrun / sparcml cluster job
@@ -122,10 +127,7 @@ def bench_topk(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         progress=not args.quiet,
     )
-    try:
-        cfg.validate()
-    except ValueError as e:
-        print(f"sparcml: error: {e}", file=sys.stderr)
+    if invalid(cfg):
         return 2
     t0 = time.monotonic()
     if args.env:  # one rank of a torchrun / sparcml cluster job

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from typing import Any
 
 __all__ = [
     "add_bench_args",
     "bench_config",
     "fraction_arg",
+    "invalid",
     "join_job",
     "positive_arg",
     "size_arg",
@@ -108,6 +110,16 @@ def bench_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         progress=not args.quiet,
         peers=getattr(args, "peers", False),
     )
+
+
+def invalid(cfg: Any) -> bool:
+    """Validate a configuration; print the CLI's error line and return True if it is bad."""
+    try:
+        cfg.validate()
+    except ValueError as e:
+        print(f"sparcml: error: {e}", file=sys.stderr)
+        return True
+    return False
 
 
 def join_job(rank_main: Any, cfg: Any, title: str) -> tuple[Any, list[dict[str, Any]] | None]:
