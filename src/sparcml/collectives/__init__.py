@@ -1,9 +1,13 @@
 """Sparse collectives, one algorithm per module, looked up by name in a registry.
 
-Importing this package registers every built-in algorithm.
+Importing this package imports every module in it, so every algorithm registers
+itself: adding a collective is adding one file (see docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from ._common import split_and_reduce
 from .allreduce import check_consistent, choose_algorithm, sparse_allreduce
@@ -41,3 +45,7 @@ __all__ = [
     "topka",
     "topkdsa",
 ]
+
+# Every module of the package: a new algorithm file registers itself on import.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
