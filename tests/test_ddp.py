@@ -25,7 +25,7 @@ def _train(world: int, method: str | None, record: bool = False, user: bool = Fa
     )
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # not a power of two (P = 2: the gloo and MPI tests)
 def test_lossless_hooks_reproduce_plain_ddp(world: int) -> None:
     plain = _train(world, None)
     for method, hyper in [("dense", {}), ("topk", {"density": 1.0})]:

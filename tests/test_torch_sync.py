@@ -258,7 +258,7 @@ def test_redsync_sends_one_message_per_rank_and_bsearch_for_large_layers() -> No
 
 
 @pytest.mark.parametrize("method", ["qsgd", "natural", "natural_dithering"])
-@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("world", [1, 3])  # more ranks: test_quantization_independence
 def test_unbiased_quantizers_are_identical_unbiased_and_bounded(method: str, world: int) -> None:
     n = 64
     trials = 200  # the band below is in standard errors of this many trials
