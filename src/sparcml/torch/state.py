@@ -96,6 +96,13 @@ class SparcmlState:
             ``"nonzeros"`` (lossless: the gradient's own non-zeros, no selection).
         density: fraction of each bucket's (or layer's, for ``redsync``) entries a
             rank selects (sparse methods). Default 0.01.
+
+    The method's own options (``algorithm``, ``compressor_params``, ``quantize``,
+    ``index_coding``, ``oktopk_*``, ``redsync_*``, ``ina_*``) are keyword arguments
+    routed by name to the method's config dataclass (:mod:`sparcml.torch.methods`;
+    ``state.config``, also readable as ``state.<option>``); options of other methods
+    are ignored, unknown names refused. They are:
+
         algorithm: sparse allreduce algorithm of the selector methods and ``nonzeros``
             (:func:`sparcml.algorithms`, default ``"auto"``).
         compressor_params: extra hyperparameters of the selector/quantizer
