@@ -11,6 +11,7 @@ from typing import Any
 
 from .common import (
     add_bench_args,
+    add_env_arg,
     bench_config,
     fraction_arg,
     invalid,
@@ -240,11 +241,7 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="also run PyTorch's fp16 and PowerSGD DDP hooks on the same vectors",
     )
-    bench.add_argument(
-        "--env",
-        action="store_true",
-        help="join a job started by torchrun / sparcml cluster (-P is ignored)",
-    )
+    add_env_arg(bench)
     bench.set_defaults(run=lambda args: run_bench(args, "sparcml bench"))
     bp = sub.add_parser(
         "bench-plot",
@@ -273,11 +270,7 @@ def add_parsers(sub: Any) -> None:
     bt.add_argument("--seed", type=int, default=0)
     bt.add_argument("--timeout", type=float, default=300.0)
     bt.add_argument("--json", help="write the rows to this JSON file")
-    bt.add_argument(
-        "--env",
-        action="store_true",
-        help="join a job started by torchrun / sparcml cluster (-P is ignored)",
-    )
+    add_env_arg(bt)
     bt.add_argument("-q", "--quiet", action="store_true")
     bt.set_defaults(run=bench_topk)
     bc = sub.add_parser(

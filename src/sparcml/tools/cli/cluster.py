@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from .common import positive_arg
+from .common import add_env_arg, positive_arg
 
 __all__ = ["add_parsers"]
 
@@ -84,11 +84,7 @@ def add_parsers(sub: Any) -> None:
         "alpha-beta-gamma model; stored where algorithm='auto' finds them.",
     )
     ca.add_argument("-P", "--world-size", type=positive_arg, default=2, help="local ranks")
-    ca.add_argument(
-        "--env",
-        action="store_true",
-        help="join a job started by torchrun / sparcml cluster instead of spawning",
-    )
+    add_env_arg(ca)
     ca.add_argument("--repeats", type=positive_arg, default=7)
     ca.add_argument("--out", help="calibration file (default $SPARCML_CALIBRATION or "
                     "~/.config/sparcml/calibration.json)")  # fmt: skip

@@ -10,6 +10,7 @@ from typing import Any
 
 __all__ = [
     "add_bench_args",
+    "add_env_arg",
     "bench_config",
     "fraction_arg",
     "invalid",
@@ -30,6 +31,15 @@ def size_arg(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be at least 1, got {text!r}")
     return value
+
+
+def add_env_arg(p: argparse.ArgumentParser) -> None:
+    """``--env``: join a torchrun / ``sparcml cluster`` job instead of spawning local ranks."""
+    p.add_argument(
+        "--env",
+        action="store_true",
+        help="join a job started by torchrun / sparcml cluster (-P is ignored)",
+    )
 
 
 def fraction_arg(text: str) -> float:
