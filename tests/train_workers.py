@@ -132,3 +132,38 @@ def sparse_lr_losses(comm: Any, method: str, steps: int) -> dict[str, Any]:
         opt.step()
         losses.append(float(loss.detach()))
     return {"losses": losses, "bytes": sum(state.step_bytes), "w": model.module.w.weight.detach()}
+
+
+def ddp_sparse_embedding(
+    comm: Any, configs: list[tuple[str | None, dict[str, Any]]], steps: int
+) -> list[dict[str, Any]]:
+    """An EmbeddingBag(sparse=True) model under DDP, once per (method, hyper) config
+    (``None``: plain DDP, PyTorch's own sparse-gradient allreduce)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = []
+    for method, hyper in configs:
+        g = torch.Generator().manual_seed(3)
+        module = torch.nn.Sequential(
+            torch.nn.EmbeddingBag(300, 8, mode="sum", sparse=True), torch.nn.Linear(8, 3)
+        )
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        model = DDP(module)
+        if method is not None:
+            st.register(model, method, **hyper)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2)
+        losses, sparse_grad = [], True
+        for _ in range(steps):
+            gen = torch.Generator().manual_seed(100 * comm.rank)  # one batch: the loss falls
+            ids = torch.randint(0, 300, (16, 4), generator=gen)
+            y = ids[:, 0] % 3
+            loss = torch.nn.functional.cross_entropy(model(ids), y)
+            opt.zero_grad()
+            loss.backward()
+            sparse_grad = sparse_grad and module[0].weight.grad.is_sparse
+            opt.step()
+            losses.append(float(loss.detach()))
+        out.append({"params": flat_params(module), "losses": losses, "sparse_grad": sparse_grad})
+    return out

@@ -15,7 +15,10 @@ With FSDP2 (after ``fully_shard``): ``sparcml.torch.register_fsdp(model, method=
 (:mod:`sparcml.torch.fsdp`). Checkpoints: ``state.state_dict()`` per rank
 (:mod:`sparcml.torch.checkpoint`).
 
-Methods: :func:`methods`. Hyperparameters: :class:`SparcmlState`.
+Methods: :func:`methods`. Hyperparameters: :class:`SparcmlState`. Per-layer rules
+and density schedules: :class:`LayerRule`, :class:`DensityWarmup`
+(:mod:`sparcml.torch.rules`). Statistics: ``state.group_stats()``
+(:mod:`sparcml.torch.stats`).
 """
 
 from __future__ import annotations
@@ -23,13 +26,24 @@ from __future__ import annotations
 from .fsdp import register_fsdp
 from .hook import check_parameters, register, sparcml_hook
 from .reduce import Bucket, reduce_bucket
+from .rules import DensityWarmup, LayerRule
 from .state import SparcmlState, methods, needs_momentum_correction
-from .sync import DistributedOptimizer, broadcast_parameters, sync_gradients
+from .stats import GroupStats
+from .sync import (
+    DistributedOptimizer,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    sync_gradients,
+)
 
 __all__ = [
     "Bucket",
+    "DensityWarmup",
     "DistributedOptimizer",
+    "GroupStats",
+    "LayerRule",
     "SparcmlState",
+    "broadcast_optimizer_state",
     "broadcast_parameters",
     "check_parameters",
     "methods",

@@ -147,6 +147,7 @@ class SparcmlReduceScatter:  # made a ReduceScatter subclass in register_fsdp
         if g.dtype in (torch.float16, torch.bfloat16):
             g = g.float()
         bounds = [j * width for j in range(comm.world_size + 1)]
+        state.at_step(step)  # density schedules
         kind = "dense" if step < state.warmup_steps else state.kind
         codec: StreamCodec = EXACT
         if kind == "dense":
@@ -249,6 +250,12 @@ def register_fsdp(
         raise ValueError(
             "register_fsdp supports neither momentum correction, clip_norm nor "
             "nan_policy='raise' (use the optimizer's momentum and torch's clipping)"
+        )
+    if state.rules:
+        raise ValueError(
+            "register_fsdp does not support layer rules (layers=, dense_below=): FSDP "
+            "reduce-scatters each module's parameters as one flat tensor; use one method "
+            "for the model, or DDP / sync_gradients for per-layer rules"
         )
     if state.registered is not None:
         raise ValueError(f"this state is already registered with {state.registered}")

@@ -35,10 +35,17 @@ import torch.distributed as dist
 
 from ..errors import RankMismatchError
 from .layout import reduce_ddp_bucket
-from .reduce import Bucket
+from .reduce import Bucket, check_sparse_gradient_method
 from .state import SparcmlState
 
-__all__ = ["check_parameters", "check_settings", "register", "sparcml_hook"]
+__all__ = [
+    "check_parameters",
+    "check_settings",
+    "check_sparse_gradients",
+    "register",
+    "sparcml_hook",
+    "sparse_gradient_parameters",
+]
 
 
 def sparcml_hook(
@@ -207,6 +214,30 @@ def check_parameters(
             )
 
 
+def sparse_gradient_parameters(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """The parameters whose gradients are sparse COO tensors: the weights of
+    ``nn.Embedding`` / ``nn.EmbeddingBag`` modules built with ``sparse=True`` (how
+    DDP finds them too)."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    out = []
+    for prefix, module in model.named_modules():
+        embedding = isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        if embedding and module.sparse and module.weight.requires_grad:
+            out.append((f"{prefix}.weight" if prefix else "weight", module.weight))
+    return out
+
+
+def check_sparse_gradients(state: SparcmlState, model: Any) -> list[str]:
+    """Refuse up front a method that cannot reduce a sparse-gradient parameter
+    (``ValueError`` naming it); returns those parameters' names."""
+    names = []
+    for name, p in sparse_gradient_parameters(model):
+        check_sparse_gradient_method(state, name, p.numel(), state.step)
+        names.append(name)
+    return names
+
+
 def named_parameters_of(
     model: torch.nn.Module | Iterable[torch.Tensor],
 ) -> list[tuple[str, torch.Tensor]]:
@@ -263,6 +294,7 @@ def register(
             "sync_gradients / DistributedOptimizer without DDP"
         )
     named = named_parameters_of(model.module)
+    check_sparse_gradients(state, model.module)
     check_settings(state)
     check_parameters(state, named)
     state.param_names = {id(p): n for n, p in named}

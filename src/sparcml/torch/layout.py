@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from .reduce import Bucket, reduce_bucket
+from .reduce import Bucket, reduce_bucket, reduce_sparse_gradient
 from .state import SparcmlState
 
 __all__ = ["reduce_ddp_bucket"]
@@ -45,6 +45,9 @@ def reduce_ddp_bucket(state: SparcmlState, item: Bucket, is_last: bool) -> torch
     replay: list[tuple[str, ...]] | None = state.replay_layout
     if is_last:
         state.replay_layout = None  # one step: DDP rebuilds its buckets after it
+    if item.grad.is_sparse:  # DDP gives a sparse gradient a bucket of its own
+        _record(state, [item.names], is_last)
+        return reduce_sparse_gradient(state, item)
     if not replay or item.names in replay:
         _record(state, [item.names], is_last)
         return reduce_bucket(state, item)

@@ -5,6 +5,8 @@ or a group of parameters in :func:`~sparcml.torch.sync_gradients`). Per bucket a
 step, on every rank (the steps of SparCML's Alg. 1 and RedSync's Alg. 1, with
 DGC's additions as RedSync sec. 3.5 describes them):
 
+0. layer rules: the bucket's parameters are grouped by the state (method) that
+   reduces them (:mod:`sparcml.torch.rules`); each group runs steps 1-7;
 1. warm-up: during the first ``warmup_steps`` steps, a dense allreduce, nothing else
    (with momentum correction: of the momentum ``u = m u + g``, i.e. momentum SGD);
 2. NaN policy: with ``nan_policy="raise"``, every rank learns which ranks and
@@ -32,14 +34,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 
 import torch
 
+from ..collectives import sparse_allreduce
 from ..stream import SparseStream
 from .methods import method_spec
 from .state import SparcmlState
 
-__all__ = ["Bucket", "reduce_bucket"]
+__all__ = ["Bucket", "check_sparse_gradient_method", "reduce_bucket", "reduce_sparse_gradient"]
 
 log = logging.getLogger("sparcml")
 
@@ -100,22 +104,149 @@ def _any_nonfinite(state: SparcmlState, g: torch.Tensor) -> bool:
 
 
 def reduce_bucket(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
-    """Steps 1-7 above for one bucket; returns the averaged flat gradient."""
+    """Steps 0-7 above for one bucket; returns the averaged flat gradient.
+
+    Step 0: with layer rules, the bucket's parameters are grouped by the state
+    that reduces them (``state.routes``), and each group runs steps 1-7 with its
+    own method, in the order of its first parameter (the same on every rank).
+    """
+    comm = state.comm
+    before = comm.stats.bytes_sent
+    try:
+        routes = state.routes(bucket.names, bucket.sizes, bucket.step)
+        if len(routes) == 1:
+            return _reduce(routes[0][0], bucket)
+        flat = bucket.grad.reshape(-1)
+        offsets = [0]
+        for size in bucket.sizes:
+            offsets.append(offsets[-1] + size)
+        out = torch.empty_like(flat)
+        for group, where in routes:
+            parts = [flat[offsets[i] : offsets[i + 1]] for i in where]
+            sub = Bucket(
+                tuple(bucket.names[i] for i in where),
+                tuple(bucket.sizes[i] for i in where),
+                torch.cat(parts) if len(parts) > 1 else parts[0],
+                bucket.step,
+            )
+            avg = _reduce(group, sub)
+            for i, part in zip(where, avg.split(list(sub.sizes)), strict=True):
+                out[offsets[i] : offsets[i + 1]] = part
+        return out
+    finally:
+        _count(state, bucket.step, comm.stats.bytes_sent - before)
+
+
+def _count(state: SparcmlState, step: int, sent_bytes: int) -> None:
+    state.bytes_sent += sent_bytes
+    while len(state.step_bytes) <= step:
+        state.step_bytes.append(0)
+    state.step_bytes[step] += sent_bytes
+
+
+# methods that reduce a sparse (COO) gradient: exactly, or selecting from its residual
+SPARSE_GRADIENT_KINDS = ("dense", "nonzeros", "sparse")
+
+
+def check_sparse_gradient_method(state: SparcmlState, name: str, numel: int, step: int) -> None:
+    """Raise ``ValueError`` if the method that reduces parameter ``name`` at ``step``
+    cannot take its sparse gradient (naming the parameter and the choices)."""
+    group = state.group_of(name, numel, step)
+    if group.kind not in SPARSE_GRADIENT_KINDS:
+        raise ValueError(
+            f"parameter {name!r} has a sparse gradient (nn.Embedding/EmbeddingBag with "
+            f"sparse=True), which method {group.method!r} cannot reduce; sparse gradients "
+            "go through 'nonzeros' or 'dense' (exact, as sparse streams) or a selector "
+            "('topk', 'topk+natural', ...): route it with a layer rule, e.g. "
+            f"SparcmlState(..., layers=[({name!r}, 'nonzeros')])"
+        )
+
+
+def reduce_sparse_gradient(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
+    """The average of one parameter's sparse COO gradient (``bucket.grad``, the
+    parameter's shape), as a coalesced COO tensor of the same layout.
+
+    ``dense`` and ``nonzeros`` (and warm-up steps) reduce the stored entries exactly
+    through the sparse allreduce, never densifying (SparCML sec. 8.2's use case:
+    sparse embeddings and linear models; what plain DDP does for sparse gradients,
+    but with sparcml's algorithms). Selector methods keep a dense residual (error
+    feedback needs one), select from ``residual + g`` and send the selection.
+    """
+    comm = state.comm
+    before = comm.stats.bytes_sent
+    try:
+        name, numel = bucket.names[0], bucket.sizes[0]
+        check_sparse_gradient_method(state, name, numel, bucket.step)
+        return _reduce_sparse(state.group_of(name, numel, bucket.step), bucket)
+    finally:
+        _count(state, bucket.step, comm.stats.bytes_sent - before)
+
+
+def _reduce_sparse(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
+    g = bucket.grad.detach().coalesce()
+    shape, sparse_dim = tuple(g.shape), g.sparse_dim()
+    if state.momentum or (state.kind == "sparse" and bucket.step >= state.warmup_steps):
+        flat = g.to_dense().reshape(-1)
+        avg = _reduce(state, Bucket(bucket.names, bucket.sizes, flat, bucket.step))
+        return SparseStream.from_dense(avg).to_torch_sparse(shape, sparse_dim)
+    comm = state.comm
+    p = comm.world_size
+    state.at_step(bucket.step)
+    before = comm.stats.bytes_sent
+    t0 = time.perf_counter()
+    try:
+        stream = SparseStream.from_torch_sparse(g)
+        if state.nan_policy == "raise":
+            _check_finite(
+                state,
+                Bucket(bucket.names, (stream.nnz,), stream.values, bucket.step),
+                stream.values,
+            )
+        algorithm = state.config.algorithm if state.kind == "nonzeros" else "auto"
+        total = sparse_allreduce(stream, comm, algorithm=algorithm, call_id=bucket.step)
+        if total.is_dense:
+            total = SparseStream.from_dense(total.to_dense())
+        avg = SparseStream.from_sorted(total.indices, total.values / p, total.size)
+        return avg.to_torch_sparse(shape, sparse_dim)
+    finally:
+        state.stats.record(
+            bucket.step, g.numel(), comm.stats.bytes_sent - before,
+            2 * (p - 1) / p * g.numel() * g.element_size(), 0.0,
+            time.perf_counter() - t0, None, None,
+        )  # fmt: skip
+
+
+def _work_dtype(state: SparcmlState, g: torch.Tensor) -> torch.dtype:
+    """The dtype residuals and momenta are kept in (``residual_precision``)."""
+    if state.residual_precision == "float32" and g.dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return g.dtype
+
+
+def _reduce(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
+    """Steps 1-7 for one bucket whose parameters all belong to ``state``'s group."""
     comm = state.comm
     p = comm.world_size
     g = bucket.grad.detach().reshape(-1)
+    state.at_step(bucket.step)
     before = comm.stats.bytes_sent
+    t0 = time.perf_counter()
+    compress_s = 0.0
+    state.select_s = 0.0
+    sent: torch.Tensor | SparseStream | None = None
     try:
         # Step 1: dense warm-up.
         if bucket.step < state.warmup_steps or state.kind == "dense":
             if state.nan_policy == "raise":
                 _check_finite(state, bucket, g)
-            if state.momentum and state.kind != "dense":
+            if state.momentum:
                 # with momentum correction the optimizer has no momentum: warm-up
-                # steps are dense momentum SGD, u = m u + g, averaged (no masking)
-                u = state.momentum_correction.accumulate(bucket.names, bucket.sizes, g)
+                # steps (and a layer rule's dense parameters) are dense momentum
+                # SGD, u = m u + g, averaged (no masking)
+                work = g.to(_work_dtype(state, g))
+                u = state.momentum_correction.accumulate(bucket.names, bucket.sizes, work)
                 state.momentum_correction.keep(bucket.names, bucket.sizes, u)
-                return comm.allreduce(u) / p
+                return (comm.allreduce(u.to(g.dtype)) / p).to(g.dtype)
             return comm.allreduce(g) / p
         # Step 2: NaN policy.
         if state.nan_policy == "raise":
@@ -131,35 +262,53 @@ def reduce_bucket(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
                 bucket.names[0] if bucket.names else "?",
             )
             return comm.allreduce(g) / p
+        t_local = time.perf_counter()
         # Step 3: local gradient clipping (DGC: threshold scaled by P^-1/2).
         if state.clip_norm is not None and state.clip_scope == "bucket":
             limit = state.clip_norm / math.sqrt(p)
             norm = float(torch.linalg.vector_norm(g.double())) if g.numel() else 0.0
             if norm > limit:
                 g = g * (limit / (norm + 1e-12))
-        # Step 4: accumulation.
+        # Step 4: accumulation (residuals and momenta in float32 for 16-bit gradients
+        # unless residual_precision="gradient"; what is sent stays in g's dtype).
         names, sizes = bucket.names, bucket.sizes
+        work = g.to(_work_dtype(state, g))
         if state.momentum:
-            u = state.momentum_correction.accumulate(names, sizes, g)
-            acc = state.feedback.compensate_bucket(names, sizes, u)
+            u = state.momentum_correction.accumulate(names, sizes, work)
+            acc = state.feedback.compensate_bucket(names, sizes, u) if state.error_feedback else u
         elif state.error_feedback:
-            acc = state.feedback.compensate_bucket(names, sizes, g)
+            acc = state.feedback.compensate_bucket(names, sizes, work)
         else:
             acc = g.clone()
+        send = acc if acc.dtype == g.dtype else acc.to(g.dtype)
+        compress_s = time.perf_counter() - t_local
         # Step 5: the method's collective (sparcml.torch.methods).
-        sent, total = method_spec(state.kind).run(state, bucket, acc)
+        sent, total = method_spec(state.kind).run(state, bucket, send)
+        compress_s += state.select_s
         # Step 6: residuals (and momentum factor masking).
-        if state.momentum or state.error_feedback:
+        if state.error_feedback:
             assert sent is not None
-            sent_dense, mask = _sent_and_mask(sent, acc)
-            state.feedback.update_bucket(names, sizes, acc, sent_dense)
+            sent_dense, mask = _sent_and_mask(sent, send)
+            state.feedback.update_bucket(names, sizes, acc, sent_dense.to(acc.dtype))
             if state.momentum:
                 state.momentum_correction.keep(names, sizes, u, mask)
+        elif state.momentum:
+            state.momentum_correction.keep(names, sizes, u)  # every entry was sent
         # Step 7: the average.
         return (total / p).to(g.dtype)
     finally:
-        sent_bytes = comm.stats.bytes_sent - before
-        state.bytes_sent += sent_bytes
-        while len(state.step_bytes) <= bucket.step:
-            state.step_bytes.append(0)
-        state.step_bytes[bucket.step] += sent_bytes
+        elapsed = time.perf_counter() - t0
+        selected = k = None
+        if isinstance(sent, SparseStream) and not sent.is_dense:
+            selected = sent.nnz
+            k = max(1, round(state.density * g.numel())) if g.numel() else 0
+        state.stats.record(
+            bucket.step,
+            g.numel(),
+            comm.stats.bytes_sent - before,
+            2 * (p - 1) / p * g.numel() * g.element_size(),
+            compress_s,
+            max(0.0, elapsed - compress_s),
+            selected,
+            k,
+        )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ from ..compress import get
 from ..compress.base import operator_class
 from ..sgd.feedback import ErrorFeedback, MomentumCorrection
 from .methods import MethodConfig, method_kind, method_spec, methods, valid_algorithms
+from .rules import Density, LayerRule, check_density, describe_schedule, rules_from
+from .stats import GroupStats
 
 __all__ = [
     "SparcmlState",
@@ -44,7 +46,13 @@ PIPELINE = (
     "nan_policy",
     "bucket_bytes",
     "seed",
+    "layers",
+    "dense_below",
+    "residual_precision",
+    "stats_every",
 )
+
+RESIDUAL_PRECISIONS = ("float32", "gradient")
 
 
 def needs_momentum_correction(method: str) -> bool:
@@ -95,7 +103,10 @@ class SparcmlState:
             ``"qsgd"``, ``"natural"``, ``"natural_dithering"``, ``"dithering"``, and
             ``"nonzeros"`` (lossless: the gradient's own non-zeros, no selection).
         density: fraction of each bucket's (or layer's, for ``redsync``) entries a
-            rank selects (sparse methods). Default 0.01.
+            rank selects (sparse methods). Default 0.01. A callable ``step ->
+            density`` is a schedule (:class:`~sparcml.torch.rules.DensityWarmup` is
+            DGC's warm-up); assigning ``state.density`` between steps takes effect
+            at the next step.
 
     The method's own options (``algorithm``, ``compressor_params``, ``quantize``,
     ``index_coding``, ``oktopk_*``, ``redsync_*``, ``ina_*``) are keyword arguments
@@ -151,6 +162,21 @@ class SparcmlState:
         redsync_bsearch_numel: layers with at least this many entries use threshold
             binary search (sampled, unless ASQ), smaller ones trimmed top-k.
         bucket_bytes: bucket size of :func:`~sparcml.torch.sync_gradients`.
+        layers: per-layer rules (:class:`~sparcml.torch.rules.LayerRule`, or
+            ``(pattern, method)`` pairs), first match wins: e.g.
+            ``[("*.bias", "dense"), ("embed.*", "nonzeros")]``. Each rule's
+            parameters are reduced by its method, with residuals, operators and
+            statistics of their own (:meth:`group_stats`).
+        dense_below: parameters with fewer entries are sent dense (CGX's
+            ``layer_min_size``; a last rule after ``layers``). Default 0: none.
+        residual_precision: ``"float32"`` (default): with float16/bfloat16
+            gradients the error-feedback residuals and DGC momenta are kept in
+            float32 (4 bytes per compressed parameter instead of 2; what is sent
+            is still 16-bit, so ``sent + residual == accumulated`` holds exactly
+            in float32); ``"gradient"``: in the gradient's dtype (half the memory,
+            small residual entries are lost to rounding).
+        stats_every: log :meth:`group_stats` through ``logging`` (logger
+            ``sparcml.stats``, INFO) every this many steps; 0: never.
         ina_server / ina_job / ina_mode: ``natural_ina``'s aggregator (``"host:port"``),
             a label mixed into the rounding seed (jobs on one aggregator are told
             apart by a random session the ranks agree on at the first step, not by
@@ -184,8 +210,13 @@ class SparcmlState:
         nan_policy: str = "propagate",
         bucket_bytes: int = 25 * 1024 * 1024,
         seed: int = 0,
+        layers: Sequence[LayerRule | tuple[str, str]] | None = None,
+        dense_below: int = 0,
+        residual_precision: str = "float32",
+        stats_every: int = 0,
         comm: Communicator | None = None,
         timeout: float = 300.0,
+        _parent: SparcmlState | None = None,
         **method_options: Any,
     ) -> None:
         self.kind = method_kind(method)
@@ -194,8 +225,8 @@ class SparcmlState:
         # the method's own hyperparameters, by name (before anything communicates)
         self.config = _route(method, spec.config, method_options)
         self.config.validate(method)
-        if not 0.0 < density <= 1.0 or math.isnan(density):
-            raise ValueError(f"density must be in (0, 1], got {density}")
+        self._schedule_step = 0
+        self.density = density  # type: ignore[assignment]  # (a number or a schedule)
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if clip_norm is not None and not clip_norm > 0:
@@ -206,7 +237,15 @@ class SparcmlState:
             raise ValueError(f"nan_policy must be 'propagate' or 'raise', got {nan_policy!r}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        self.density = float(density)
+        if residual_precision not in RESIDUAL_PRECISIONS:
+            raise ValueError(
+                f"residual_precision must be one of {RESIDUAL_PRECISIONS}, "
+                f"got {residual_precision!r}"
+            )
+        if not isinstance(stats_every, int) or stats_every < 0:
+            raise ValueError(f"stats_every must be a non-negative integer, got {stats_every!r}")
+        self.residual_precision = residual_precision
+        self.stats_every = stats_every
         unbiased = spec.unbiased
         if error_feedback and unbiased:
             raise ValueError(
@@ -214,7 +253,9 @@ class SparcmlState:
                 "(unbiased quantizers need none)"
             )
         self.error_feedback = (not unbiased) if error_feedback is None else bool(error_feedback)
-        if momentum and unbiased:
+        if momentum and unbiased and _parent is None:
+            # (a rule's unbiased method under a momentum-corrected state runs dense
+            # momentum SGD: u = m u + g, sent whole, as warm-up steps do)
             raise ValueError(
                 "momentum correction applies to sparse methods; use the optimizer's momentum"
             )
@@ -228,10 +269,13 @@ class SparcmlState:
         self.bucket_bytes = bucket_bytes
         self.seed = seed
         self.ina_calls = 0
+        self.select_s = 0.0  # the selector's time in the bucket being reduced (statistics)
         self.ina_session: Any = None  # an InaSession, agreed at the first call
         # Build one operator now so that bad parameters fail here, not mid-training.
         if spec.operator:
             self._make_operator()
+        if comm is None and _parent is not None:
+            comm = _parent.comm
         if comm is None:
             if dist.is_available() and dist.is_initialized():
                 comm = TorchDistCommunicator.dedicated(timeout=timeout)
@@ -254,6 +298,16 @@ class SparcmlState:
         # (sparcml.torch.layout)
         self.layout: list[tuple[str, ...]] = []
         self.replay_layout: list[tuple[str, ...]] | None = None
+        # per-layer rules: a child state per rule, on the same communicator
+        self.parent = _parent
+        if _parent is not None and (layers or dense_below):
+            raise ValueError("a layer rule's method cannot have layer rules of its own")
+        self.rules = rules_from(layers, dense_below)
+        self.children = [self._child(r, method_options) for r in self.rules]
+        self.stats = GroupStats("default" if _parent is None else "", method)
+        for rule, child in zip(self.rules, self.children, strict=True):
+            child.stats = GroupStats(rule.name, rule.method)
+        self._routes: dict[tuple[str, ...], list[tuple[SparcmlState, list[int]]]] = {}
 
     def __getattr__(self, name: str) -> Any:
         """The chosen method's hyperparameters read as attributes (``state.algorithm``,
@@ -265,6 +319,94 @@ class SparcmlState:
             f"{type(self).__name__} of method {self.__dict__.get('method')!r} has no attribute "
             f"{name!r}"
         )
+
+    # ------------------------------------------------------------------ density
+    @property
+    def density(self) -> float:
+        """The density of the step being reduced (the schedule's value, if one is set)."""
+        d = self._density
+        if callable(d):
+            return check_density(d(self._schedule_step), f"density at step {self._schedule_step}")
+        return d
+
+    @density.setter
+    def density(self, value: Density) -> None:
+        """A number in (0, 1] or a schedule ``step -> density``; takes effect at the next
+        step (operators built for another density are rebuilt)."""
+        if callable(value):
+            check_density(value(self._schedule_step), "density schedule at step 0")
+            self._density: Density = value
+        else:
+            self._density = check_density(value)
+
+    @property
+    def density_schedule(self) -> Density:
+        """The density as given: a number or a schedule."""
+        return self._density
+
+    def at_step(self, step: int) -> None:
+        """Evaluate schedules at ``step`` (the pipeline calls it before each bucket)."""
+        self._schedule_step = step
+
+    # ------------------------------------------------------------------ layer rules
+    def _child(self, rule: LayerRule, options: dict[str, Any]) -> SparcmlState:
+        """The state that reduces a rule's parameters: the parent's pipeline settings,
+        the rule's method, density and options (the parent's method options that the
+        rule's method takes are inherited)."""
+        try:
+            config = method_spec(method_kind(rule.method)).config
+            fields = {f.name for f in dataclasses.fields(config)}
+            inherited = {k: v for k, v in options.items() if k in fields}
+            return SparcmlState(
+                rule.method,
+                self._density if rule.density is None else rule.density,
+                warmup_steps=self.warmup_steps,
+                momentum=self.momentum,
+                momentum_masking=self.momentum_masking,
+                clip_norm=self.clip_norm,
+                clip_scope=self.clip_scope,
+                nan_policy=self.nan_policy,
+                bucket_bytes=self.bucket_bytes,
+                seed=self.seed,
+                residual_precision=self.residual_precision,
+                _parent=self,
+                **{**inherited, **dict(rule.options)},
+            )
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"layer rule {rule.name!r}: {e}") from None
+
+    def group_of(self, name: str, numel: int, step: int) -> SparcmlState:
+        """The state (this one or a rule's) that reduces parameter ``name`` at ``step``."""
+        for rule, child in zip(self.rules, self.children, strict=True):
+            if rule.matches(name, numel, step):
+                return child
+        return self
+
+    def routes(
+        self, names: tuple[str, ...], sizes: tuple[int, ...], step: int
+    ) -> list[tuple[SparcmlState, list[int]]]:
+        """A bucket's parameters grouped by the state that reduces them, groups in
+        order of their first parameter (the same on every rank); cached per bucket
+        unless a rule depends on the step."""
+        timed = any(r.when is not None for r in self.rules)
+        got = None if timed else self._routes.get(names)
+        if got is None:
+            groups: dict[int, tuple[SparcmlState, list[int]]] = {}
+            for i, (name, n) in enumerate(zip(names, sizes, strict=True)):
+                st = self.group_of(name, n, step)
+                groups.setdefault(id(st), (st, []))[1].append(i)
+            got = list(groups.values())
+            if not timed:
+                self._routes[names] = got
+        return got
+
+    def group_stats(self) -> dict[str, GroupStats]:
+        """Statistics per parameter group (the state's own method: ``"default"``; one
+        per layer rule): bytes, compression ratio, selected count vs k, time split."""
+        out = {self.stats.label: self.stats}
+        for child in self.children:
+            out[child.stats.label] = child.stats
+        return out
 
     # ------------------------------------------------------------------ feedback
     @property
@@ -312,9 +454,23 @@ class SparcmlState:
     def operator(self, key: tuple[str, ...]) -> Any:
         """The selector (or composition / quantizer) of one bucket; selectors that
         reuse thresholds across calls keep their state per bucket."""
+        if self.kind == "sparse":
+            return self.cached_operator(key, self._make_operator)
         op = self.operators.get(key)
         if op is None:
             op = self._make_operator()
+            self.operators[key] = op
+        return op
+
+    def cached_operator(self, key: tuple[str, ...], build: Callable[[], Any]) -> Any:
+        """The operator kept under ``key``, rebuilt when the density changed since it
+        was built (a threshold reused from another density would be wrong)."""
+        d = self.density
+        op = self.operators.get(key)
+        if op is None or getattr(op, "sparcml_density", d) != d:
+            op = build()
+            if op is not None:
+                op.sparcml_density = d
             self.operators[key] = op
         return op
 
@@ -335,7 +491,7 @@ class SparcmlState:
         the pipeline's and the method's own (secrets excluded)."""
         return {
             "method": self.method,
-            "density": self.density,
+            "density": describe_schedule(self._density),
             "error_feedback": self.error_feedback,
             "warmup_steps": self.warmup_steps,
             "momentum": self.momentum,
@@ -345,6 +501,11 @@ class SparcmlState:
             "nan_policy": self.nan_policy,
             "bucket_bytes": self.bucket_bytes,
             "seed": self.seed,
+            "residual_precision": self.residual_precision,
+            "layers": [
+                {**r.describe(), "settings": c.settings()}
+                for r, c in zip(self.rules, self.children, strict=True)
+            ],
             **self.config.settings(),
         }
 
@@ -364,6 +525,8 @@ class SparcmlState:
         self.momentum_correction.reset()
         self.operators.clear()
         self.oktopk_states.clear()
+        for child in self.children:
+            child.reset()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -374,7 +537,7 @@ class SparcmlState:
         return {
             "version": 1,
             "method": self.method,
-            "density": self.density,
+            "density": describe_schedule(self._density),
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,
             "step": self.step,
@@ -388,6 +551,7 @@ class SparcmlState:
             "operators": ck.keyed(self.operators),
             "oktopk_states": ck.keyed(self.oktopk_states),
             "layout": [list(k) for k in self.layout],
+            "groups": [c.state_dict() for c in self.children],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -400,7 +564,7 @@ class SparcmlState:
         from . import checkpoint as ck
 
         sd = state_dict
-        mine = (self.method, self.density, self.comm.world_size, self.comm.rank)
+        mine = (self.method, describe_schedule(self._density), self.comm.world_size, self.comm.rank)
         theirs = (sd["method"], sd["density"], sd["world_size"], sd["rank"])
         if mine != theirs:
             raise ValueError(
@@ -418,10 +582,18 @@ class SparcmlState:
         self.oktopk_states = ck.unkeyed(sd["oktopk_states"])
         self.layout = [tuple(k) for k in sd["layout"]]
         self.replay_layout = list(self.layout) or None
+        groups = sd.get("groups", [])
+        if len(groups) != len(self.children):
+            raise ValueError(
+                f"sparcml checkpoint with {len(groups)} layer rule groups, this state has "
+                f"{len(self.children)}"
+            )
+        for child, child_sd in zip(self.children, groups, strict=True):
+            child.load_state_dict(child_sd)
 
     def __repr__(self) -> str:
         return (
-            f"SparcmlState(method={self.method!r}, density={self.density}, "
+            f"SparcmlState(method={self.method!r}, density={describe_schedule(self._density)}, "
             f"config={self.config!r}, error_feedback={self.error_feedback}, "
             f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, step={self.step}, "
             f"world_size={self.comm.world_size})"

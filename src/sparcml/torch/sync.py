@@ -17,6 +17,9 @@ buckets' collectives run back to back.
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -25,16 +28,38 @@ import torch
 
 from ..stream import SparseStream
 from ..wire import decode, encode
-from .hook import check_parameters, check_settings, named_parameters_of
-from .reduce import Bucket, reduce_bucket
+from .hook import (
+    check_parameters,
+    check_settings,
+    check_sparse_gradients,
+    named_parameters_of,
+    sparse_gradient_parameters,
+)
+from .reduce import Bucket, check_sparse_gradient_method, reduce_bucket, reduce_sparse_gradient
 from .state import SparcmlState
+from .stats import log_groups
 
-__all__ = ["DistributedOptimizer", "broadcast_parameters", "sync_gradients"]
+__all__ = [
+    "DistributedOptimizer",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "sync_gradients",
+]
+
+log = logging.getLogger("sparcml")
 
 
-def _attach(state: SparcmlState, named: list[tuple[str, torch.Tensor]]) -> None:
+def _attach(state: SparcmlState, named: list[tuple[str, torch.Tensor]], model: Any = None) -> None:
     ids = [id(p) for _, p in named]
     if state.registered is None:
+        sparse = sparse_gradient_parameters(model)
+        if sparse and state.clip_norm is not None and state.clip_scope == "model":
+            raise ValueError(
+                f"clip_scope='model' with the sparse-gradient parameter {sparse[0][0]!r}: "
+                "clip per bucket (clip_scope='bucket') or densify the embedding"
+            )
+        state._sparse_ids = {id(p) for _, p in sparse}  # type: ignore[attr-defined]
+        check_sparse_gradients(state, model)
         check_settings(state)
         check_parameters(state, named, values=True)
         state.param_names = {id(p): n for n, p in named}
@@ -74,7 +99,9 @@ def _model_clip_scale(
         return None
     if step < state.warmup_steps or state.kind == "dense":
         return None  # (dense steps are not clipped, as in the per-bucket pipeline)
-    grads = [p.grad.detach().reshape(-1) for _, p in named if p.grad is not None]
+    grads = [
+        p.grad.detach().reshape(-1) for _, p in named if p.grad is not None and not p.grad.is_sparse
+    ]
     if not grads:
         return None
     norm = float(torch.linalg.vector_norm(torch.stack(
@@ -84,12 +111,78 @@ def _model_clip_scale(
     return limit / (norm + 1e-12) if norm > limit else None
 
 
+@dataclasses.dataclass
+class _Item:
+    """One unit of reduction: a bucket of dense-gradient parameters, or one
+    sparse-gradient parameter (reduced as a sparse stream)."""
+
+    params: list[tuple[str, torch.Tensor]]
+    sparse: bool
+
+    def submit(self, state: SparcmlState, step: int, scale: float | None) -> Any:
+        """Hand this item's current gradients to the state's engine; returns the work."""
+        if self.sparse:
+            ((name, p),) = self.params
+            check_sparse_gradient_method(state, name, p.numel(), step)
+            item = Bucket((name,), (p.numel(),), _sparse_grad(p), step)
+            return state.comm.run_ordered(lambda: reduce_sparse_gradient(state, item), True)
+        flat = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                for _, p in self.params
+            ]
+        )
+        if scale is not None:
+            flat.mul_(scale)
+        names = tuple(n for n, _ in self.params)
+        sizes = tuple(p.numel() for _, p in self.params)
+        bucket = Bucket(names, sizes, flat, step)
+        return state.comm.run_ordered(lambda: reduce_bucket(state, bucket), True)
+
+    def finish(self, work: Any) -> None:
+        """Write the reduced average into the parameters' ``.grad``."""
+        avg = work.wait()
+        if self.sparse:
+            self.params[0][1].grad = avg
+            return
+        for (_, p), part in zip(
+            self.params, avg.split([q.numel() for _, q in self.params]), strict=True
+        ):
+            g = part.view_as(p)
+            if p.grad is None or p.grad.is_sparse:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+
+
+def _plan(state: SparcmlState, named: list[tuple[str, torch.Tensor]]) -> list[_Item]:
+    """The reduction units in the order they are reduced: buckets of about
+    ``bucket_bytes`` in registration order (a sparse-gradient parameter is a unit
+    of its own), reduced last first, as backward produces the gradients (DDP's
+    order): :class:`DistributedOptimizer` can then start each as soon as it is
+    ready, and gives the same results as :func:`sync_gradients`."""
+    sparse_ids: set[int] = state.__dict__.get("_sparse_ids", set())
+    items: list[_Item] = []
+    run: list[tuple[str, torch.Tensor]] = []
+    for name, p in named:
+        if id(p) in sparse_ids or _has_sparse_grad(p):
+            items += [_Item(b, False) for b in _buckets(run, state.bucket_bytes)]
+            items.append(_Item([(name, p)], True))
+            run = []
+        else:
+            run.append((name, p))
+    items += [_Item(b, False) for b in _buckets(run, state.bucket_bytes)]
+    return items[::-1]
+
+
 def sync_gradients(model: torch.nn.Module | Iterable[torch.Tensor], state: SparcmlState) -> None:
     """Replace every parameter's ``.grad`` by the method's average over the ranks.
 
     A collective: every rank calls it once per step with the same parameters. The
     first call checks that every rank has the same parameters (names, shapes,
-    order and values). Parameters without a gradient count as zero.
+    order and values). Parameters without a gradient count as zero. Sparse COO
+    gradients (``nn.Embedding(..., sparse=True)``) stay sparse: each is reduced
+    as a sparse stream (see :func:`~sparcml.torch.reduce.reduce_sparse_gradient`).
 
     Args:
         model: a module (its parameters with ``requires_grad``) or a list of tensors.
@@ -98,35 +191,41 @@ def sync_gradients(model: torch.nn.Module | Iterable[torch.Tensor], state: Sparc
     Raises:
         RankMismatchError: the ranks' parameters, methods or hyperparameters differ
             (on the first call, on every rank).
+        ValueError: a sparse-gradient parameter's method cannot reduce it.
         FloatingPointError: a NaN/Inf gradient with ``nan_policy="raise"``.
         CommTimeoutError / PeerFailedError: naming a rank that stopped answering.
     """
     named = named_parameters_of(model)
-    _attach(state, named)
+    _attach(state, named, model)
     step = state.step
-    works = []
-    groups = _buckets(named, state.bucket_bytes)
+    items = _plan(state, named)
     scale = _model_clip_scale(state, named, step)
-    for group in groups:
-        flat = torch.cat(
-            [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                for _, p in group
-            ]
-        )
-        if scale is not None:
-            flat.mul_(scale)
-        item = Bucket(tuple(n for n, _ in group), tuple(p.numel() for _, p in group), flat, step)
-        works.append(state.comm.run_ordered(lambda item=item: reduce_bucket(state, item), True))
+    works = [item.submit(state, step, scale) for item in items]
     state.step += 1
-    for group, work in zip(groups, works, strict=True):
-        avg = work.wait()
-        for (_, p), part in zip(group, avg.split([q.numel() for _, q in group]), strict=True):
-            g = part.view_as(p)
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+    for item, work in zip(items, works, strict=True):
+        item.finish(work)
+    _log_stats(state)
+
+
+def _log_stats(state: SparcmlState) -> None:
+    if state.stats_every and state.step % state.stats_every == 0:
+        log_groups(state)
+
+
+def _has_sparse_grad(p: torch.Tensor) -> bool:
+    return p.grad is not None and p.grad.is_sparse
+
+
+def _sparse_grad(p: torch.Tensor) -> torch.Tensor:
+    """The parameter's gradient as a COO tensor (an empty one when it has none)."""
+    g = p.grad
+    if g is None:
+        return torch.sparse_coo_tensor(
+            torch.zeros((1, 0), dtype=torch.int64, device=p.device),
+            torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device),
+            p.shape,
+        )
+    return g if g.is_sparse else g.to_sparse(1 if g.dim() > 1 else None)
 
 
 def broadcast_parameters(
@@ -156,13 +255,56 @@ def broadcast_parameters(
             offset += n
 
 
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, state: SparcmlState, root: int = 0
+) -> None:
+    """Copy ``root``'s optimizer state (momentum buffers, step counts, learning rates
+    and every other hyperparameter) to every rank: Horovod's
+    ``broadcast_optimizer_state``. A collective; call it after
+    :func:`broadcast_parameters`, e.g. after ``root`` loaded a checkpoint.
+
+    The state dict travels as ``torch.save`` bytes over the state's communicator
+    (every transport) and is read back with ``weights_only=True``.
+    """
+    comm = state.comm
+    if comm.world_size == 1:
+        return
+    if comm.rank == root:
+        buf = io.BytesIO()
+        torch.save(optimizer.state_dict(), buf)
+        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        sends = [comm.isend(payload, r) for r in range(comm.world_size) if r != root]
+        for h in sends:
+            h.wait()
+        return
+    got = comm.recv(root)
+    loaded = torch.load(io.BytesIO(bytes(got.numpy())), weights_only=True)
+    optimizer.load_state_dict(loaded)
+
+
 class DistributedOptimizer:
-    """Wrap an optimizer so that ``step()`` first synchronises the gradients.
+    """Wrap an optimizer so that its gradients are synchronised before each ``step()``.
+
+    With ``overlap=True`` (the default) each bucket's reduction starts during
+    backward, as soon as the last of its gradients is accumulated (a
+    post-accumulate-grad hook per parameter), in the fixed order of
+    :func:`sync_gradients` (last bucket first, the order backward produces them;
+    a bucket finishing early waits for its predecessors so every rank reduces in
+    the same order): communication overlaps the rest of backward, as DDP's hook
+    does, and the results are bitwise those of :func:`sync_gradients`. ``step()``
+    reduces what was not ready (parameters without a gradient count as zero),
+    waits, writes the averages into ``.grad`` and steps the optimizer.
 
     Args:
         optimizer: any ``torch.optim`` optimizer over ``model``'s parameters.
         model: the module (or parameter list) whose gradients to synchronise.
         state: the :class:`SparcmlState`.
+        overlap: start reductions during backward (False: all in ``step()``).
+            ``clip_scope="model"`` needs the whole gradient first and turns it off.
+        backward_passes_per_step: Horovod's gradient accumulation: gradients of
+            this many backward passes add up locally (scale the loss by ``1/k``
+            for their mean) and are reduced once, during the last pass; call
+            ``step()`` after every ``k``-th backward.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -180,17 +322,83 @@ class DistributedOptimizer:
         optimizer: torch.optim.Optimizer,
         model: torch.nn.Module | Iterable[torch.Tensor],
         state: SparcmlState,
+        *,
+        overlap: bool = True,
+        backward_passes_per_step: int = 1,
     ) -> None:
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(
+                f"backward_passes_per_step must be a positive integer, got "
+                f"{backward_passes_per_step!r}"
+            )
         self.optimizer = optimizer
         self.model = model if isinstance(model, torch.nn.Module) else list(model)
         self.state = state
+        self.backward_passes_per_step = backward_passes_per_step
+        self.overlap = overlap and not (state.clip_norm is not None and state.clip_scope == "model")
+        if overlap and not self.overlap:
+            log.info("sparcml DistributedOptimizer: clip_scope='model' needs the whole "
+                     "gradient; reducing in step(), without overlap")  # fmt: skip
+        self._hooks: list[Any] = []
+        self._items: list[_Item] = []
+        if self.overlap:
+            named = named_parameters_of(self.model)
+            _attach(state, named, self.model)  # a collective: every rank constructs one
+            self._items = _plan(state, named)
+            self._item_of = {id(p): i for i, it in enumerate(self._items) for _, p in it.params}
+            self._need = [len(it.params) * backward_passes_per_step for it in self._items]
+            for _, p in named:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
+            self._reset()
+
+    def _reset(self) -> None:
+        self._count = [0] * len(self._items)
+        self._works: list[Any] = [None] * len(self._items)
+        self._next = 0
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: submit every bucket that is ready, in order."""
+        i = self._item_of.get(id(p))
+        if i is None:
+            return
+        self._count[i] += 1
+        self._submit_ready()
+
+    def _submit_ready(self, flush: bool = False) -> None:
+        items, state = self._items, self.state
+        while self._next < len(items) and (
+            flush or self._count[self._next] >= self._need[self._next]
+        ):
+            self._works[self._next] = items[self._next].submit(state, state.step, None)
+            self._next += 1
+
+    def synchronize(self) -> None:
+        """Finish the reductions (starting what backward did not) and write ``.grad``."""
+        if not self.overlap:
+            sync_gradients(self.model, self.state)
+            return
+        self._submit_ready(flush=True)
+        self.state.step += 1
+        try:
+            for item, work in zip(self._items, self._works, strict=True):
+                item.finish(work)
+        finally:
+            self._reset()
+        _log_stats(self.state)
 
     def step(self, closure: Any = None) -> Any:
-        sync_gradients(self.model, self.state)
+        self.synchronize()
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def remove_hooks(self) -> None:
+        """Detach the post-accumulate-grad hooks (the optimizer then reduces in step())."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.overlap = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)

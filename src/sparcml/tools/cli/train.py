@@ -34,7 +34,21 @@ def train(args: argparse.Namespace) -> int:
         hyper["momentum"] = args.momentum_correction
     if args.index_coding != "fixed":
         hyper["index_coding"] = args.index_coding
+    if args.layers:
+        try:
+            hyper["layers"] = _layer_rules(args.layers)
+        except ValueError as e:
+            print(f"sparcml train: --layers: {e}", file=sys.stderr)
+            return 2
+    if args.dense_below:
+        hyper["dense_below"] = args.dense_below
     options: dict = {"limit": args.limit} if args.limit else {}
+    if args.density_warmup:
+        if args.density > 0.25:
+            print("sparcml train: --density-warmup starts at 25%: give --density below it",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        options["density_warmup"] = args.density_warmup
     if args.fsdp:
         from ...torch.fsdp import FSDP_METHODS
         from ...torch.state import method_kind
@@ -69,6 +83,20 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layer_rules(text: str) -> list[tuple[str, str]]:
+    """``"*.bias=dense,emb.*=nonzeros"`` as (pattern, method) pairs, methods checked."""
+    from ...torch.state import method_kind
+
+    rules = []
+    for part in text.split(","):
+        pattern, eq, method = part.partition("=")
+        if not eq or not pattern.strip() or not method.strip():
+            raise ValueError(f"expected PATTERN=METHOD, got {part!r}")
+        method_kind(method.strip())  # ValueError naming the choices
+        rules.append((pattern.strip(), method.strip()))
+    return rules
+
+
 def list_methods(args: argparse.Namespace) -> int:
     from ...torch.state import methods
 
@@ -93,6 +121,26 @@ def add_parsers(sub: Any) -> None:
     tr.add_argument("--epochs", type=positive_arg, help="default: the recipe's")
     tr.add_argument("-d", "--density", type=fraction_arg, default=0.01)
     tr.add_argument("--warmup-steps", type=int, default=0, help="dense steps first")
+    tr.add_argument(
+        "--density-warmup",
+        type=positive_arg,
+        metavar="EPOCHS",
+        help="DGC's density warm-up: 25%% in the first epoch, falling exponentially to "
+        "--density over EPOCHS epochs (DGC: 4)",
+    )
+    tr.add_argument(
+        "--layers",
+        metavar="RULES",
+        help="per-layer methods, first match wins: PATTERN=METHOD[,...] on parameter "
+        "names, e.g. '*.bias=dense,*norm*=dense' (sparcml.torch.LayerRule)",
+    )
+    tr.add_argument(
+        "--dense-below",
+        type=int,
+        default=0,
+        metavar="N",
+        help="parameters with fewer than N entries are sent dense (CGX's layer_min_size)",
+    )
     tr.add_argument(
         "--index-coding",
         choices=["fixed", "delta"],

@@ -62,6 +62,13 @@ def train_worker(
             f"use --limit >= {comm.world_size * getattr(recipe, 'batch', 1)} (it counts samples)"
         )
     fsdp = bool(options.get("fsdp"))
+    if options.get("density_warmup"):  # DGC's warm-up: 25% falling to the density
+        hyper = {
+            **hyper,
+            "density": st.DensityWarmup(
+                recipe.steps_per_epoch(), options["density_warmup"], 0.25, hyper["density"]
+            ),
+        }
     if fsdp:
         # FSDP2: every module with parameters of its own sharded, then the root; the
         # method is the reduce-scatter (sparcml.torch.register_fsdp)

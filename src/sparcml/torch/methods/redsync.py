@@ -106,19 +106,17 @@ def redsync_selector(state: SparcmlState, name: str, numel: int, element_size: i
     """
     if numel * element_size < state.config.redsync_min_bytes:
         return None
-    key = ("redsync", name)
-    op = state.operators.get(key)
-    if op is None:
+
+    def build() -> Any:
         large = numel >= state.config.redsync_bsearch_numel
         if state.config.redsync_asq and not is_output_layer(state, name):
             selector = "threshold_bsearch" if large else "trimmed_topk"
-            op = ASQ(density=state.density, selector=selector)
-        elif large:
-            op = get("sampled_threshold_bsearch", density=state.density)
-        else:
-            op = get("trimmed_topk", density=state.density)
-        state.operators[key] = op
-    return op
+            return ASQ(density=state.density, selector=selector)
+        if large:
+            return get("sampled_threshold_bsearch", density=state.density)
+        return get("trimmed_topk", density=state.density)
+
+    return state.cached_operator(("redsync", name), build)
 
 
 def redsync_allgather(

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,7 +100,9 @@ def run_sparse(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type:
     op = state.operator(bucket.key)
     selector: Selector = op.selector if isinstance(op, Composed) else op
     quantizer = op.quantizer if isinstance(op, Composed) else None
+    t0 = time.perf_counter()
     selected = selector.select(acc)
+    state.select_s += time.perf_counter() - t0  # (statistics: compress vs communicate)
     cfg = state.config
     total = sparse_allreduce(
         selected,

@@ -1,0 +1,315 @@
+"""Training controls (issue #17): sparse gradients, density schedules, per-layer rules,
+float32 residuals, the overlapping DistributedOptimizer, per-group statistics.
+
+In-process ranks (float64 gradients where a reference sum is compared: 1e-12) and
+one spawned gloo pair for the DDP hook's sparse-gradient path against plain DDP
+(1e-6: the summation order differs).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import sparcml.torch as st
+import train_workers
+from sparcml.comm import SelfCommunicator, run_ranks
+from sparcml.comm.launch import run_processes
+from sparcml.torch import Bucket, DensityWarmup, LayerRule, SparcmlState, reduce_bucket
+
+
+def _grad(rank: int, step: int, n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _topk_dense(x: torch.Tensor, k: int) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    idx = x.abs().topk(k).indices
+    out[idx] = x[idx]
+    return out
+
+
+# ----------------------------------------------------------------- sparse gradients
+class _Bag(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.emb = torch.nn.EmbeddingBag(200, 6, mode="sum", sparse=True)
+        self.out = torch.nn.Linear(6, 3)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids))
+
+
+def _bag_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randint(0, 200, (8, 5), generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def test_sparse_gradients_in_process_match_the_dense_average() -> None:
+    world = 3
+
+    def fn(comm, method, hyper):  # type: ignore[no-untyped-def]
+        model = _Bag().double()
+        state = SparcmlState(method, comm=comm, **hyper)
+        ids, y = _bag_batch(comm.rank, 0)
+        torch.nn.functional.cross_entropy(model(ids), y).backward()
+        mine = {n: p.grad.to_dense().clone() for n, p in model.named_parameters()}
+        st.sync_gradients(model, state)
+        got = {n: p.grad for n, p in model.named_parameters()}
+        return mine, got, state.group_stats()["default"].bytes_sent
+
+    for method, hyper in [("nonzeros", {}), ("topk", {"density": 1.0}), ("dense", {})]:
+        out = run_ranks(world, fn, method, hyper)
+        for name in out[0][0]:
+            ref = sum(o[0][name] for o in out) / world
+            for _, got, _ in out:
+                g = got[name]
+                assert g.is_sparse == (name == "emb.weight")
+                assert torch.allclose(g.to_dense(), ref, rtol=0, atol=1e-12), (method, name)
+                assert torch.equal(g.to_dense(), out[0][1][name].to_dense())
+        if method == "nonzeros":
+            # the embedding travels as its touched rows: far below its 1200 entries
+            assert 0 < out[0][2] < 2 * 1200 * 8
+
+
+def test_sparse_gradient_method_refused_up_front() -> None:
+    model = _Bag()
+    state = SparcmlState("natural", comm=SelfCommunicator())
+    with pytest.raises(ValueError, match=r"'emb.weight' has a sparse gradient.*nonzeros"):
+        st.sync_gradients(model, state)
+    # routed by a layer rule, it trains
+    state = SparcmlState("natural", comm=SelfCommunicator(), layers=[("emb.*", "nonzeros")])
+    ids, y = _bag_batch(0, 0)
+    torch.nn.functional.cross_entropy(model(ids), y).backward()
+    st.sync_gradients(model, state)
+    assert model.emb.weight.grad.is_sparse
+
+
+@pytest.mark.spawn
+def test_ddp_sparse_embedding_nonzeros_equals_plain_ddp_and_topk_trains() -> None:
+    configs = [(None, {}), ("nonzeros", {}), ("topk", {"density": 1.0}), ("topk", {"density": 0.1})]
+    out = run_processes(2, train_workers.ddp_sparse_embedding, configs, 5, timeout=120)
+    for r in range(2):
+        plain, nonzeros, lossless_topk, topk = out[r]
+        assert torch.allclose(nonzeros["params"], plain["params"], rtol=0, atol=1e-6)
+        assert torch.allclose(lossless_topk["params"], plain["params"], rtol=0, atol=1e-6)
+        assert nonzeros["sparse_grad"] and topk["sparse_grad"]
+        assert topk["losses"][-1] < topk["losses"][0]
+        for j in (1, 2, 3):  # bitwise identical on every rank
+            assert torch.equal(out[r][j]["params"], out[0][j]["params"])
+    with pytest.raises(Exception, match=r"'0\.weight' has a sparse gradient"):
+        run_processes(2, train_workers.ddp_sparse_embedding, [("natural", {})], 1, timeout=60)
+
+
+# ----------------------------------------------------------------- schedules
+def test_density_warmup_and_assignment_change_the_bytes() -> None:
+    n = 4000
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        warm = DensityWarmup(steps_per_epoch=2, epochs=2, start=0.2, end=0.01)
+        state = SparcmlState("topk", warm, comm=comm)
+        for t in range(6):
+            reduce_bucket(state, Bucket(("w",), (n,), _grad(comm.rank, t, n), t))
+        state.density = 0.05  # takes effect at the next step
+        reduce_bucket(state, Bucket(("w",), (n,), _grad(comm.rank, 6, n), 6))
+        return list(state.step_bytes), state.stats.last_selected
+
+    step_bytes, selected = run_ranks(2, fn)[0]
+    # densities 0.2, 0.2, 0.0447, 0.0447, 0.01, 0.01, then 0.05: k = 800, 179, 40, 200
+    assert step_bytes[0] == step_bytes[1] > step_bytes[2] == step_bytes[3] > step_bytes[4]
+    assert step_bytes[4] == step_bytes[5] < step_bytes[2] < step_bytes[6] < step_bytes[0]
+    assert selected == 200
+    with pytest.raises(ValueError, match="density must be in"):
+        SparcmlState("topk", comm=SelfCommunicator()).density = 1.5
+
+
+def test_method_schedule_by_rule() -> None:
+    """A rule that holds on some steps only: dense for the first two steps."""
+    n = 500
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState(
+            "topk", 0.02, comm=comm, layers=[LayerRule("dense", when=lambda s: s < 2)]
+        )
+        outs = [
+            reduce_bucket(state, Bucket(("w",), (n,), _grad(comm.rank, t, n), t)) for t in range(3)
+        ]
+        return outs, state.group_stats()
+
+    out = run_ranks(2, fn)
+    for t in range(2):
+        ref = (_grad(0, t, n) + _grad(1, t, n)) / 2
+        assert torch.allclose(out[0][0][t], ref, rtol=0, atol=1e-12)
+    assert int((out[0][0][2] != 0).sum()) <= 2 * 10  # top-k at step 2
+    stats = out[0][1]
+    assert stats["default"].steps == 1 and stats["* when ... -> dense"].steps == 2
+
+
+# ----------------------------------------------------------------- per-layer rules
+@pytest.mark.parametrize("world", [1, 3])
+def test_layer_rules_route_each_parameter(world: int) -> None:
+    names = ("a.weight", "a.bias", "b.weight", "b.bias", "emb.weight")
+    sizes = (600, 30, 400, 20, 900)
+    n = sum(sizes)
+    rules = [
+        ("*.bias", "dense"),
+        LayerRule("topk", pattern="b.*", density=0.1),
+        ("emb.*", "nonzeros"),
+    ]
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState("topk", 0.02, comm=comm, layers=rules)
+        g = _grad(comm.rank, 0, n)
+        g[sum(sizes[:4]) :][::3] = 0.0  # a naturally sparse part for nonzeros
+        out = reduce_bucket(state, Bucket(names, sizes, g, 0))
+        return g, out, {k: v.bytes_sent for k, v in state.group_stats().items()}, state
+
+    out = run_ranks(world, fn)
+    grads = [o[0] for o in out]
+    parts = [dict(zip(names, g.split(sizes), strict=True)) for g in grads]
+    got = dict(zip(names, out[0][1].split(sizes), strict=True))
+    # biases and the embedding: exact averages; a.weight: top-2%; b.weight: top-10%
+    for name in ("a.bias", "b.bias", "emb.weight"):
+        ref = sum(p[name] for p in parts) / world
+        assert torch.allclose(got[name], ref, rtol=0, atol=1e-12), name
+    for name, k in (("a.weight", 12), ("b.weight", 40)):
+        ref = sum(_topk_dense(p[name], k) for p in parts) / world
+        assert torch.allclose(got[name], ref, rtol=0, atol=1e-12), name
+    for o in out:
+        assert torch.equal(o[1], out[0][1])
+    groups = out[0][2]
+    assert set(groups) == {"default", "*.bias -> dense", "b.* -> topk", "emb.* -> nonzeros"}
+    if world > 1:  # bytes by group: each group sends, dense biases as many as a
+        # dense allreduce of their 50 float64 entries
+        ones = torch.ones(50, dtype=torch.float64)
+
+        def plain(c):  # type: ignore[no-untyped-def]
+            reduce_bucket(SparcmlState("dense", comm=c), Bucket(("b",), (50,), ones, 0))
+            return c.stats.bytes_sent
+
+        dense = run_ranks(world, plain)
+        assert groups["*.bias -> dense"] == dense[0]
+        assert all(b > 0 for b in groups.values())
+        assert sum(groups.values()) == out[0][3].bytes_sent
+
+
+def test_dense_below_and_bad_rules() -> None:
+    state = SparcmlState("topk", comm=SelfCommunicator(), dense_below=100)
+    assert state.group_of("x", 99, 0).kind == "dense" and state.group_of("x", 100, 0) is state
+    with pytest.raises(ValueError, match=r"layer rule '\*.bias -> nope'.*unknown method"):
+        SparcmlState("topk", comm=SelfCommunicator(), layers=[("*.bias", "nope")])
+    with pytest.raises(TypeError, match="layers\\[0\\] must be a LayerRule"):
+        SparcmlState("topk", comm=SelfCommunicator(), layers=["*.bias"])  # type: ignore[list-item]
+
+
+# ----------------------------------------------------------------- residual precision
+def test_float32_residuals_keep_the_feedback_invariant_for_bfloat16() -> None:
+    n = 3000
+    state = SparcmlState("topk", 0.01, comm=SelfCommunicator())
+    residual = torch.zeros(n, dtype=torch.float32)
+    for t in range(4):
+        g = _grad(0, t, n, torch.bfloat16) * 1e-3
+        acc = residual + g.float()
+        avg = reduce_bucket(state, Bucket(("w",), (n,), g, t))
+        assert avg.dtype == torch.bfloat16  # what is sent and returned stays 16-bit
+        residual = state.residuals["w"]
+        assert residual.dtype == torch.float32
+        assert torch.equal(residual + avg.float(), acc)  # exact: sent + residual == acc
+    lean = SparcmlState("topk", 0.01, comm=SelfCommunicator(), residual_precision="gradient")
+    reduce_bucket(lean, Bucket(("w",), (n,), _grad(0, 0, n, torch.bfloat16), 0))
+    assert lean.residuals["w"].dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------- overlapping optimizer
+def _seeded(model: torch.nn.Module) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(0)  # (in-process ranks share torch's global RNG)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.2)
+    return model
+
+
+def _deep_model() -> torch.nn.Module:
+    return _seeded(torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+        torch.nn.Linear(64, 4),
+    ).double())  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["topk", "topk+natural"])
+def test_overlapping_optimizer_equals_sync_gradients_bitwise(method: str) -> None:
+    def fn(comm, overlap: bool, passes: int):  # type: ignore[no-untyped-def]
+        model = _deep_model()
+        state = SparcmlState(method, 0.05, comm=comm, bucket_bytes=8 * 2000)
+        base = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = st.DistributedOptimizer(
+            base, model, state, overlap=overlap, backward_passes_per_step=passes
+        )
+        started = []
+        for t in range(3):
+            for micro in range(passes):
+                g = torch.Generator().manual_seed(10 * comm.rank + 3 * t + micro)
+                x = torch.randn(16, 32, generator=g, dtype=torch.float64)
+                model(x).square().mean().backward()
+            started.append(opt._next == len(opt._items) > 1 if overlap else True)
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), started
+
+    for passes in (1, 2):
+        ref = run_ranks(2, fn, False, passes)
+        got = run_ranks(2, fn, True, passes)
+        for r in range(2):
+            assert torch.equal(got[r][0], ref[r][0])
+            assert torch.equal(got[r][0], got[0][0])
+            # every bucket (several) was handed to the engine during backward
+            assert got[r][1] == [True, True, True]
+
+
+def test_broadcast_optimizer_state() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        model = _deep_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1 + comm.rank, momentum=0.9)
+        if comm.rank == 0:
+            model(torch.ones(2, 32, dtype=torch.float64)).sum().backward()
+            opt.step()
+        state = SparcmlState("dense", comm=comm)
+        st.broadcast_optimizer_state(opt, state)
+        sd = opt.state_dict()
+        return sd["param_groups"][0]["lr"], [sd["state"][i]["momentum_buffer"] for i in range(6)]
+
+    out = run_ranks(3, fn)
+    for lr, bufs in out:
+        assert lr == out[0][0] == 0.1
+        assert all(torch.equal(a, b) for a, b in zip(bufs, out[0][1], strict=True))
+
+
+# ----------------------------------------------------------------- statistics
+def test_group_stats_and_logging(caplog: pytest.LogCaptureFixture) -> None:
+    n = 2000
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        model = _seeded(torch.nn.Linear(n // 10, 10).double())
+        state = SparcmlState("topk", 0.01, comm=comm, layers=[("*.bias", "dense")], stats_every=2)
+        for t in range(2):
+            model(_grad(comm.rank, t, n // 10).reshape(1, -1)).sum().backward()
+            st.sync_gradients(model, state)
+            model.zero_grad()
+        return {k: v.as_dict() for k, v in state.group_stats().items()}
+
+    with caplog.at_level(logging.INFO, logger="sparcml.stats"):
+        out = run_ranks(2, fn)
+    default = out[0]["default"]
+    assert default["steps"] == 2 and default["last_selected"] == default["last_k"] == 20
+    assert default["ratio"] > 5  # top-1% pairs vs a dense ring allreduce
+    assert default["compress_s"] > 0 and default["communicate_s"] > 0
+    assert out[0]["*.bias -> dense"]["ratio"] == pytest.approx(1.0)
+    lines = [r.getMessage() for r in caplog.records if "sparcml step 1" in r.getMessage()]
+    assert any("[default: topk, 2000 entries]" in m and "selected 20/20" in m for m in lines)
