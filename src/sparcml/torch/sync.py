@@ -359,7 +359,7 @@ class DistributedOptimizer:
     def _accumulated(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: submit every bucket that is ready, in order."""
         i = self._item_of.get(id(p))
-        if i is None:
+        if i is None or not self.overlap:
             return
         self._count[i] += 1
         self._submit_ready()
