@@ -310,6 +310,7 @@ def test_group_stats_and_logging(caplog: pytest.LogCaptureFixture) -> None:
     assert default["steps"] == 2 and default["last_selected"] == default["last_k"] == 20
     assert default["ratio"] > 5  # top-1% pairs vs a dense ring allreduce
     assert default["compress_s"] > 0 and default["communicate_s"] > 0
+    assert default["residual_norm"] > 0 and out[0]["*.bias -> dense"]["residual_norm"] == 0
     assert out[0]["*.bias -> dense"]["ratio"] == pytest.approx(1.0)
     lines = [r.getMessage() for r in caplog.records if "sparcml step 1" in r.getMessage()]
     assert any("[default: topk, 2000 entries]" in m and "selected 20/20" in m for m in lines)

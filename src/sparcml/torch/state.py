@@ -403,9 +403,12 @@ class SparcmlState:
     def group_stats(self) -> dict[str, GroupStats]:
         """Statistics per parameter group (the state's own method: ``"default"``; one
         per layer rule): bytes, compression ratio, selected count vs k, time split."""
-        out = {self.stats.label: self.stats}
-        for child in self.children:
-            out[child.stats.label] = child.stats
+        from .stats import residual_norm
+
+        out = {}
+        for st in (self, *self.children):
+            st.stats.residual_norm = residual_norm(st)
+            out[st.stats.label] = st.stats
         return out
 
     # ------------------------------------------------------------------ feedback

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GroupStats", "compression_stats", "log_every", "log_groups"]
+__all__ = ["GroupStats", "compression_stats", "log_every", "log_groups", "residual_norm"]
 
 log = logging.getLogger("sparcml.stats")
 
@@ -51,6 +51,7 @@ class GroupStats:
     last_k: int | None = None
     last_compress_s: float = 0.0
     last_communicate_s: float = 0.0
+    residual_norm: float = 0.0  # L2 norm of the group's residuals (when last asked)
 
     def record(
         self,
@@ -96,10 +97,7 @@ def compression_stats(state: Any, dense_bytes: float | None = None) -> dict[str,
     ``dense_bytes`` (per step), ``ratio`` (dense bytes / bytes per step)."""
     steps = len(state.step_bytes)
     per_step = state.bytes_sent / steps if steps else 0.0
-    squares = sum(
-        float(torch.linalg.vector_norm(r.detach(), dtype=torch.float64)) ** 2
-        for r in state.residuals.values()
-    )
+    squares = sum(residual_norm(s) ** 2 for s in (state, *getattr(state, "children", ())))
     out = {
         "step": float(state.step),
         "bytes_last_step": float(state.step_bytes[-1]) if steps else 0.0,
@@ -109,6 +107,16 @@ def compression_stats(state: Any, dense_bytes: float | None = None) -> dict[str,
     if dense_bytes is not None and per_step:
         out["ratio"] = dense_bytes / per_step
     return out
+
+
+def residual_norm(state: Any) -> float:
+    """The L2 norm of one state's error-feedback residuals (float64)."""
+    return math.sqrt(
+        sum(
+            float(torch.linalg.vector_norm(r.detach(), dtype=torch.float64)) ** 2
+            for r in state.residuals.values()
+        )
+    )
 
 
 def log_every(state: Any, every: int, dense_bytes: float | None = None) -> bool:
@@ -136,7 +144,7 @@ def log_groups(state: Any) -> None:
         sel = f", selected {g.last_selected}/{g.last_k}" if g.last_selected is not None else ""
         log.info(
             "sparcml step %d [%s: %s, %d entries]: %d bytes (%.1fx fewer than dense)%s, "
-            "compress %.2f ms, communicate %.2f ms",
+            "residual norm %.4g, compress %.2f ms, communicate %.2f ms",
             g.last_step, g.label, g.method, g.numel, g.last_bytes, g.ratio, sel,
-            g.last_compress_s * 1e3, g.last_communicate_s * 1e3,
+            g.residual_norm, g.last_compress_s * 1e3, g.last_communicate_s * 1e3,
         )  # fmt: skip
