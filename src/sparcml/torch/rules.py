@@ -60,8 +60,9 @@ def describe_schedule(density: Density) -> Any:
 @dataclasses.dataclass(frozen=True)
 class DensityWarmup:
     """DGC's density warm-up: ``start * (end / start) ** (epoch / epochs)`` during the
-    first ``epochs`` epochs, ``end`` afterwards (DGC sec. 3.3: sparsity 75%, 93.75%,
-    98.4375%, 99.6% in the first four epochs, then 99.9%).
+    first ``epochs`` epochs, ``end`` afterwards. DGC sec. 3.3 lists sparsity 75%,
+    93.75%, 98.4375%, 99.6% for the first four epochs, then 99.9%; this geometric
+    form gives densities 25%, 6.29%, 1.58%, 0.40%, then 0.1%.
 
     Args:
         steps_per_epoch: optimizer steps per epoch (``len(loader)``).
@@ -72,7 +73,7 @@ class DensityWarmup:
     Example:
         >>> w = DensityWarmup(steps_per_epoch=100, epochs=4, start=0.25, end=0.001)
         >>> [round(w(s), 6) for s in (0, 99, 100, 200, 300, 400, 10**6)]
-        [0.25, 0.25, 0.0625, 0.015625, 0.003906, 0.001, 0.001]
+        [0.25, 0.25, 0.062872, 0.015811, 0.003976, 0.001, 0.001]
     """
 
     steps_per_epoch: int
