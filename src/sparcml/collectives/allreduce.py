@@ -25,6 +25,7 @@ from ..errors import NonFiniteError, RankMismatchError
 from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import code_dtype, dtype_code
+from .autotune import AutoClass, auto_choices, auto_mode, run_auto
 from .codec import StreamCodec
 from .registry import algorithms, check_options, choose, get_algorithm
 
@@ -126,12 +127,20 @@ def choose_algorithm(
     """The algorithm ``"auto"`` picks for this call (a collective: every rank must call it).
 
     Checks consistency like :func:`sparse_allreduce` and returns the same name on
-    every rank. ``exclude_dense`` leaves out the dense allreduce (it cannot quantize).
+    every rank: the measured winner of the call's class once ``auto`` has measured
+    it (:mod:`.autotune`), else the cost model's choice. ``exclude_dense`` leaves out
+    the dense allreduce (it cannot quantize).
     """
     ks = check_consistent(stream, comm)
+    isize = stream.values.element_size()
+    if auto_mode(cost_model) == "measure":
+        cls = AutoClass.of(comm.world_size, stream.size, ks, isize, exclude_dense)
+        done = next((c for c in auto_choices(comm) if c.cls == cls and c.winner), None)
+        if done is not None and done.winner is not None:
+            return done.winner
     model = cost_model if cost_model is not None else CostModel.load()
     candidates = [a for a in algorithms(auto=True) if not (exclude_dense and a == "dense")]
-    return choose(model, comm.world_size, stream.size, ks, stream.values.element_size(), candidates)
+    return choose(model, comm.world_size, stream.size, ks, isize, candidates)
 
 
 def _run(
@@ -145,14 +154,15 @@ def _run(
 ) -> SparseStream:
     codec = codec.with_call(comm.next_sequence(), comm.rank)
     ks = check_consistent(stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy)
-    if algorithm == "auto":
-        model = model if model is not None else CostModel.load()
-        candidates = [a for a in algorithms(auto=True) if not (codec.lossy and a == "dense")]
-        algorithm = choose(
-            model, comm.world_size, stream.size, ks, stream.values.element_size(), candidates
-        )
-        log.debug("sparse_allreduce auto chose %s", algorithm)
-    return get_algorithm(algorithm)(stream, comm, codec, **options)
+    if algorithm != "auto":
+        return get_algorithm(algorithm)(stream, comm, codec, **options)
+
+    def run(name: str) -> SparseStream:
+        return get_algorithm(name)(stream, comm, codec)
+
+    out = run_auto(comm, stream.size, ks, stream.values.element_size(), codec.lossy, model, run)
+    assert isinstance(out, SparseStream)
+    return out
 
 
 @overload
@@ -209,7 +219,9 @@ def sparse_allreduce(
             or a world of one rank when torch.distributed is not initialised.
         algorithm: a registered algorithm (``ssar_recursive_double``,
             ``ssar_split_allgather``, ``dsar_split_allgather``, ``dense``, ...) or
-            ``"auto"``: the fastest under the cost model for the observed nnz.
+            ``"auto"``: the fastest for the observed nnz: under the cost model
+            when one is given or calibrated, else measured on the first calls of
+            each size/density class (:mod:`sparcml.collectives.autotune`).
         async_op: return a :class:`~sparcml.comm.engine.Work` at once; the operation runs
             on the communicator's background engine, in submission order.
         quantizer: a value quantizer (``sparcml.compress.get("qsgd", bits=4)`` or a
@@ -224,7 +236,8 @@ def sparse_allreduce(
         index_coding: ``"delta"`` sends the indices of quantized sparse messages as
             varints of their gaps (about 1.3 bytes each at 1% density instead of 4);
             lossless, so results are unchanged.
-        cost_model: the model ``auto`` uses (default: stored calibration or defaults).
+        cost_model: the model ``auto`` decides with (default: the stored calibration;
+            without one, ``auto`` measures the candidates on first use).
         call_id: your own number for this call (e.g. the training step), compared
             across ranks: a rank that skipped a call and made an extra one later
             fails on every rank instead of mixing two calls' data (the call counts

@@ -28,6 +28,7 @@ import abc
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -146,6 +147,11 @@ class Communicator(abc.ABC):
     @sequence.setter
     def sequence(self, value: int) -> None:
         self._sequence = int(value)
+
+    def now(self) -> float:
+        """Seconds on this rank's clock (the wall clock; the simulator's is virtual),
+        for timing calls (``algorithm="auto"`` measures with it)."""
+        return time.perf_counter()
 
     def next_sequence(self) -> int:
         """Number the collective calls: every rank calls them in the same order."""

@@ -272,6 +272,11 @@ class SimCommunicator(Communicator):
             self.compute_s += spent
         self._mark = now
 
+    def now(self) -> float:
+        """This rank's virtual time (the local work so far charged first)."""
+        self._charge_compute()
+        return self.clock
+
     def stop_clock(self) -> None:
         """Charge the local work done so far; what follows is not timed until the next call."""
         self._charge_compute()
