@@ -79,8 +79,9 @@ def add_bench_args(p: argparse.ArgumentParser, *, repeats: int, size: str) -> No
     p.add_argument(
         "--overlap",
         type=fraction_arg,
-        default=0.5,
-        help="share of each rank's indices drawn from a common hot set (default 0.5)",
+        default=0.0,
+        help="share of each rank's indices drawn from a common hot set (default 0: "
+        "independent uniform indices on every rank, the papers' setting)",
     )
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"]
