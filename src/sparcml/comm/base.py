@@ -114,6 +114,11 @@ class Communicator(abc.ABC):
     world_size: int
     timeout: float
     device: torch.device
+    #: The ranks agree on the rank that failed first (a shared store,
+    #: :mod:`sparcml.comm.faults`), so a wait on a live rank that waits itself still
+    #: names the failed one: collectives may then exchange in O(log P) rounds
+    #: without losing who is to blame.
+    agrees_on_failures: bool = False
 
     def __init__(self, rank: int, world_size: int, timeout: float) -> None:
         if world_size < 1 or not 0 <= rank < world_size:

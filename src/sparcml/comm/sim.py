@@ -250,6 +250,10 @@ class SimCommunicator(Communicator):
             at full size).
     """
 
+    # the simulator models the transports that agree on failures (gloo and NCCL
+    # through their store), so it charges their O(log P) consistency check
+    agrees_on_failures = True
+
     def __init__(self, world: SimWorld, rank: int, timeout: float = 600.0) -> None:
         super().__init__(rank, world.world_size, timeout)
         self.world = world
