@@ -50,7 +50,7 @@ from ...comm import Communicator
 from ...comm.launch import run_processes
 from ...costmodel import CostModel
 from ...stream import SparseStream
-from .harness import Case, percentiles, time_case, write_csv, write_json
+from .harness import Case, Timing, percentiles, time_case, write_csv, write_json
 from .peers import PEERS, PeerRunner
 
 TRANSPORT = "torch.distributed gloo, TCP loopback or the emulated cluster, one process per rank"
@@ -78,6 +78,7 @@ class BenchConfig:
     timeout: float = 120.0
     progress: bool = True
     peers: bool = False  # PyTorch's fp16 and PowerSGD DDP hooks on the same vectors
+    interleave: bool = False  # time the algorithms round robin instead of one after another
 
     def validate(self) -> None:
         if self.world_size < 1:
@@ -226,8 +227,8 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
             chose = decided[-1] if decided else choose_algorithm(stream, comm)
         # the peers and the fp16 baseline take dense buckets: densified once, untimed
         dense_in = stream.to_dense() if peers or DENSE16 in names else None
+        cases: dict[str, Case] = {}
         for name in names:
-            step += 1
             peer = peers.get(name)
 
             def call(
@@ -244,7 +245,12 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
                 assert dense_in is not None
                 return SparseStream.dense(peer(dense_in).to(dtype))
 
-            timing = time_case(comm, Case(name, call), cfg.warmup, cfg.repeats)
+            cases[name] = Case(name, call)
+        timings = _interleaved(comm, cases, cfg) if cfg.interleave else {}
+        for name in names:
+            step += 1
+            peer = peers.get(name)
+            timing = timings.get(name) or time_case(comm, cases[name], cfg.warmup, cfg.repeats)
             result = timing.result
             times[name].extend(timing.times)
             cpu[name].extend(timing.cpu)
@@ -330,6 +336,27 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
     return rows
 
 
+def _interleaved(comm: Communicator, cases: dict[str, Case], cfg: BenchConfig) -> dict[str, Timing]:
+    """Every case warmed up, then timed round robin (one call of each per round), so a
+    shared machine's load changes hit every algorithm alike."""
+    for case in cases.values():
+        for _ in range(cfg.warmup):
+            case.run()
+    out: dict[str, Timing] = {}
+    for _ in range(cfg.repeats):
+        for name, case in cases.items():
+            one = time_case(comm, case, 0, 1)
+            if name not in out:
+                out[name] = one
+            else:
+                t = out[name]
+                t.times += one.times
+                t.sent += one.sent
+                t.cpu += one.cpu
+                t.result = one.result
+    return out
+
+
 def run_benchmark(cfg: BenchConfig) -> list[dict[str, Any]]:
     """Spawn ``cfg.world_size`` gloo ranks on loopback and run the benchmark; rank 0's rows."""
     cfg.validate()
@@ -355,6 +382,7 @@ def format_table(rows: Sequence[dict[str, Any]], cfg: BenchConfig) -> str:
     head = (
         f"P={cfg.world_size}  N={cfg.size:,}  density={cfg.density:g}  {overlap}"
         f"dtype={cfg.dtype}  runs={cfg.experiments}x{cfg.repeats} (+{cfg.warmup} warm-up)"
+        + ("  interleaved" if cfg.interleave else "")
     )
     cols = (
         f"{'algorithm':<32} {'p50 ms':>9} {'p25-p75 ms':>17} {'CPU ms':>8} {'MB sent/rank':>13} "

@@ -98,6 +98,12 @@ def add_bench_args(p: argparse.ArgumentParser, *, repeats: int, size: str) -> No
     p.add_argument(
         "--experiments", type=positive_arg, default=1, help="fresh data sets (default 1)"
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time the algorithms round robin (one call each per round), so load changes "
+        "on a shared machine hit all alike",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="per-operation timeout, seconds")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -119,6 +125,7 @@ def bench_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         seed=args.seed,
         timeout=args.timeout,
         progress=not args.quiet,
+        interleave=args.interleave,
         peers=getattr(args, "peers", False),
     )
 
