@@ -382,7 +382,7 @@ def format_table(rows: Sequence[dict[str, Any]], cfg: BenchConfig) -> str:
     head = (
         f"P={cfg.world_size}  N={cfg.size:,}  density={cfg.density:g}  {overlap}"
         f"dtype={cfg.dtype}  runs={cfg.experiments}x{cfg.repeats} (+{cfg.warmup} warm-up)"
-        + ("  interleaved" if cfg.interleave else "")
+        + ("  interleaved" if getattr(cfg, "interleave", False) else "")
     )
     cols = (
         f"{'algorithm':<32} {'p50 ms':>9} {'p25-p75 ms':>17} {'CPU ms':>8} {'MB sent/rank':>13} "
