@@ -24,10 +24,17 @@ def test_demo_runs_every_algorithm_and_checks_results(capsys, tmp_path) -> None:
     assert not any("WRONG" in line for line in rows)
     doc = json.loads(out_json.read_text())
     assert doc["config"]["world_size"] == 3 and doc["machine"]["versions"]["torch"]
-    assert {r["algorithm"] for r in doc["rows"]} == {*algorithms(exact=True), "auto"}
+    # every exact algorithm, auto, and the 16-bit dense baseline (fp16_compress_hook's)
+    assert {r["algorithm"] for r in doc["rows"]} == {*algorithms(exact=True), "auto", "dense_fp16"}
     assert all(r["correct"] for r in doc["rows"])
     dense = next(r for r in doc["rows"] if r["algorithm"] == "dense")
     assert dense["speedup_vs_dense"] == pytest.approx(1.0)
+    half = next(r for r in doc["rows"] if r["algorithm"] == "dense_fp16")
+    assert half["speedup_vs_fp16"] == pytest.approx(1.0) and 0 < half["max_rel_error"] < 2e-3
+    # nccl-tests' bandwidths and the local CPU column
+    assert dense["busbw_gbps"] == pytest.approx(dense["algbw_gbps"] * 4 / 3)
+    assert dense["algbw_gbps"] == pytest.approx(dense["bytes_in"] / dense["p50"] / 1e9)
+    assert all(r["cpu_p50"] > 0 for r in doc["rows"])
     # the sparse algorithms move far fewer bytes than the dense allreduce at 2% density
     rd = next(r for r in doc["rows"] if r["algorithm"] == "ssar_recursive_double")
     assert rd["bytes_sent"] < dense["bytes_sent"] / 2

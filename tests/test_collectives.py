@@ -148,6 +148,30 @@ def test_rank_that_never_joins_is_named() -> None:
     assert run_ranks(3, fn, timeout=0.5) == [2, 2, None]
 
 
+def test_check_takes_log_p_messages_and_names_an_absent_rank_beyond_the_partners() -> None:
+    """The header exchange is recursive doubling: 3 messages per rank at P = 8. Rank 3
+    stays away at P = 4: rank 2 waits on it directly, ranks 0 and 1 wait on ranks 2
+    and 3 in the second round; every one of them names rank 3."""
+    from sparcml.collectives import check_consistent
+
+    def count(comm):  # type: ignore[no-untyped-def]
+        check_consistent(SparseStream.empty(10), comm)
+        return comm.stats.messages_sent
+
+    assert run_ranks(8, count) == [3] * 8
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 3:
+            return None
+        try:
+            sparse_allreduce(SparseStream.empty(10), comm)
+        except CommTimeoutError as e:
+            return e.peer
+        return "no error"
+
+    assert run_ranks(4, fn, timeout=0.3) == [3, 3, 3, None]
+
+
 def test_unknown_algorithm_and_wrong_type() -> None:
     with pytest.raises(ValueError, match=r"unknown allreduce algorithm 'fast'.*ssar_split"):
         sparse_allreduce(SparseStream.empty(3), algorithm="fast")

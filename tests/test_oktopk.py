@@ -252,3 +252,21 @@ def test_oktopk_with_k_above_the_nonzeros_keeps_only_them() -> None:
     out = run_ranks(4, fn)
     assert out[0].to_dense()[:4].tolist() == [1.0, 2.0, 3.0, 4.0]
     assert out[0].count_nonzero() == 4 and all(o.equal(out[0]) for o in out)
+
+
+def test_bench_period_times_every_call_and_keeps_the_volume_bound() -> None:
+    """``sparcml bench-topk``'s Ok-Topk period: tau' calls from a fresh state with a
+    drifting accumulator (the count guard re-thresholds), the refresh first; every
+    call's bytes within 6k(P-1)/P pairs."""
+    from sparcml.stream import index_bytes
+    from sparcml.tools.bench.topk import oktopk_period
+
+    n, k, p = 1 << 14, 1500, 3  # k large enough that 4 histogram allreduces (11 kB) fit
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        acc = torch.randn(n, generator=torch.Generator().manual_seed(comm.rank))
+        return oktopk_period(comm, acc, k, seed=0, tau_prime=4)
+
+    for times, sent, cpu in run_ranks(p, fn):
+        assert len(times) == len(sent) == len(cpu) == 4
+        assert max(sent) <= 6 * k * (p - 1) / p * (index_bytes(n) + 4)

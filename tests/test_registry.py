@@ -7,7 +7,11 @@ algorithm lists without touching any other module.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +85,40 @@ def test_a_new_registration_is_picked_up_everywhere(throwaway: str) -> None:
         )
     )[0]
     assert row["correct"] and row["identical_on_all_ranks"] and row["model_s"] == 1e-12
+
+
+def test_auto_measures_without_calibration_and_agrees_on_the_slowest_rank(
+    throwaway: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without a calibration file ``auto`` times its candidates on real calls: the
+    throwaway (predicted cheapest) is slow on rank 0 only, so every rank must drop it."""
+    from sparcml.collectives import autotune
+
+    monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 0.0)
+    monkeypatch.setattr(autotune, "PRUNE_FACTOR", math.inf)
+    slow = registry._REGISTRY[throwaway]
+
+    def slow_on_rank0(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        if comm.rank == 0:
+            time.sleep(0.05)
+        return topka(stream, comm, codec)
+
+    registry._REGISTRY[throwaway] = dataclasses.replace(slow, fn=slow_on_rank0)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
+        n = len(algorithms(auto=True)) * autotune.ROUNDS
+        outs = [sparse_allreduce(s, comm).to_dense() for _ in range(n + 1)]
+        (choice,) = autotune.auto_choices(comm)
+        return outs, choice.winner, choice.agreed, choose_algorithm(s, comm)
+
+    got = run_ranks(3, fn)
+    for outs, winner, agreed, chosen in got:
+        assert all(o.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 6.0, 0.0, 0.0] for o in outs)
+        assert winner == chosen == got[0][1] and winner != throwaway
+        assert agreed == got[0][2]  # the same figures on every rank
+    # with a calibration file the model decides (and picks the free throwaway)
+    cal = CostModel().save(tmp_path / "cal.json")
+    monkeypatch.setenv("SPARCML_CALIBRATION", str(cal))
+    assert autotune.auto_mode(None) == "model"

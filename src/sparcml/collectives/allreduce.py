@@ -1,11 +1,12 @@
 """``sparse_allreduce``: the front door of the sparse allreduce algorithms.
 
-Every call first exchanges a few integers per rank (size, dtype, nnz, the call
-number, the caller's ``call_id``, a NaN/Inf flag when quantizing): each rank
-sends them straight to every other (an alltoallv of 24-byte headers, ``P-1``
-messages per rank). That check makes mismatched calls fail with the same clear
-error on every rank instead of hanging or corrupting data, and gives
-``algorithm="auto"`` the observed nnz of every rank for the cost model
+Every call first gathers a few integers per rank (size, dtype, nnz, the call
+number, the caller's ``call_id``, a NaN/Inf flag when quantizing) on every rank:
+a recursive-doubling exchange of 24-byte headers, ``log2 P`` messages per rank
+(``P-1`` direct messages on a backend without failure agreement, MPI). That
+check makes mismatched calls fail with the same clear error on every rank
+instead of hanging or corrupting data, and gives ``algorithm="auto"`` the
+observed nnz of every rank for the cost model
 (:mod:`sparcml.costmodel`). The choice is computed from the same gathered numbers
 on every rank, so all ranks pick the same algorithm.
 """
@@ -25,14 +26,73 @@ from ..errors import NonFiniteError, RankMismatchError
 from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import code_dtype, dtype_code
+from ._common import largest_power_of_two
+from .autotune import AutoClass, auto_choices, auto_mode, run_auto
 from .codec import StreamCodec
 from .registry import algorithms, check_options, choose, get_algorithm
 
-__all__ = ["check_consistent", "choose_algorithm", "sparse_allreduce"]
+__all__ = ["check_consistent", "choose_algorithm", "gather_headers", "sparse_allreduce"]
 
 log = logging.getLogger("sparcml")
 
 _MASK32 = (1 << 32) - 1
+
+
+def _held(rank: int, mask: int, p: int, p2: int) -> list[int]:
+    """The ranks whose headers ``rank`` (< ``P'``) holds before the round with ``mask``:
+    its group of ``mask`` ranks and the extra ranks folded into them, ascending."""
+    base = rank & ~(mask - 1)
+    group = list(range(base, base + mask))
+    return group + [r + p2 for r in group if r < p - p2]
+
+
+def gather_headers(header: torch.Tensor, comm: Communicator) -> list[torch.Tensor]:
+    """Every rank's ``header`` (equal sizes), by recursive doubling: ``log2 P'`` rounds.
+
+    Rank ``r >= P'`` (``P'`` the largest power of two ``<= P``) first sends its header
+    to ``r - P'`` and gets all of them back at the end (Appendix A's fold); in round
+    ``t`` rank ``r < P'`` sends the headers it holds (its group of ``2^(t-1)`` ranks,
+    folded ones included) to ``r XOR 2^(t-1)`` and receives that group's. So
+    ``log2 P'`` messages per rank (two more for the fold), ``(P-1)`` headers
+    received, where a direct exchange takes ``P-1`` messages. A rank that is dead or
+    absent stalls its partners first; the others name it all the same through the
+    communicator's agreement on the failed rank
+    (:attr:`~sparcml.comm.Communicator.agrees_on_failures`).
+
+    Raises:
+        RankMismatchError: a partner sent a message of the wrong size.
+    """
+    p, me = comm.world_size, comm.rank
+    width = header.numel()
+    out: list[torch.Tensor | None] = [None] * p
+    out[me] = header
+    p2 = largest_power_of_two(p)
+
+    def take(buf: torch.Tensor, src: int, ranks: list[int]) -> None:
+        if buf.numel() != width * len(ranks):
+            raise RankMismatchError(
+                f"rank {src} sent a malformed header ({buf.numel()} bytes, expected "
+                f"{width * len(ranks)}): is it running the same collective and sparcml version?"
+            )
+        for i, r in enumerate(ranks):
+            out[r] = buf[i * width : (i + 1) * width]
+
+    if me >= p2:  # fold: hand the header to rank me - P', get every header back
+        comm.send(header, me - p2)
+        take(comm.recv(me - p2), me - p2, [r for r in range(p) if r != me])
+        return [h for h in out if h is not None]
+    if me < p - p2:
+        take(comm.recv(me + p2), me + p2, [me + p2])
+    mask = 1
+    while mask < p2:
+        partner = me ^ mask
+        mine = _held(me, mask, p, p2)
+        sent = torch.cat([out[r] for r in mine])  # type: ignore[misc]
+        take(comm.sendrecv(sent, partner), partner, _held(partner, mask, p, p2))
+        mask <<= 1
+    if me < p - p2:  # unfold
+        comm.send(torch.cat([out[r] for r in range(p) if r != me + p2]), me + p2)  # type: ignore[misc]
+    return [h for h in out if h is not None]
 
 
 def check_consistent(
@@ -45,9 +105,12 @@ def check_consistent(
 ) -> list[int]:
     """Check that every rank passes the same size and dtype; return every rank's nnz.
 
-    Every rank sends its (size, dtype, nnz, call number) straight to every other
-    rank, so a rank that is dead or not calling the collective is named by every
-    peer's timeout error, not just by a neighbour's.
+    The ranks gather every rank's (size, dtype, nnz, call number, ``call_id``, NaN
+    flag), 24 bytes, by recursive doubling (:func:`gather_headers`, ``log2 P``
+    messages per rank) on communicators that agree on the failed rank, else
+    straight from every peer (``P-1`` messages); either way a rank that is dead or
+    not calling the collective is named by every peer's error, not just by a
+    neighbour's.
 
     Args:
         sequence: this call's number on the communicator (default: the next one,
@@ -76,7 +139,10 @@ def check_consistent(
     )
     payload = as_bytes(meta)
     with comm.control():
-        got = comm.alltoallv([payload] * comm.world_size)
+        if comm.agrees_on_failures:
+            got = gather_headers(payload, comm)
+        else:
+            got = comm.alltoallv([payload] * comm.world_size)
     rows = []
     for r, buf in enumerate(got):
         if buf.numel() != payload.numel():
@@ -126,12 +192,20 @@ def choose_algorithm(
     """The algorithm ``"auto"`` picks for this call (a collective: every rank must call it).
 
     Checks consistency like :func:`sparse_allreduce` and returns the same name on
-    every rank. ``exclude_dense`` leaves out the dense allreduce (it cannot quantize).
+    every rank: the measured winner of the call's class once ``auto`` has measured
+    it (:mod:`.autotune`), else the cost model's choice. ``exclude_dense`` leaves out
+    the dense allreduce (it cannot quantize).
     """
     ks = check_consistent(stream, comm)
+    isize = stream.values.element_size()
+    if auto_mode(cost_model) == "measure":
+        cls = AutoClass.of(comm.world_size, stream.size, ks, isize, exclude_dense)
+        done = next((c for c in auto_choices(comm) if c.cls == cls and c.winner), None)
+        if done is not None and done.winner is not None:
+            return done.winner
     model = cost_model if cost_model is not None else CostModel.load()
     candidates = [a for a in algorithms(auto=True) if not (exclude_dense and a == "dense")]
-    return choose(model, comm.world_size, stream.size, ks, stream.values.element_size(), candidates)
+    return choose(model, comm.world_size, stream.size, ks, isize, candidates)
 
 
 def _run(
@@ -145,14 +219,15 @@ def _run(
 ) -> SparseStream:
     codec = codec.with_call(comm.next_sequence(), comm.rank)
     ks = check_consistent(stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy)
-    if algorithm == "auto":
-        model = model if model is not None else CostModel.load()
-        candidates = [a for a in algorithms(auto=True) if not (codec.lossy and a == "dense")]
-        algorithm = choose(
-            model, comm.world_size, stream.size, ks, stream.values.element_size(), candidates
-        )
-        log.debug("sparse_allreduce auto chose %s", algorithm)
-    return get_algorithm(algorithm)(stream, comm, codec, **options)
+    if algorithm != "auto":
+        return get_algorithm(algorithm)(stream, comm, codec, **options)
+
+    def run(name: str) -> SparseStream:
+        return get_algorithm(name)(stream, comm, codec)
+
+    out = run_auto(comm, stream.size, ks, stream.values.element_size(), codec.lossy, model, run)
+    assert isinstance(out, SparseStream)
+    return out
 
 
 @overload
@@ -209,7 +284,9 @@ def sparse_allreduce(
             or a world of one rank when torch.distributed is not initialised.
         algorithm: a registered algorithm (``ssar_recursive_double``,
             ``ssar_split_allgather``, ``dsar_split_allgather``, ``dense``, ...) or
-            ``"auto"``: the fastest under the cost model for the observed nnz.
+            ``"auto"``: the fastest for the observed nnz: under the cost model
+            when one is given or calibrated, else measured on the first calls of
+            each size/density class (:mod:`sparcml.collectives.autotune`).
         async_op: return a :class:`~sparcml.comm.engine.Work` at once; the operation runs
             on the communicator's background engine, in submission order.
         quantizer: a value quantizer (``sparcml.compress.get("qsgd", bits=4)`` or a
@@ -224,7 +301,8 @@ def sparse_allreduce(
         index_coding: ``"delta"`` sends the indices of quantized sparse messages as
             varints of their gaps (about 1.3 bytes each at 1% density instead of 4);
             lossless, so results are unchanged.
-        cost_model: the model ``auto`` uses (default: stored calibration or defaults).
+        cost_model: the model ``auto`` decides with (default: the stored calibration;
+            without one, ``auto`` measures the candidates on first use).
         call_id: your own number for this call (e.g. the training step), compared
             across ranks: a rank that skipped a call and made an extra one later
             fails on every rank instead of mixing two calls' data (the call counts

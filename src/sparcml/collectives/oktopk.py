@@ -340,18 +340,45 @@ def _unpairs(buf: torch.Tensor, dtype: torch.dtype, size: int) -> tuple[torch.Te
     return indices, values
 
 
+def refresh_cost(model: CostModel, p: int, n: int, k: int, isize: int) -> float:
+    """One threshold refresh (every ``tau_prime`` calls): the exact local k-th largest
+    over all ``N`` magnitudes (a pass for ``|acc|``, one for the selection), and the
+    global radix select: ``32 / 8 = 4`` ring allreduces of a 256-bin int64 histogram
+    (``2(P-1)`` messages each), with a scan of the ``~k`` reduced entries per round."""
+    rounds = 4
+    hist = 256 * 8
+    allreduce = 2 * (p - 1) * model.alpha + 2 * (p - 1) / p * hist * model.beta
+    return 2 * n * model.gamma_add + rounds * (allreduce + model.gamma * k)
+
+
+def boundaries_cost(model: CostModel, p: int, quantiles: int) -> float:
+    """One re-estimation of the region boundaries (every ``tau`` calls): every rank
+    sends ``Q`` quantiles and its count to every other rank."""
+    return (p - 1) * (model.alpha + 8 * (quantiles + 1) * model.beta)
+
+
 def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
-    """Steady state (thresholds and boundaries reused): split and reduce ((P-1) alpha,
+    """Amortised over a threshold period (``OkTopkState``'s defaults ``tau' = 32``,
+    ``tau = 64``): the steady state (thresholds and boundaries reused) -- the
+    selection scan of the ``N``-element accumulator, split and reduce ((P-1) alpha,
     k (P-1)/P pairs), counts allgather ((P-1) alpha), share redistribution (<= 2
     messages of ~k/P), recursive-doubling allgather of the k kept pairs (log P alpha,
-    k (P-1)/P pairs): paper 001 sec. 3.1-3.2, ``(2P + 2 log P) alpha + 6k (P-1)/P beta``
-    in words."""
+    k (P-1)/P pairs): paper 001 sec. 3.1-3.2, ``(2P + 2 log P) alpha + 6k (P-1)/P
+    beta`` in words -- plus :func:`refresh_cost` / ``tau'`` and
+    :func:`boundaries_cost` / ``tau``."""
     k = max(ks) if ks else 0
     pair = index_bytes(n) + isize
-    return (
+    steady = (
         (2 * (p - 1) + 2 + log2_ceil(p)) * model.alpha
         + model.beta_pairs * pair * (2 * k * (p - 1) / p + k / p)
+        + model.gamma_add * n
         + model.gamma * 2 * k
+    )
+    defaults = OkTopkState()
+    return (
+        steady
+        + refresh_cost(model, p, n, k, isize) / defaults.tau_prime
+        + boundaries_cost(model, p, defaults.quantiles) / defaults.tau
     )
 
 

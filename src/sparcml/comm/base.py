@@ -28,6 +28,7 @@ import abc
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -113,6 +114,11 @@ class Communicator(abc.ABC):
     world_size: int
     timeout: float
     device: torch.device
+    #: The ranks agree on the rank that failed first (a shared store,
+    #: :mod:`sparcml.comm.faults`), so a wait on a live rank that waits itself still
+    #: names the failed one: collectives may then exchange in O(log P) rounds
+    #: without losing who is to blame.
+    agrees_on_failures: bool = False
 
     def __init__(self, rank: int, world_size: int, timeout: float) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
@@ -146,6 +152,11 @@ class Communicator(abc.ABC):
     @sequence.setter
     def sequence(self, value: int) -> None:
         self._sequence = int(value)
+
+    def now(self) -> float:
+        """Seconds on this rank's clock (the wall clock; the simulator's is virtual),
+        for timing calls (``algorithm="auto"`` measures with it)."""
+        return time.perf_counter()
 
     def next_sequence(self) -> int:
         """Number the collective calls: every rank calls them in the same order."""

@@ -5,6 +5,12 @@ on ``world_size`` ranks in this process and returns their results in rank order.
 If any rank raises, the others are aborted (they stop at their next
 communication instead of waiting for a message that will never come) and the
 first exception is re-raised in the caller, annotated with its rank.
+
+A rank that times out names the rank that failed first, not merely the one it
+was waiting for, by the same agreement as the torch.distributed backend
+(:mod:`sparcml.comm.faults`) through an in-memory store the ranks share: it
+publishes whom it waits for and follows the chain of waits to the rank that
+reports nothing; a rank aborted meanwhile names the recorded rank too.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..errors import CommTimeoutError, RankAbortedError
+from ..errors import CommError, CommTimeoutError, RankAbortedError
 from .base import Communicator, Handle
+from .faults import StoreFaults, make_error
 
 __all__ = ["LocalCommunicator", "LocalWorld", "run_ranks"]
 
@@ -28,12 +35,43 @@ T = TypeVar("T")
 _POLL_S = 0.02
 
 
+class MemoryStore:
+    """The part of ``torch.distributed.Store`` that :class:`~sparcml.comm.faults.StoreFaults`
+    uses, in memory, for in-process ranks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, bytes] = {}
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return all(k in self._data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return self._data[key]
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self._lock:
+            self._data[key] = value.encode() if isinstance(value, str) else value
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """Set ``desired`` if the value is ``expected`` (absent counts as ``""``); return
+        the value held afterwards."""
+        with self._lock:
+            cur = self._data.get(key)
+            if (cur is None and expected == "") or cur == expected.encode():
+                self._data[key] = desired.encode()
+            return self._data.get(key, expected.encode())
+
+
 class LocalWorld:
     """Mailboxes shared by the in-process ranks of one world."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.aborted = threading.Event()
+        self.store = MemoryStore()
         self._lock = threading.Lock()
         self._boxes: dict[tuple[int, int, int], queue.SimpleQueue[torch.Tensor]] = defaultdict(
             queue.SimpleQueue
@@ -80,10 +118,25 @@ def wait_for_message(
 class LocalCommunicator(Communicator):
     """One rank of a :class:`LocalWorld`. Payloads are copied on send (no aliasing)."""
 
+    agrees_on_failures = True
+
     def __init__(self, world: LocalWorld, rank: int, timeout: float = 30.0) -> None:
         super().__init__(rank, world.world_size, timeout)
         self.world = world
         self.device = torch.device("cpu")
+        store = world.store
+        grace = min(max(0.2, 0.5 * self.timeout), 5.0)
+        self.faults = StoreFaults(lambda: store, "local", rank, world.world_size, grace, None)
+
+    def _fail(self, e: CommError, peer: int) -> CommError:
+        """The error naming the root cause (see the module docstring)."""
+        if isinstance(e, RankAbortedError):
+            record = self.faults.read()
+            if record is None:
+                return e
+        else:
+            record = self.faults.resolve(e, peer, "recv")
+        return make_error(record, self.rank, peer, "recv", str(e), self.timeout)
 
     def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
         if self.world.aborted.is_set():
@@ -95,9 +148,12 @@ class LocalCommunicator(Communicator):
         box = self.world.box(src, self.rank, tag)
 
         def wait() -> torch.Tensor:
-            got: torch.Tensor = wait_for_message(
-                box, self.world.aborted, self.rank, src, tag, self.timeout
-            )
+            try:
+                got: torch.Tensor = wait_for_message(
+                    box, self.world.aborted, self.rank, src, tag, self.timeout
+                )
+            except (CommTimeoutError, RankAbortedError) as e:
+                raise self._fail(e, src) from e
             return got
 
         return Handle(wait)

@@ -250,6 +250,10 @@ class SimCommunicator(Communicator):
             at full size).
     """
 
+    # the simulator models the transports that agree on failures (gloo and NCCL
+    # through their store), so it charges their O(log P) consistency check
+    agrees_on_failures = True
+
     def __init__(self, world: SimWorld, rank: int, timeout: float = 600.0) -> None:
         super().__init__(rank, world.world_size, timeout)
         self.world = world
@@ -271,6 +275,11 @@ class SimCommunicator(Communicator):
             self.clock += spent
             self.compute_s += spent
         self._mark = now
+
+    def now(self) -> float:
+        """This rank's virtual time (the local work so far charged first)."""
+        self._charge_compute()
+        return self.clock
 
     def stop_clock(self) -> None:
         """Charge the local work done so far; what follows is not timed until the next call."""

@@ -67,6 +67,8 @@ class TorchDistCommunicator(Communicator):
         RuntimeError: if torch.distributed is not initialised.
     """
 
+    agrees_on_failures = True  # through the rendezvous store (comm/faults.py)
+
     def __init__(
         self,
         group: Any = None,

@@ -6,9 +6,25 @@ uniform random per rank, Gaussian values), then every algorithm reduces it
 ``repeats`` times after ``warmup`` untimed runs, over ``experiments`` freshly
 generated data sets (the paper: 5 data sets x 10 runs, 25th/75th percentiles).
 
-Each timed run starts after a barrier; its time is the slowest rank's. Bytes
-are the communicator's count for the call (mean over ranks). Every result is
-checked against a float64 dense allreduce of the same inputs.
+Each timed run starts after a barrier; its time is the slowest rank's, and so
+is its local CPU time (the rank process's CPU seconds during the call). Bytes
+are the communicator's count for the call (mean over ranks). ``algbw`` and
+``busbw`` follow nccl-tests: ``algbw = S / t`` for the vector's ``S = N * isize``
+bytes, ``busbw = algbw * 2 (P-1) / P`` (an allreduce's bus factor), so dense and
+sparse rows compare on one scale. Every result is checked against a float64
+dense allreduce of the same inputs.
+
+Baselines: ``dense`` (the backend's fp32 allreduce) and ``dense_fp16``, the
+16-bit dense allreduce of PyTorch's ``fp16_compress_hook`` (cast to float16,
+allreduce, cast back; checked within float16 rounding), the headline
+comparison for a compressed collective. ``auto`` first runs the calls it
+measures on (:mod:`sparcml.collectives.autotune`, untimed, reported as
+``tuning``), then is timed like the others.
+
+``overlap = 0`` (every rank's indices independent and uniform, the papers'
+setting) is the default and the first-class case; ``overlap > 0`` draws that
+share from a hot set common to all ranks, which shrinks the fill-in and favours
+the sparse algorithms.
 
 Run with :func:`run_benchmark` (spawns local gloo ranks) or ``sparcml bench``.
 """
@@ -20,6 +36,7 @@ import itertools
 import math
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,17 +44,21 @@ from typing import Any
 import torch
 
 from ...collectives import algorithms, choose_algorithm, sparse_allreduce
+from ...collectives.autotune import auto_choices, measuring
 from ...collectives.registry import algorithm_info, predict
 from ...comm import Communicator
 from ...comm.launch import run_processes
 from ...costmodel import CostModel
 from ...stream import SparseStream
-from .harness import Case, percentiles, time_case, write_csv, write_json
+from .harness import Case, Timing, percentiles, time_case, write_csv, write_json
 from .peers import PEERS, PeerRunner
 
 TRANSPORT = "torch.distributed gloo, TCP loopback or the emulated cluster, one process per rank"
 
-__all__ = ["BenchConfig", "Row", "format_table", "gradient_like", "run_benchmark"]
+__all__ = ["DENSE16", "BenchConfig", "Row", "format_table", "gradient_like", "run_benchmark"]
+
+#: The 16-bit dense baseline (``fp16_compress_hook``'s allreduce) by this name.
+DENSE16 = "dense_fp16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +68,7 @@ class BenchConfig:
     world_size: int = 4
     size: int = 1 << 22
     density: float = 0.01
-    overlap: float = 0.5
+    overlap: float = 0.0
     dtype: str = "float32"
     algorithms: tuple[str, ...] = ()
     repeats: int = 5
@@ -57,6 +78,7 @@ class BenchConfig:
     timeout: float = 120.0
     progress: bool = True
     peers: bool = False  # PyTorch's fp16 and PowerSGD DDP hooks on the same vectors
+    interleave: bool = False  # time the algorithms round robin instead of one after another
 
     def validate(self) -> None:
         if self.world_size < 1:
@@ -71,17 +93,18 @@ class BenchConfig:
             raise ValueError("repeats and experiments must be >= 1, warmup >= 0")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        known = set(algorithms(exact=True)) | {"auto"} | set(PEERS)
+        known = set(algorithms(exact=True)) | {"auto", DENSE16} | set(PEERS)
         unknown = [a for a in self.algorithms if a not in known]
         if unknown:
             raise ValueError(f"unknown algorithms {unknown}; known: {sorted(known)}")
 
     def algorithm_list(self) -> list[str]:
-        names = list(self.algorithms) or [*algorithms(exact=True), "auto"]
+        names = list(self.algorithms) or ["dense", DENSE16, *algorithms(exact=True), "auto"]
+        names = list(dict.fromkeys(names))
         if self.peers:
             names += [p for p in PEERS if p not in names]
-        # the dense baseline first: speedups are relative to it
-        return sorted(names, key=lambda a: a != "dense")
+        # the dense baselines first: speedups are relative to them
+        return sorted(names, key=lambda a: (a != "dense", a != DENSE16))
 
 
 _DTYPES = {
@@ -107,15 +130,27 @@ class Row:
     max_rel_error: float
     correct: bool
     speedup_vs_dense: float | None = None
+    speedup_vs_fp16: float | None = None
+    cpu_p50: float = math.nan  # the busiest rank's CPU seconds per call, median
+    world_size: int = 1
     chose: str | None = None
+    tuning_calls: int = 0  # auto: the calls it measured on before the timed ones
+    tuning_s: float = 0.0
     predicted: float | None = None  # the cost model's time (stored calibration), seconds
     inexact: bool = False  # by design not the sum (PowerSGD): the error is reported, not checked
 
+    bytes_in: int = 0
+
     @property
     def algbw_gbps(self) -> float:
+        """nccl-tests' algorithm bandwidth: the vector's bytes over the time, GB/s."""
         return 0.0 if self.p50 <= 0 else self.bytes_in / self.p50 / 1e9
 
-    bytes_in: int = 0
+    @property
+    def busbw_gbps(self) -> float:
+        """nccl-tests' bus bandwidth of an allreduce: ``algbw * 2 (P-1) / P``."""
+        p = self.world_size
+        return self.algbw_gbps * 2 * (p - 1) / p
 
 
 def gradient_like(
@@ -149,6 +184,8 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
     dtype = _DTYPES[cfg.dtype]
     names = cfg.algorithm_list()
     times: dict[str, list[float]] = {a: [] for a in names}
+    cpu: dict[str, list[float]] = {a: [] for a in names}
+    tuning = {"calls": 0, "s": 0.0}
     sent: dict[str, list[int]] = {a: [] for a in names}
     last: dict[str, dict[str, Any]] = {}
     chose: str | None = None
@@ -177,11 +214,21 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
         ref = comm.allreduce(stream.to_dense().to(torch.float64))
         scale = comm.allreduce(stream.to_dense().to(torch.float64).abs())
         if "auto" in names:
-            chose = choose_algorithm(stream, comm)
-        # the peers take DDP's dense buckets: densified once, outside the timing
-        dense_in = stream.to_dense() if peers else None
+            # the calls auto measures on (without a calibration file), untimed
+            t0, calls = time.perf_counter(), 0
+            known = len(auto_choices(comm))
+            while calls == 0 or measuring(comm):
+                sparse_allreduce(stream, comm)
+                calls += 1
+            if len(auto_choices(comm)) > known:  # a new class was measured
+                tuning["calls"] += calls
+                tuning["s"] += time.perf_counter() - t0
+            decided = [c.winner for c in auto_choices(comm) if c.winner]
+            chose = decided[-1] if decided else choose_algorithm(stream, comm)
+        # the peers and the fp16 baseline take dense buckets: densified once, untimed
+        dense_in = stream.to_dense() if peers or DENSE16 in names else None
+        cases: dict[str, Case] = {}
         for name in names:
-            step += 1
             peer = peers.get(name)
 
             def call(
@@ -190,14 +237,23 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
                 stream: SparseStream = stream,
                 dense_in: torch.Tensor | None = dense_in,
             ) -> SparseStream:
+                if name == DENSE16:
+                    assert dense_in is not None
+                    return SparseStream.dense(comm.allreduce(dense_in.half()).to(dtype))
                 if peer is None:
                     return sparse_allreduce(stream, comm, algorithm=name)
                 assert dense_in is not None
                 return SparseStream.dense(peer(dense_in).to(dtype))
 
-            timing = time_case(comm, Case(name, call), cfg.warmup, cfg.repeats)
+            cases[name] = Case(name, call)
+        timings = _interleaved(comm, cases, cfg) if cfg.interleave else {}
+        for name in names:
+            step += 1
+            peer = peers.get(name)
+            timing = timings.get(name) or time_case(comm, cases[name], cfg.warmup, cfg.repeats)
             result = timing.result
             times[name].extend(timing.times)
+            cpu[name].extend(timing.cpu)
             # the peers' hooks go around our communicator: their bytes by formula
             sent[name].extend(
                 timing.sent if peer is None else [round(peer.bytes_sent(cfg.size))] * cfg.repeats
@@ -205,11 +261,11 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
             err = (result.to_dense().to(torch.float64) - ref).abs()
             rel = float((err / scale.clamp_min(1e-30)).max()) if err.numel() else 0.0
             tol = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 4e-2}[cfg.dtype]
-            if peer is not None:
+            if peer is not None or name == DENSE16:
                 # the peers' error in norm: float16 flushes tiny values to subnormals,
                 # PowerSGD is a low-rank approximation
                 rel = float(err.norm() / ref.norm().clamp_min(1e-30))
-            if name == "torch_fp16_hook":
+            if name in ("torch_fp16_hook", DENSE16):
                 tol = max(tol, 2e-3)  # float16 rounding of the values and the ring's sums
             if name == "torch_powersgd_hook":
                 # no accuracy bound to check: every rank must hold the same bits
@@ -261,15 +317,44 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
                     correct=bool(last[a]["correct"]) and math.isfinite(float(last[a]["err"])),
                     inexact=a == "torch_powersgd_hook",
                     chose=chose if a == "auto" else None,
+                    tuning_calls=tuning["calls"] if a == "auto" else 0,
+                    tuning_s=tuning["s"] if a == "auto" else 0.0,
+                    cpu_p50=statistics.median(cpu[a]) if cpu[a] else math.nan,
+                    world_size=comm.world_size,
                     predicted=statistics.median(predicted[a]) if predicted[a] else None,
                     bytes_in=cfg.size * isize,
                 )
             )
         )
+        row = Row(**rows[-1])
+        rows[-1].update(algbw_gbps=row.algbw_gbps, busbw_gbps=row.busbw_gbps)
     dense = next((r for r in rows if r["algorithm"] == "dense"), None)
+    half = next((r for r in rows if r["algorithm"] == DENSE16), None)
     for r in rows:
         r["speedup_vs_dense"] = dense["p50"] / r["p50"] if dense and r["p50"] > 0 else None
+        r["speedup_vs_fp16"] = half["p50"] / r["p50"] if half and r["p50"] > 0 else None
     return rows
+
+
+def _interleaved(comm: Communicator, cases: dict[str, Case], cfg: BenchConfig) -> dict[str, Timing]:
+    """Every case warmed up, then timed round robin (one call of each per round), so a
+    shared machine's load changes hit every algorithm alike."""
+    for case in cases.values():
+        for _ in range(cfg.warmup):
+            case.run()
+    out: dict[str, Timing] = {}
+    for _ in range(cfg.repeats):
+        for name, case in cases.items():
+            one = time_case(comm, case, 0, 1)
+            if name not in out:
+                out[name] = one
+            else:
+                t = out[name]
+                t.times += one.times
+                t.sent += one.sent
+                t.cpu += one.cpu
+                t.result = one.result
+    return out
 
 
 def run_benchmark(cfg: BenchConfig) -> list[dict[str, Any]]:
@@ -297,27 +382,40 @@ def format_table(rows: Sequence[dict[str, Any]], cfg: BenchConfig) -> str:
     head = (
         f"P={cfg.world_size}  N={cfg.size:,}  density={cfg.density:g}  {overlap}"
         f"dtype={cfg.dtype}  runs={cfg.experiments}x{cfg.repeats} (+{cfg.warmup} warm-up)"
+        + ("  interleaved" if getattr(cfg, "interleave", False) else "")
     )
     cols = (
-        f"{'algorithm':<32} {'p50 ms':>9} {'p25-p75 ms':>17} {'MB sent/rank':>13} "
-        f"{'result nnz':>11} {'max rel err':>11} {'check':>7} {'vs dense':>9} "
-        f"{'model ms':>9} {'meas/model':>10}"
+        f"{'algorithm':<32} {'p50 ms':>9} {'p25-p75 ms':>17} {'CPU ms':>8} {'MB sent/rank':>13} "
+        f"{'algbw':>7} {'busbw':>7} {'result nnz':>11} {'max rel err':>11} {'check':>7} "
+        f"{'vs dense':>9} {'vs fp16':>8} {'model ms':>9} {'meas/model':>10}"
     )
     lines = [head, cols, "-" * len(cols)]
     for r in rows:
         name = r["algorithm"] + (f" -> {r['chose']}" if r.get("chose") else "")
         speed = f"{r['speedup_vs_dense']:.2f}x" if r.get("speedup_vs_dense") else "-"
+        speed16 = f"{r['speedup_vs_fp16']:.2f}x" if r.get("speedup_vs_fp16") else "-"
+        cpu_ms = r.get("cpu_p50", math.nan) * 1e3
         nnz = f"{r['result_nnz']:,}" + (" D" if r["result_dense"] else "")
         pred = r.get("predicted")
         model = f"{pred * 1e3:9.2f} {r['p50'] / pred:10.2f}" if pred else f"{'-':>9} {'-':>10}"
         lines.append(
             f"{name:<32.32} {r['p50'] * 1e3:9.2f} "
-            f"{r['p25'] * 1e3:8.2f}-{r['p75'] * 1e3:<8.2f} "
-            f"{r['bytes_sent'] / 1e6:13.3f} {nnz:>11} {r['max_rel_error']:11.1e} "
-            f"{check_label(r):>7} {speed:>9} {model}"
+            f"{r['p25'] * 1e3:8.2f}-{r['p75'] * 1e3:<8.2f} {cpu_ms:8.1f} "
+            f"{r['bytes_sent'] / 1e6:13.3f} {r.get('algbw_gbps', 0.0):7.2f} "
+            f"{r.get('busbw_gbps', 0.0):7.2f} {nnz:>11} {r['max_rel_error']:11.1e} "
+            f"{check_label(r):>7} {speed:>9} {speed16:>8} {model}"
+        )
+    tuned = next((r for r in rows if r.get("tuning_calls")), None)
+    if tuned is not None:
+        lines.append(
+            f"auto measured on {tuned['tuning_calls']} untimed calls first "
+            f"({tuned['tuning_s']:.2f} s in all), then ran {tuned['chose']}"
         )
     lines.append(
-        "(D: dense result; time = slowest rank, after a barrier; bytes = payload; model: "
+        "(D: dense result; time = slowest rank, after a barrier; CPU ms = the busiest "
+        "rank's process CPU per call; algbw = N*isize/time, busbw = algbw*2(P-1)/P, GB/s "
+        "(nccl-tests); dense_fp16 = fp16_compress_hook's 16-bit allreduce; "
+        "bytes = payload; model: "
         f"alpha-beta-gamma prediction from {CostModel.load().source}; check: ok = within the "
         "dtype's tolerance of the float64 sum, inexact = not the sum by design (error "
         "reported; identical bits on every rank checked), WRONG = beyond tolerance, NaN or "

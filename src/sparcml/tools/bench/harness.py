@@ -71,6 +71,7 @@ class Timing:
     result: Any
     error: float = math.nan
     ok: bool | None = None
+    cpu: list[float] = dataclasses.field(default_factory=list)  # the busiest rank's CPU s
 
     @property
     def p25(self) -> float:
@@ -102,23 +103,30 @@ def time_case(
 
     Each timed call starts after a barrier; its time is the slowest rank's (one
     small max-allreduce after the call, outside the timing), so every rank gets
-    the same figures. The last result is checked with ``case.check``.
+    the same figures; so is its local CPU time (the process's CPU seconds during
+    the call, every thread of it: with one process per rank, the rank's local
+    work). The last result is checked with ``case.check``.
     """
     for _ in range(warmup):
         case.run()
     times: list[float] = []
+    cpu: list[float] = []
     sent: list[int] = []
     result: Any = None
     for _ in range(repeats):
         if barrier:
             comm.barrier()
         before = comm.stats.bytes_sent
+        c = time.process_time()
         t = time.perf_counter()
         result = case.run()
         elapsed = time.perf_counter() - t
+        used = time.process_time() - c
         sent.append(comm.stats.bytes_sent - before)
-        times.append(float(comm.allreduce(torch.tensor([elapsed]), op="max")))
-    timing = Timing(case.name, times, sent, result)
+        worst = comm.allreduce(torch.tensor([elapsed, used], dtype=torch.float64), op="max")
+        times.append(float(worst[0]))
+        cpu.append(float(worst[1]))
+    timing = Timing(case.name, times, sent, result, cpu=cpu)
     if case.check is not None:
         timing.error, timing.ok = case.check(result)
     return timing

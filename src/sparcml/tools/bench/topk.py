@@ -11,6 +11,13 @@ density * N``. Timed per call (slowest rank, after a barrier, median of
   included (Ok-Topk keeps its state across the runs: thresholds and boundaries
   are reused as in training, ``tau = 64``, ``tau' = 32``).
 
+Ok-Topk is also run over one full threshold period from a fresh state (``tau'``
+calls, the accumulator drifting: ``acc * (1 + 0.05 t) + noise`` at call ``t``):
+the row ``oktopk period`` is the mean per call with the refresh calls included,
+``oktopk refresh`` the first call (threshold and boundaries computed) alone; its
+``MB sent/rank`` is the largest of the period, against the ``6k(P-1)/P`` pair bound
+(``bound_bytes``).
+
 Checks: ``dense`` against a float64 sum; ``topka``/``topkdsa`` against the sum of
 the local top-k sets; ``gaussiank`` against the sum of each rank's Gaussian-k
 selection; ``oktopk``: on its support the values equal the sum of the ranks'
@@ -36,7 +43,7 @@ from ...comm.launch import run_processes
 from ...compress.gaussiank import GaussianK
 from ...compress.topk import TopK
 from ...costmodel import CostModel
-from ...stream import SparseStream
+from ...stream import SparseStream, index_bytes
 from .harness import Case, percentiles, time_case
 
 __all__ = ["TopkBenchConfig", "run_topk_benchmark"]
@@ -84,6 +91,34 @@ def _checksum(comm: Communicator, s: SparseStream) -> bool:
 def _rel_err(got: SparseStream, ref: torch.Tensor, scale: torch.Tensor) -> float:
     err = (got.to_dense().double() - ref).abs()
     return float((err / scale.clamp_min(1e-30)).max()) if err.numel() else 0.0
+
+
+def oktopk_period(
+    comm: Communicator, acc: torch.Tensor, k: int, seed: int, tau_prime: int | None = None
+) -> tuple[list[float], list[int], list[float]]:
+    """Ok-Topk over one threshold period (``tau_prime`` calls, default the state's)
+    from a fresh state, the accumulator drifting.
+
+    Returns the slowest rank's seconds, this rank's bytes sent and the busiest rank's
+    CPU seconds, per call (call 0 is the refresh).
+    """
+    state = OkTopkState() if tau_prime is None else OkTopkState(tau_prime=tau_prime)
+    g = torch.Generator().manual_seed(seed * 7919 + 104_729 + comm.rank)
+    times: list[float] = []
+    sent: list[int] = []
+    cpu: list[float] = []
+    for t in range(state.tau_prime):
+        x = acc * (1 + 0.05 * t) + torch.randn(acc.numel(), generator=g)
+        comm.barrier()
+        before = comm.stats.bytes_sent
+        c, t0 = time.process_time(), time.perf_counter()
+        sparse_allreduce(SparseStream.dense(x), comm, algorithm="oktopk", k=k, state=state)
+        el, used = time.perf_counter() - t0, time.process_time() - c
+        sent.append(comm.stats.bytes_sent - before)
+        worst = comm.allreduce(torch.tensor([el, used], dtype=torch.float64), op="max")
+        times.append(float(worst[0]))
+        cpu.append(float(worst[1]))
+    return times, sent, cpu
 
 
 def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] | None:
@@ -181,11 +216,43 @@ def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] 
             "correct": ok_all,
             "chose": None,
             "inexact": name == "gtopk",
+            "cpu_p50": statistics.median(timing.cpu),
         }
         if show:
             print(
                 f"  [{i}/{len(names)}] {name:<10} {rows[name]['p50'] * 1e3:9.2f} ms  "
                 f"{'ok' if ok_all else 'WRONG'}",
+                file=sys.stderr,
+                flush=True,
+            )
+    if "oktopk" in names:
+        times, sent, cpu = oktopk_period(comm, acc, k, cfg.seed)
+        most = int(comm.allreduce(torch.tensor([max(sent)]), op="max"))
+        bound = 6 * k * (p - 1) / p * (index_bytes(n) + 4)  # pairs: index + float32
+        for label, ts, cs in (
+            (f"oktopk period ({len(times)} calls)", times, cpu),
+            ("oktopk refresh", times[:1], cpu[:1]),
+        ):
+            rows[label] = {
+                "algorithm": label,
+                "p25": statistics.fmean(ts),
+                "p50": statistics.fmean(ts),
+                "p75": statistics.fmean(ts),
+                "bytes_sent": float(most),
+                "bytes_sent_max": most,
+                "bound_bytes": bound,
+                "result_nnz": 0,
+                "result_dense": False,
+                "max_rel_error": 0.0,
+                "correct": most <= bound,
+                "chose": None,
+                "cpu_p50": statistics.fmean(cs),
+                "period_times": ts,
+            }
+        if show:
+            print(
+                f"  oktopk period: {statistics.fmean(times) * 1e3:.2f} ms/call, refresh "
+                f"{times[0] * 1e3:.2f} ms, max {most / 1e6:.3f} MB/rank (bound {bound / 1e6:.3f})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -195,8 +262,11 @@ def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] 
     model = CostModel.load()
     for r in out:
         r["speedup_vs_dense"] = rows["dense"]["p50"] / r["p50"]
+        r["algbw_gbps"] = n * 4 / r["p50"] / 1e9 if r["p50"] > 0 else 0.0
+        r["busbw_gbps"] = r["algbw_gbps"] * 2 * (p - 1) / p
         # the registered alpha-beta-gamma formula for k pairs per rank
-        has_cost = algorithm_info(r["algorithm"]).cost is not None
+        registered = r["algorithm"] in algorithms()
+        has_cost = registered and algorithm_info(r["algorithm"]).cost is not None
         r["predicted"] = predict(model, r["algorithm"], p, n, [k] * p, 4) if has_cost else None
     out.append(
         {

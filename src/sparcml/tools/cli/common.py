@@ -79,8 +79,9 @@ def add_bench_args(p: argparse.ArgumentParser, *, repeats: int, size: str) -> No
     p.add_argument(
         "--overlap",
         type=fraction_arg,
-        default=0.5,
-        help="share of each rank's indices drawn from a common hot set (default 0.5)",
+        default=0.0,
+        help="share of each rank's indices drawn from a common hot set (default 0: "
+        "independent uniform indices on every rank, the papers' setting)",
     )
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"]
@@ -96,6 +97,12 @@ def add_bench_args(p: argparse.ArgumentParser, *, repeats: int, size: str) -> No
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument(
         "--experiments", type=positive_arg, default=1, help="fresh data sets (default 1)"
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time the algorithms round robin (one call each per round), so load changes "
+        "on a shared machine hit all alike",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="per-operation timeout, seconds")
@@ -118,6 +125,7 @@ def bench_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         seed=args.seed,
         timeout=args.timeout,
         progress=not args.quiet,
+        interleave=args.interleave,
         peers=getattr(args, "peers", False),
     )
 

@@ -1,0 +1,211 @@
+"""``algorithm="auto"`` without a calibration file: measure on first use.
+
+The alpha-beta-gamma model (:mod:`sparcml.costmodel`) ranks the algorithms well
+when its constants describe the machine; its defaults describe a network, not
+the local work (merging, encoding) that dominates a sparse allreduce on CPUs, so
+a fresh user without a calibration file would often get the wrong algorithm.
+``auto`` therefore decides in one of two ways:
+
+* **model**: a cost model was passed (``cost_model=``), a calibration file
+  exists (``sparcml calibrate``; :func:`sparcml.costmodel.calibration_path`), the
+  call is small (the model's best prediction is below :data:`MEASURE_ABOVE_S`,
+  where latency dominates and the model is right), or ``SPARCML_AUTO=model``:
+  the candidate with the smallest predicted time.
+* **measure** (otherwise): the calls of one *class* (world size, ``N`` and the
+  mean density rounded to a power of two, value size, codec) run the candidates
+  whose predicted time is within :data:`PRUNE_FACTOR` of the best, in turn,
+  :data:`ROUNDS` times. Every such call is a real call of an exact algorithm, so
+  its result is the sum, bitwise identical on every rank. The call that
+  completes the last round also runs one small allreduce (MAX) of every rank's
+  timings, so every rank sees the slowest rank's figure of each call; the
+  candidate with the smallest figure (the best of its rounds; ties to the
+  earlier candidate) is the class's algorithm for the rest of the process, on
+  every rank alike (every rank computes the class and the winner from the same
+  agreed numbers).
+
+The decisions are logged at INFO on logger ``sparcml`` and listed by
+:func:`auto_choices`. Measured on the communicator's clock
+(:meth:`~sparcml.comm.Communicator.now`: the wall clock, or the simulator's
+virtual clock).
+
+Results of the calls made while measuring come from different algorithms: each
+is exact, but a floating-point sum's last bits depend on the order of the
+additions, so a run that must repeat bit for bit across restarts should name
+its algorithm, pass a ``cost_model`` or keep a calibration file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..comm import Communicator
+from ..costmodel import CostModel, calibration_path
+from .registry import algorithms, choose, predict
+
+__all__ = [
+    "MEASURE_ABOVE_S",
+    "PRUNE_FACTOR",
+    "ROUNDS",
+    "AutoChoice",
+    "AutoClass",
+    "auto_choices",
+    "auto_mode",
+    "measuring",
+    "run_auto",
+]
+
+log = logging.getLogger("sparcml")
+
+#: Calls whose best predicted time is below this are decided by the model alone.
+MEASURE_ABOVE_S = 1e-3
+#: Candidates predicted more than this many times slower than the best are not tried.
+PRUNE_FACTOR = 8.0
+#: Each candidate runs this many times (round robin); its best round counts.
+ROUNDS = 2
+
+
+def auto_mode(cost_model: CostModel | None) -> str:
+    """``"model"`` or ``"measure"``: how ``auto`` decides (see the module docstring)."""
+    if cost_model is not None:
+        return "model"
+    env = os.environ.get("SPARCML_AUTO", "measure").strip().lower()
+    if env not in ("measure", "model"):
+        raise ValueError(f"SPARCML_AUTO must be 'measure' or 'model', got {env!r}")
+    if env == "model" or calibration_path().exists():
+        return "model"
+    return "measure"
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoClass:
+    """The calls that share a decision: same ``P``, ``N``, value size and codec, mean
+    density within the same power of two."""
+
+    world_size: int
+    size: int
+    isize: int
+    density_log2: int
+    lossy: bool
+
+    @classmethod
+    def of(
+        cls, world_size: int, size: int, ks: Sequence[int], isize: int, lossy: bool
+    ) -> AutoClass:
+        mean = sum(ks) / max(len(ks), 1)
+        d = mean / size if size else 0.0
+        return cls(world_size, size, isize, -999 if d <= 0 else round(math.log2(d)), lossy)
+
+    def __str__(self) -> str:
+        d = 0.0 if self.density_log2 == -999 else 2.0**self.density_log2
+        return f"P={self.world_size} N={self.size:,} d~{d:.3g} isize={self.isize}" + (
+            " quantized" if self.lossy else ""
+        )
+
+
+@dataclasses.dataclass
+class AutoChoice:
+    """One class's measurement: the candidates in the order they ran, the slowest
+    rank's seconds of each call (``rounds`` per candidate), and the winner."""
+
+    cls: AutoClass
+    candidates: list[str]
+    times: list[float] = dataclasses.field(default_factory=list)
+    winner: str | None = None
+    agreed: list[float] | None = None
+
+    @property
+    def calls(self) -> int:
+        return len(self.candidates) * ROUNDS
+
+    def best(self) -> dict[str, float]:
+        """Each candidate's best agreed time (seconds), once decided."""
+        assert self.agreed is not None
+        n = len(self.candidates)
+        return {a: min(self.agreed[i::n]) for i, a in enumerate(self.candidates)}
+
+
+_CHOICES: weakref.WeakKeyDictionary[Communicator, dict[AutoClass, AutoChoice]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def auto_choices(comm: Communicator) -> list[AutoChoice]:
+    """What ``auto`` measured and decided on ``comm`` so far (per class, in order)."""
+    return list(_CHOICES.get(comm, {}).values())
+
+
+def measuring(comm: Communicator) -> bool:
+    """True while some class on ``comm`` still has calls to measure."""
+    return any(c.winner is None for c in auto_choices(comm))
+
+
+def _candidates(
+    model: CostModel, p: int, n: int, ks: Sequence[int], isize: int, names: Sequence[str]
+) -> tuple[list[str], float]:
+    """The candidates worth measuring (model's order), and the best prediction."""
+    pred = {a: predict(model, a, p, n, ks, isize) for a in names}
+    best = min(pred.values())
+    keep = [a for a in names if pred[a] <= PRUNE_FACTOR * best]
+    return sorted(keep, key=lambda a: pred[a]), best
+
+
+def run_auto(
+    comm: Communicator,
+    size: int,
+    ks: Sequence[int],
+    isize: int,
+    lossy: bool,
+    cost_model: CostModel | None,
+    run: Callable[[str], object],
+) -> object:
+    """Pick ``auto``'s algorithm for this call and return ``run(name)``.
+
+    ``ks`` are every rank's nnz from the consistency check (the same list on every
+    rank), so every rank computes the same class, candidates and winner.
+    """
+    p = comm.world_size
+    names = [a for a in algorithms(auto=True) if not (lossy and a == "dense")]
+    mode = auto_mode(cost_model)
+    model = cost_model if cost_model is not None else CostModel.load()
+    if mode == "model" or p == 1:
+        name = choose(model, p, size, ks, isize, names)
+        log.debug("sparse_allreduce auto (model %s) chose %s", model.source, name)
+        return run(name)
+    table = _CHOICES.setdefault(comm, {})
+    cls = AutoClass.of(p, size, ks, isize, lossy)
+    entry = table.get(cls)
+    if entry is None:
+        cands, best = _candidates(model, p, size, ks, isize, names)
+        if best < MEASURE_ABOVE_S or len(cands) == 1:
+            name = cands[0]
+            log.debug("sparse_allreduce auto (small call, model) chose %s", name)
+            return run(name)
+        entry = table[cls] = AutoChoice(cls, cands)
+        log.info("sparse_allreduce auto: measuring %s for %s", ", ".join(cands), cls)
+    if entry.winner is not None:
+        return run(entry.winner)
+    name = entry.candidates[len(entry.times) % len(entry.candidates)]
+    t0 = comm.now()
+    out = run(name)
+    entry.times.append(comm.now() - t0)
+    if len(entry.times) == entry.calls:
+        with comm.control():
+            agreed = comm.allreduce(torch.tensor(entry.times, dtype=torch.float64), op="max")
+        entry.agreed = [float(t) for t in agreed]
+        best = entry.best()
+        entry.winner = min(entry.candidates, key=lambda a: best[a])
+        log.info(
+            "sparse_allreduce auto: %s -> %s (slowest rank, best of %d: %s)",
+            cls,
+            entry.winner,
+            ROUNDS,
+            ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in best.items()),
+        )
+    return out
