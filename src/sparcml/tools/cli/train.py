@@ -36,6 +36,8 @@ def train(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    if args.from_json:
+        return rewrite_report(args)
     if args.cluster or args.env:
         return train_tta(args, chosen)
     hyper: dict = {"density": args.density}
@@ -46,6 +48,10 @@ def train(args: argparse.Namespace) -> int:
     if args.index_coding != "fixed":
         hyper["index_coding"] = args.index_coding
     options: dict = {"limit": args.limit} if args.limit else {}
+    if args.fsdp and any(is_peer(m) for m in chosen):
+        print("sparcml train: PyTorch's hooks (ddp, fp16, bf16, powersgd) are DDP-only; "
+              "drop --fsdp", file=sys.stderr)  # fmt: skip
+        return 2
     if args.fsdp:
         from ...torch.fsdp import FSDP_METHODS
         from ...torch.state import method_kind
@@ -57,10 +63,6 @@ def train(args: argparse.Namespace) -> int:
                 print(f"sparcml train: {m!r} has no FSDP reduce-scatter", file=sys.stderr)
                 return 2
         options["fsdp"] = True
-    if args.fsdp and any(is_peer(m) for m in chosen):
-        print("sparcml train: PyTorch's hooks (ddp, fp16, bf16, powersgd) are DDP-only; "
-              "drop --fsdp", file=sys.stderr)  # fmt: skip
-        return 2
     if args.eval_every:
         options["eval_every"] = args.eval_every or -1  # -1: about 15 evaluations per run
     if args.probe_steps:
@@ -110,6 +112,28 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         if value:
             out += [flag, str(value)]
     return out + (["-q"] if args.quiet else [])
+
+
+def rewrite_report(args: argparse.Namespace) -> int:
+    """``--from-json``: the time-to-accuracy report again from a results.json."""
+    import json
+    from pathlib import Path
+
+    from ..recipes.tta import format_tta_table, load_result, parse_rate, write_tta_report
+
+    try:
+        result = load_result(args.from_json)
+        command = json.loads(Path(args.from_json).read_text())["command"]
+    except (OSError, KeyError, ValueError) as e:
+        print(f"sparcml train: --from-json: {e}", file=sys.stderr)
+        return 2
+    rate = result.get("link_rate")
+    rate_bps = parse_rate(rate) if rate else None
+    print(format_tta_table(result, rate_bps))
+    out = Path(args.out or Path(args.from_json).parent)
+    for path in write_tta_report(result, out, command, rate_bps):
+        print(f"wrote {path}")
+    return 0
 
 
 def train_tta(args: argparse.Namespace, chosen: list[str]) -> int:
@@ -270,6 +294,11 @@ def add_parsers(sub: Any) -> None:
         "communication: the compute part of a step (0: skip)",
     )
     tr.add_argument("--run-json", help=argparse.SUPPRESS)
+    tr.add_argument(
+        "--from-json",
+        help="write the time-to-accuracy report again from a results.json (into --out, "
+        "default: its directory); trains nothing",
+    )
     tr.set_defaults(run=train)
     _p = sub.add_parser("methods", help="list the gradient synchronisation methods")
     _p.set_defaults(run=list_methods)

@@ -32,6 +32,7 @@ from typing import Any
 __all__ = [
     "baseline_method",
     "format_tta_table",
+    "load_result",
     "parse_rate",
     "run_on_cluster",
     "targets",
@@ -275,7 +276,8 @@ def write_tta_report(
         cum = [sum(run["step_bytes"][: int(e["step"])]) / 1e6 for e in ev]
         style = "--" if method in ("ddp", "dense") or is_hook(method) else "-"
         axes[0].plot([e["train_s"] for e in ev], ys, style, marker=".", label=method)
-        axes[1].plot([max(c, 1e-3) for c in cum], ys, style, marker=".", label=method)
+        sent = [(c, y) for c, y in zip(cum, ys, strict=True) if c > 0]  # log axis: no 0
+        axes[1].plot([c for c, _ in sent], [y for _, y in sent], style, marker=".", label=method)
     tg = targets(result)
     for ax in axes:
         if tg is not None:
@@ -299,6 +301,14 @@ def write_tta_report(
     plt.close(fig)
     written.append(out / "tta.png")
     return written
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """The result a ``results.json`` of :func:`write_tta_report` was written from."""
+    doc = json.loads(Path(path).read_text())
+    result = dict(doc["config"])
+    result["runs"] = doc["rows"]
+    return result
 
 
 def run_on_cluster(
