@@ -346,6 +346,8 @@ def join_recipe(
             run = train_worker(comm, recipe_name, method, h, epochs, seed, options or {}, progress)
             run["wall_s"] = time.monotonic() - t0
             run["hyper"] = h
+            # the machine's load when the run ended (1, 5, 15 min): other work on shared cores
+            run["loadavg"] = list(os.getloadavg())
             runs[method] = run
             if comm.rank == 0:
                 log.info("%s %s: done, %.1f s of training (%.1f s in all)", recipe_name,

@@ -259,6 +259,14 @@ def write_tta_report(
         format_tta_table(result, rate_bps),
         "",
     ]
+    loads = {m: r["loadavg"] for m, r in result["runs"].items() if r.get("loadavg")}
+    if loads:
+        md += [
+            "Load average of the machine (1 / 5 / 15 min) when each run ended, all work on "
+            "its cores counted: "
+            + "; ".join(f"{m} {' / '.join(f'{x:.1f}' for x in v)}" for m, v in loads.items()),
+            "",
+        ]
     (out / "results.md").write_text("\n".join(md))
     written.append(out / "results.md")
     try:
