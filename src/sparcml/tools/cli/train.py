@@ -191,7 +191,7 @@ def train_tta(args: argparse.Namespace, chosen: list[str]) -> int:
         print(f"sparcml train: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        if type(e).__name__ == "ClusterError" or "job failed" in str(e):
+        if type(e).__name__ == "ClusterError" or "job failed" in str(e) or "every job" in str(e):
             print(f"sparcml train: {e}", file=sys.stderr)
             return 1
         raise

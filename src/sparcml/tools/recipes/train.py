@@ -336,7 +336,10 @@ def join_recipe(
     recipe_cls = RECIPES[recipe_name]
     recipe_cls.check_data()
     epochs = epochs or recipe_cls.epochs
-    dist.init_process_group("gloo")
+    import datetime
+
+    # gloo's own timeout too: a stuck collective fails the job instead of waiting 30 min
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
     comm = TorchDistCommunicator(timeout=timeout)
     runs: dict[str, Any] = {}
     try:

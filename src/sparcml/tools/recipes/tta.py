@@ -259,6 +259,11 @@ def write_tta_report(
         format_tta_table(result, rate_bps),
         "",
     ]
+    if result.get("failed"):
+        md += [
+            "Failed (no result): " + "; ".join(f"{m}: {w}" for m, w in result["failed"].items()),
+            "",
+        ]
     loads = {m: r["loadavg"] for m, r in result["runs"].items() if r.get("loadavg")}
     if loads:
         md += [
@@ -333,9 +338,12 @@ def run_on_cluster(
     Every host runs ``python -m sparcml.tools.cli train RECIPE --env --methods M
     CHILD_ARGS``; rank 0 writes its run to a temporary file, gathered here.
 
+    A method whose job fails or times out is logged and listed under ``failed``;
+    the others still run.
+
     Raises:
         sparcml.tools.cluster.ClusterError: the cluster could not be set up (root?).
-        RuntimeError: a job failed (its exit code and where its logs are).
+        RuntimeError: every job failed.
     """
     from ..cluster import run_on_cluster as run_job
     from . import RECIPES
@@ -346,6 +354,7 @@ def run_on_cluster(
     env_data = os.environ.get("SPARCML_DATA")
     os.environ["SPARCML_DATA"] = str(Path(env_data or data_dir()).resolve())
     merged: dict[str, Any] | None = None
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="sparcml-tta-") as tmp:
         for method in methods:
             part = Path(tmp) / f"{method}.json"
@@ -357,10 +366,12 @@ def run_on_cluster(
             log.info("%s %s: starting on %d hosts at %s", recipe, method, hosts, rate)
             code = run_job(hosts, argv, rate=rate, timeout=timeout, log_dir=logs)
             if code != 0 or not part.exists():
-                raise RuntimeError(
-                    f"the {method} job failed (exit code {code})"
-                    + (f"; logs in {logs}" if logs else "")
-                )
+                # one failed or stuck method does not cost the others' runs
+                why = f"exit code {code}" + (" (timed out)" if code == 124 else "")
+                log.error("%s %s: the job failed, %s%s", recipe, method, why,
+                          f"; logs in {logs}" if logs else "")  # fmt: skip
+                failed[method] = why
+                continue
             doc = json.loads(part.read_text())
             if merged is None:
                 merged = doc
@@ -370,6 +381,9 @@ def run_on_cluster(
         os.environ.pop("SPARCML_DATA", None)
     else:
         os.environ["SPARCML_DATA"] = env_data
-    assert merged is not None
+    if merged is None:
+        raise RuntimeError("every job failed: " + "; ".join(f"{m}: {w}" for m, w in failed.items()))
     merged["link_rate"] = rate
+    if failed:
+        merged["failed"] = failed
     return merged
