@@ -100,7 +100,12 @@ def train_worker(
         state = st.register_fsdp(model, method, **hyper)
         inner = model
     elif peer:
-        model = DDP(recipe.model())
+        # PowerSGD's callbacks wait on nested allreduces inside gloo's worker threads: two
+        # buckets in flight deadlock the process group (seen on the Shakespeare LSTM, whose
+        # 1.4 MB gradient DDP splits at its 1 MB first bucket). An explicit bucket_cap_mb
+        # also sets DDP's first bucket to 25 MB: one bucket for the models here.
+        psgd = method.startswith("powersgd")
+        model = DDP(recipe.model(), bucket_cap_mb=25) if psgd else DDP(recipe.model())
         state = register_peer(model, method, start_iter=int(hyper.get("start_iter", 0)))
         inner = model.module
     else:
