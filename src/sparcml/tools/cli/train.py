@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from .common import fraction_arg, positive_arg
+from .common import add_env_arg, fraction_arg, positive_arg
 
 __all__ = ["add_parsers"]
 
@@ -17,6 +17,7 @@ def train(args: argparse.Namespace) -> int:
     from ...torch.state import methods as known_methods
     from ..recipes import RECIPES
     from ..recipes.data import DataMissingError
+    from ..recipes.peers import is_peer
     from ..recipes.train import format_table, run_recipe, write_report
 
     recipe = RECIPES[args.recipe]
@@ -24,31 +25,39 @@ def train(args: argparse.Namespace) -> int:
     valid = known_methods()
     for m in chosen:
         parts = m.split("+")
-        if m not in valid and not (len(parts) == 2 and all(p in valid for p in parts)):
-            print(f"sparcml train: unknown method {m!r}; see `sparcml methods`", file=sys.stderr)
+        if (
+            m not in valid
+            and not is_peer(m)
+            and not (len(parts) == 2 and all(p in valid for p in parts))
+        ):
+            print(
+                f"sparcml train: unknown method {m!r}; see `sparcml methods` (PyTorch's own: "
+                "ddp, fp16, bf16, powersgd, powersgdR)",
+                file=sys.stderr,
+            )
             return 2
-    hyper: dict = {"density": args.density}
-    if args.warmup_steps:
-        hyper["warmup_steps"] = args.warmup_steps
-    if args.momentum_correction is not None:
-        hyper["momentum"] = args.momentum_correction
-    if args.index_coding != "fixed":
-        hyper["index_coding"] = args.index_coding
     if args.layers:
         try:
-            hyper["layers"] = _layer_rules(args.layers)
+            _layer_rules(args.layers)
         except ValueError as e:
             print(f"sparcml train: --layers: {e}", file=sys.stderr)
             return 2
-    if args.dense_below:
-        hyper["dense_below"] = args.dense_below
+    if args.density_warmup and args.density > 0.25:
+        print("sparcml train: --density-warmup starts at 25%: give --density below it",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.from_json:
+        return rewrite_report(args)
+    if args.cluster or args.env:
+        return train_tta(args, chosen)
+    hyper = _hyper(args)
     options: dict = {"limit": args.limit} if args.limit else {}
     if args.density_warmup:
-        if args.density > 0.25:
-            print("sparcml train: --density-warmup starts at 25%: give --density below it",
-                  file=sys.stderr)  # fmt: skip
-            return 2
         options["density_warmup"] = args.density_warmup
+    if args.fsdp and any(is_peer(m) for m in chosen):
+        print("sparcml train: PyTorch's hooks (ddp, fp16, bf16, powersgd) are DDP-only; "
+              "drop --fsdp", file=sys.stderr)  # fmt: skip
+        return 2
     if args.fsdp:
         from ...torch.fsdp import FSDP_METHODS
         from ...torch.state import method_kind
@@ -60,6 +69,10 @@ def train(args: argparse.Namespace) -> int:
                 print(f"sparcml train: {m!r} has no FSDP reduce-scatter", file=sys.stderr)
                 return 2
         options["fsdp"] = True
+    if args.eval_every:
+        options["eval_every"] = args.eval_every or -1  # -1: about 15 evaluations per run
+    if args.probe_steps:
+        options["probe_steps"] = args.probe_steps
     command = "sparcml " + " ".join(
         sys.argv[1:] if args.command_line is None else args.command_line
     )
@@ -95,6 +108,133 @@ def _layer_rules(text: str) -> list[tuple[str, str]]:
         method_kind(method.strip())  # ValueError naming the choices
         rules.append((pattern.strip(), method.strip()))
     return rules
+
+
+def _hyper(args: argparse.Namespace) -> dict:
+    hyper: dict = {"density": args.density}
+    if args.warmup_steps:
+        hyper["warmup_steps"] = args.warmup_steps
+    if args.momentum_correction is not None:
+        hyper["momentum"] = args.momentum_correction
+    if args.index_coding != "fixed":
+        hyper["index_coding"] = args.index_coding
+    if args.layers:
+        hyper["layers"] = _layer_rules(args.layers)
+    if args.dense_below:
+        hyper["dense_below"] = args.dense_below
+    return hyper
+
+
+def _child_args(args: argparse.Namespace) -> list[str]:
+    """The options every rank of a cluster job gets (all but the methods and outputs)."""
+    out = ["-d", str(args.density), "--seed", str(args.seed), "--index-coding", args.index_coding]
+    for flag, value in (
+        ("--epochs", args.epochs), ("--limit", args.limit), ("--warmup-steps", args.warmup_steps),
+        ("--momentum-correction", args.momentum_correction),
+        ("--eval-every", args.eval_every), ("--probe-steps", args.probe_steps),
+        ("--layers", args.layers), ("--dense-below", args.dense_below),
+        ("--density-warmup", args.density_warmup),
+    ):  # fmt: skip
+        if value:
+            out += [flag, str(value)]
+    return out + (["-q"] if args.quiet else [])
+
+
+def rewrite_report(args: argparse.Namespace) -> int:
+    """``--from-json``: the time-to-accuracy report again from a results.json."""
+    import json
+    from pathlib import Path
+
+    from ..recipes.tta import format_tta_table, load_result, parse_rate, write_tta_report
+
+    try:
+        result = load_result(args.from_json)
+        command = json.loads(Path(args.from_json).read_text())["command"]
+    except (OSError, KeyError, ValueError) as e:
+        print(f"sparcml train: --from-json: {e}", file=sys.stderr)
+        return 2
+    rate = result.get("link_rate")
+    rate_bps = parse_rate(rate) if rate else None
+    print(format_tta_table(result, rate_bps))
+    out = Path(args.out or Path(args.from_json).parent)
+    for path in write_tta_report(result, out, command, rate_bps):
+        print(f"wrote {path}")
+    return 0
+
+
+def train_tta(args: argparse.Namespace, chosen: list[str]) -> int:
+    """``--env`` (one rank of a job) and ``--cluster P`` (a job per method on an
+    emulated cluster): the time-to-accuracy report."""
+    import json
+    import logging
+    import os
+    from pathlib import Path
+
+    from ..recipes.data import DataMissingError
+    from ..recipes.train import join_recipe
+    from ..recipes.tta import format_tta_table, parse_rate, run_on_cluster, write_tta_report
+
+    if args.cluster and args.env:
+        print("sparcml train: --cluster starts the jobs, --env joins one: not both",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.fsdp:
+        print("sparcml train: --cluster/--env run DDP; drop --fsdp", file=sys.stderr)
+        return 2
+    rate = args.rate if args.cluster else os.environ.get("SPARCML_CLUSTER_RATE")
+    try:
+        rate_bps = parse_rate(rate) if rate else None
+    except ValueError as e:
+        print(f"sparcml train: --rate: {e}", file=sys.stderr)
+        return 2
+    if args.cluster and os.geteuid() != 0:
+        print("sparcml train: --cluster needs root (network namespaces and tc); run it with "
+              "sudo, or start the job yourself: sudo sparcml cluster -P 4 --rate 100mbit -- "
+              "sparcml train RECIPE --env --out DIR", file=sys.stderr)  # fmt: skip
+        return 2
+    logging.basicConfig(level=logging.INFO if not args.quiet else logging.WARNING,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stdout)  # fmt: skip
+    options: dict = {"limit": args.limit} if args.limit else {}
+    options["eval_every"] = args.eval_every or -1  # -1: about 15 evaluations per run
+    options["probe_steps"] = args.probe_steps
+    options["line_progress"] = True
+    if args.density_warmup:
+        options["density_warmup"] = args.density_warmup
+    command = "sparcml " + " ".join(
+        sys.argv[1:] if args.command_line is None else args.command_line
+    )
+    try:
+        if args.cluster:
+            result = run_on_cluster(
+                args.recipe, chosen, args.cluster, args.rate, _child_args(args),
+                timeout=args.timeout, log_dir=args.log_dir,
+            )  # fmt: skip
+        else:
+            result = join_recipe(
+                args.recipe, chosen, args.epochs, _hyper(args), args.seed, options,
+                progress=not args.quiet,
+            )  # fmt: skip
+    except DataMissingError as e:
+        print(f"sparcml train: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        if type(e).__name__ == "ClusterError" or "job failed" in str(e) or "every job" in str(e):
+            print(f"sparcml train: {e}", file=sys.stderr)
+            return 1
+        raise
+    if result is None:  # not rank 0
+        return 0
+    result["options"] = {k: v for k, v in result["options"].items() if k != "line_progress"}
+    if args.run_json:
+        Path(args.run_json).write_text(json.dumps(result, default=str))
+    print(format_tta_table(result, rate_bps))
+    if args.out:
+        for path in write_tta_report(result, Path(args.out), command, rate_bps):
+            print(f"wrote {path}")
+    elif not args.run_json:
+        print("(no --out: nothing written)")
+    return 0
 
 
 def list_methods(args: argparse.Namespace) -> int:
@@ -174,6 +314,39 @@ def add_parsers(sub: Any) -> None:
         "directory, ignored by git; the committed tables live in docs/results/train)",
     )
     tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_env_arg(tr)
+    tr.add_argument(
+        "--cluster",
+        type=positive_arg,
+        metavar="P",
+        help="run each method as a job on a fresh emulated cluster of P hosts (root; "
+        "sparcml cluster) and write the time-to-accuracy report",
+    )
+    tr.add_argument("--rate", default="100mbit", help="link rate with --cluster (tc syntax, "
+                    "default 100mbit)")  # fmt: skip
+    tr.add_argument("--timeout", type=float, default=3600.0,
+                    help="with --cluster: stop a method's job after this many seconds")  # fmt: skip
+    tr.add_argument("--log-dir", help="with --cluster: keep every rank's output here")
+    tr.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="also evaluate every so many steps and before the first (the training clock "
+        "stops meanwhile); default with --cluster/--env: about 15 evaluations per run",
+    )
+    tr.add_argument(
+        "--probe-steps",
+        type=int,
+        default=20,
+        help="after training, time this many forward+backward passes without "
+        "communication: the compute part of a step (0: skip)",
+    )
+    tr.add_argument("--run-json", help=argparse.SUPPRESS)
+    tr.add_argument(
+        "--from-json",
+        help="write the time-to-accuracy report again from a results.json (into --out, "
+        "default: its directory); trains nothing",
+    )
     tr.set_defaults(run=train)
     _p = sub.add_parser("methods", help="list the gradient synchronisation methods")
     _p.set_defaults(run=list_methods)

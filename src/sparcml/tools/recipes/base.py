@@ -55,6 +55,22 @@ class Recipe(abc.ABC):
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Test-set figures; must include ``self.metric`` and ``"test_loss"``."""
 
+    def evaluate_part(
+        self, model: torch.nn.Module, part: int, parts: int
+    ) -> dict[str, float] | None:
+        """Sums over the ``part``-th of ``parts`` slices of the test set, for evaluating
+        on every rank at once (added up over the ranks, then :meth:`finish_evaluation`);
+        ``None``: not supported, rank 0 runs :meth:`evaluate` alone."""
+        return None
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        """Test figures from the summed :meth:`evaluate_part` results."""
+        raise NotImplementedError
+
+    def test_slice(self, n: int, part: int, parts: int) -> slice:
+        """Contiguous share ``part`` of ``parts`` of ``n`` test examples."""
+        return slice(n * part // parts, n * (part + 1) // parts)
+
     def clip(self, model: torch.nn.Module) -> None:
         """Gradient clipping after synchronisation (none by default)."""
         return None

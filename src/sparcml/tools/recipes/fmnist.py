@@ -60,10 +60,20 @@ class FashionMNIST(Recipe):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        x, y = self.data["test_x"], self.data["test_y"]
+        sums = self.evaluate_part(model, 0, 1)
+        return self.finish_evaluation(sums)
+
+    @torch.no_grad()
+    def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> dict[str, float]:
+        cut = self.test_slice(self.data["test_x"].shape[0], part, parts)
+        x, y = self.data["test_x"][cut], self.data["test_y"][cut]
         correct, total_loss = 0, 0.0
         for lo in range(0, x.shape[0], 1000):
             out = model(x[lo : lo + 1000])
             total_loss += float(F.cross_entropy(out, y[lo : lo + 1000], reduction="sum"))
             correct += int((out.argmax(1) == y[lo : lo + 1000]).sum())
-        return {"accuracy": correct / x.shape[0], "test_loss": total_loss / x.shape[0]}
+        return {"correct": float(correct), "loss": total_loss, "count": float(x.shape[0])}
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        n = sums["count"]
+        return {"accuracy": sums["correct"] / n, "test_loss": sums["loss"] / n}

@@ -90,13 +90,22 @@ class Shakespeare(Recipe):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        return self.finish_evaluation(self.evaluate_part(model, 0, 1))
+
+    @torch.no_grad()
+    def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> dict[str, float]:
+        cut = self.test_slice(self.test_x.shape[0], part, parts)
+        xs, ys = self.test_x[cut], self.test_y[cut]
         total, count = 0.0, 0
-        for lo in range(0, self.test_x.shape[0], 256):
-            x, y = self.test_x[lo : lo + 256], self.test_y[lo : lo + 256]
+        for lo in range(0, xs.shape[0], 256):
+            x, y = xs[lo : lo + 256], ys[lo : lo + 256]
             out = model(x)
             total += float(
                 F.cross_entropy(out.reshape(-1, self.vocab), y.reshape(-1), reduction="sum")
             )
             count += y.numel()
-        loss = total / count
+        return {"loss": total, "count": float(count)}
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        loss = sums["loss"] / sums["count"]
         return {"perplexity": math.exp(loss), "test_loss": loss}

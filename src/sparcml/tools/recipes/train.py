@@ -9,6 +9,7 @@ this rank sent and the wall time; per epoch the test figures (rank 0).
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ from ...comm.launch import run_processes
 from ..bench.harness import write_json
 
 __all__ = ["run_recipe", "train_worker", "write_report"]
+
+log = logging.getLogger("sparcml.train")
 
 
 class _Progress:
@@ -44,16 +47,37 @@ class _Progress:
         sys.stderr.flush()
 
 
+def _barrier(comm: Any) -> None:
+    comm.allreduce(torch.zeros(1))
+
+
 def train_worker(
     comm: Any, recipe_name: str, method: str, hyper: dict[str, Any], epochs: int,
     seed: int, options: dict[str, Any], progress: bool,
 ) -> dict[str, Any]:  # fmt: skip
-    """One rank of one method's run (for :func:`sparcml.comm.launch.run_processes`)."""
+    """One rank of one method's run (for :func:`sparcml.comm.launch.run_processes`, or
+    one rank of a torchrun / ``sparcml cluster`` job).
+
+    ``options`` go to the recipe (``limit``, ``fsdp``), except the harness's own:
+    ``eval_every`` (also evaluate every so many steps, and before the first; the
+    training clock stops meanwhile), ``probe_steps`` (after training, time that many
+    forward + backward passes without communication: the compute part of a step),
+    ``line_progress`` (progress as log lines, for jobs whose output is piped),
+    ``density_warmup`` (DGC's density warm-up over that many epochs).
+    A method from :mod:`.peers` (``ddp``, ``fp16``, ``bf16``, ``powersgd[R]``) runs
+    PyTorch's own hook instead of sparcml's.
+    """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ... import torch as st
     from . import RECIPES
+    from .peers import is_peer, register_peer
 
+    options = dict(options)
+    eval_every = int(options.pop("eval_every", 0) or 0)
+    probe_steps = int(options.pop("probe_steps", 0) or 0)
+    line_progress = bool(options.pop("line_progress", False))
+    density_warmup = int(options.pop("density_warmup", 0) or 0)
     recipe = RECIPES[recipe_name](comm.rank, comm.world_size, seed, **options)
     if recipe.steps_per_epoch() < 1:
         raise ValueError(
@@ -62,14 +86,17 @@ def train_worker(
             f"use --limit >= {comm.world_size * getattr(recipe, 'batch', 1)} (it counts samples)"
         )
     fsdp = bool(options.get("fsdp"))
-    if options.get("density_warmup"):  # DGC's warm-up: 25% falling to the density
+    if density_warmup and not is_peer(method):  # DGC's warm-up: 25% falling to the density
         hyper = {
             **hyper,
             "density": st.DensityWarmup(
-                recipe.steps_per_epoch(), options["density_warmup"], 0.25, hyper["density"]
+                recipe.steps_per_epoch(), density_warmup, 0.25, hyper["density"]
             ),
         }
+    peer = is_peer(method)
     if fsdp:
+        if peer:
+            raise ValueError(f"{method!r} is a DDP communication hook; no FSDP version")
         # FSDP2: every module with parameters of its own sharded, then the root; the
         # method is the reduce-scatter (sparcml.torch.register_fsdp)
         from torch.distributed.fsdp import fully_shard
@@ -81,46 +108,165 @@ def train_worker(
         fully_shard(model)
         state = st.register_fsdp(model, method, **hyper)
         inner = model
+    elif peer:
+        # PowerSGD's callbacks wait on nested allreduces inside gloo's worker threads: two
+        # buckets in flight deadlock the process group (seen on the Shakespeare LSTM, whose
+        # 1.4 MB gradient DDP splits at its 1 MB first bucket). An explicit bucket_cap_mb
+        # also sets DDP's first bucket to 25 MB: one bucket for the models here.
+        psgd = method.startswith("powersgd")
+        model = DDP(recipe.model(), bucket_cap_mb=25) if psgd else DDP(recipe.model())
+        state = register_peer(model, method, start_iter=int(hyper.get("start_iter", 0)))
+        inner = model.module
     else:
         model = DDP(recipe.model())
         state = st.register(model, method, **hyper)
         inner = model.module
     # DGC momentum correction moves the momentum from the optimizer into the state
-    opt = recipe.optimizer(model.parameters(), momentum=not hyper.get("momentum"))
+    opt = recipe.optimizer(model.parameters(), momentum=peer or not hyper.get("momentum"))
     steps = recipe.steps_per_epoch()
-    bar = _Progress(epochs * steps, f"{recipe_name} {method}", progress and comm.rank == 0)
+    total = epochs * steps
+    if eval_every < 0:
+        eval_every = max(1, total // 15)
+    show = progress and comm.rank == 0
+    bar = _Progress(total, f"{recipe_name} {method}", show and not line_progress)
     losses: list[float] = []
     step_times: list[float] = []
+    opt_times: list[float] = []
     evals: list[dict[str, float]] = []
+    clock = 0.0  # training time: the loop's wall time with evaluations taken out
+
+    def evaluate(epoch: float, step: int) -> None:
+        model.eval()
+        part = None if fsdp else recipe.evaluate_part(inner, comm.rank, comm.world_size)
+        if part is not None:  # every rank evaluates its slice of the test set
+            keys = sorted(part)
+            summed = comm.allreduce(torch.tensor([part[k] for k in keys], dtype=torch.float64))
+            figures = recipe.finish_evaluation(dict(zip(keys, summed.tolist(), strict=True)))
+        else:
+            # (FSDP's forward is a collective: every rank evaluates, rank 0's figures kept)
+            figures = recipe.evaluate(inner) if comm.rank == 0 or fsdp else {}
+        if comm.rank != 0:
+            figures = {}
+        figures.update(epoch=epoch, step=step, train_s=clock)
+        evals.append(figures)
+        _barrier(comm)  # every rank starts the next step together
+        model.train()
+        if show and line_progress and step:
+            metric = f"{recipe.metric} {figures[recipe.metric]:.4f}"
+            log.info("%s %s: step %d/%d, %.1f s of training, %s", recipe_name, method,
+                     step, total, clock, metric)  # fmt: skip
+
+    if eval_every:
+        evaluate(0.0, 0)
+    done = 0
+    next_line = time.monotonic() + 15
     for epoch in range(epochs):
         model.train()
-        for i, (inputs, target) in enumerate(recipe.batches(epoch)):
+        resumed = time.perf_counter()
+        for inputs, target in recipe.batches(epoch):
             t0 = time.perf_counter()
             loss = recipe.loss(model, inputs, target)
             opt.zero_grad()
             loss.backward()  # the hook synchronises here
+            if peer:
+                state.after_backward()
             recipe.clip(model)
+            t1 = time.perf_counter()
             opt.step()
-            step_times.append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            step_times.append(t2 - t0)
+            opt_times.append(t2 - t1)
             losses.append(float(loss.detach()))
-            bar.update(epoch * steps + i + 1, f"loss {losses[-1]:.3f}")
-        model.eval()
-        # (FSDP's forward is a collective: every rank evaluates, rank 0's figures kept)
-        figures = recipe.evaluate(inner) if comm.rank == 0 or fsdp else {}
-        if comm.rank != 0:
-            figures = {}
-        figures["epoch"] = epoch + 1
-        evals.append(figures)
+            done += 1
+            bar.update(done, f"loss {losses[-1]:.3f}")
+            if show and line_progress and time.monotonic() > next_line:
+                next_line = time.monotonic() + 15
+                log.info("%s %s: step %d/%d, loss %.3f", recipe_name, method, done, total,
+                         losses[-1])  # fmt: skip
+            if eval_every and done % eval_every == 0 and done < total:
+                clock += time.perf_counter() - resumed
+                evaluate(done / steps, done)
+                resumed = time.perf_counter()
+        clock += time.perf_counter() - resumed
+        if not eval_every or epoch == epochs - 1:
+            evaluate(float(epoch + 1), done)
+    compute = _probe(model, recipe, probe_steps, comm) if probe_steps and not fsdp else []
     # every rank's mean loss per step, so the curve is the global training loss
     loss_t = comm.allreduce(torch.tensor(losses, dtype=torch.float64)) / comm.world_size
     bytes_t = comm.allreduce(torch.tensor(state.step_bytes, dtype=torch.float64))
-    return {
+    out: dict[str, Any] = {
         "losses": loss_t.tolist(),
         "step_bytes": (bytes_t / comm.world_size).tolist(),
         "step_times": step_times,
+        "opt_times": opt_times,
+        "train_s": clock,
         "evals": evals,
         "params": sum(p.numel() for p in model.parameters()),
     }
+    if compute:
+        # the compute part of a step: median over the probe, mean over the ranks
+        med = sorted(compute)[len(compute) // 2]
+        out["compute_s"] = float(comm.allreduce(torch.tensor([med], dtype=torch.float64))[0]) / (
+            comm.world_size
+        )
+    if peer:
+        out["peer_hyper"] = dict(state.hyper)
+    return out
+
+
+def _probe(model: Any, recipe: Any, n: int, comm: Any) -> list[float]:
+    """``n`` forward + backward passes without gradient synchronisation (DDP's
+    ``no_sync``), all ranks at once as in training; their wall times. The model is
+    not updated (no optimizer step); gradients are cleared afterwards."""
+    times: list[float] = []
+    batches = iter(recipe.batches(0))
+    _barrier(comm)
+    with model.no_sync():
+        for _ in range(n):
+            try:
+                inputs, target = next(batches)
+            except StopIteration:
+                batches = iter(recipe.batches(0))
+                inputs, target = next(batches)
+            t0 = time.perf_counter()
+            loss = recipe.loss(model, inputs, target)
+            loss.backward()
+            times.append(time.perf_counter() - t0)
+    for p in model.parameters():
+        p.grad = None
+    _barrier(comm)
+    return times
+
+
+DENSE_LIKE = (
+    "dense", "nonzeros", "qsgd", "natural", "natural_dithering", "dithering", "natural_ina",
+)  # fmt: skip
+
+
+def method_hyper(method: str, hyper: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters ``method`` gets from the command line's ``hyper``.
+
+    Density, momentum correction and index coding are for the sparse methods; sparse
+    methods get DGC momentum correction (0.9) unless told otherwise. PyTorch peers
+    (:mod:`.peers`) take only the dense warm-up, as PowerSGD's ``start_iter``.
+    """
+    from .peers import is_peer
+
+    h = dict(hyper)
+    if is_peer(method):
+        warm = int(h.get("warmup_steps", 0))
+        return {"start_iter": warm} if method.startswith("powersgd") else {}
+    if method in DENSE_LIKE:
+        h.pop("density", None)
+        h.pop("momentum", None)  # momentum correction is for sparse methods
+        h.pop("index_coding", None)
+    elif "momentum" not in h:
+        # error feedback and the optimizer's momentum amplify each other: sparse
+        # methods get DGC momentum correction (the optimizer then runs without)
+        h["momentum"] = 0.9
+    if h.get("index_coding") and "+" not in method:
+        h.pop("index_coding")  # index coding applies to quantized sparse messages only
+    return h
 
 
 def run_recipe(
@@ -143,18 +289,7 @@ def run_recipe(
     epochs = epochs or recipe_cls.epochs
     runs: dict[str, Any] = {}
     for method in methods:
-        h = dict(hyper or {})
-        if method in (
-            "dense", "nonzeros", "qsgd", "natural", "natural_dithering", "dithering",
-            "natural_ina",
-        ):  # fmt: skip
-            h.pop("density", None)
-            h.pop("momentum", None)  # momentum correction is for sparse methods
-            h.pop("index_coding", None)
-        elif "momentum" not in h:
-            # error feedback and the optimizer's momentum amplify each other: sparse
-            # methods get DGC momentum correction (the optimizer then runs without)
-            h["momentum"] = 0.9
+        h = method_hyper(method, hyper or {})
         server = None
         if method == "natural_ina" and "ina_server" not in h:
             from ...ina import AggregatorServer
@@ -188,6 +323,71 @@ def run_recipe(
     }
 
 
+def join_recipe(
+    recipe_name: str,
+    methods: list[str],
+    epochs: int | None = None,
+    hyper: dict[str, Any] | None = None,
+    seed: int = 0,
+    options: dict[str, Any] | None = None,
+    progress: bool = True,
+    timeout: float = 600.0,
+) -> dict[str, Any] | None:
+    """:func:`run_recipe` as one rank of a torchrun / ``sparcml cluster`` job (env://).
+
+    Every rank calls it; each method runs in turn on the job's ranks. Returns the
+    result on rank 0, ``None`` on the others.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    from ...comm import TorchDistCommunicator
+    from . import RECIPES
+
+    if recipe_name not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe_name!r}; available: {', '.join(RECIPES)}")
+    recipe_cls = RECIPES[recipe_name]
+    recipe_cls.check_data()
+    epochs = epochs or recipe_cls.epochs
+    import datetime
+
+    # gloo's own timeout too: a stuck collective fails the job instead of waiting 30 min
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    comm = TorchDistCommunicator(timeout=timeout)
+    runs: dict[str, Any] = {}
+    try:
+        for method in methods:
+            h = method_hyper(method, hyper or {})
+            t0 = time.monotonic()
+            run = train_worker(comm, recipe_name, method, h, epochs, seed, options or {}, progress)
+            run["wall_s"] = time.monotonic() - t0
+            run["hyper"] = h
+            # the machine's load when the run ended (1, 5, 15 min): other work on shared cores
+            run["loadavg"] = list(os.getloadavg())
+            runs[method] = run
+            if comm.rank == 0:
+                log.info("%s %s: done, %.1f s of training (%.1f s in all)", recipe_name,
+                         method, run["train_s"], run["wall_s"])  # fmt: skip
+        world, rank = comm.world_size, comm.rank
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {
+        "recipe": recipe_name,
+        "world": world,
+        "epochs": epochs,
+        "seed": seed,
+        "metric": recipe_cls.metric,
+        "higher_is_better": recipe_cls.higher_is_better,
+        "options": options or {},
+        "link_rate": os.environ.get("SPARCML_CLUSTER_RATE"),
+        "runs": runs,
+    }
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -200,7 +400,7 @@ def summary_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     def warm(run: dict[str, Any]) -> int:
         return int(run.get("hyper", {}).get("warmup_steps", 0))
 
-    dense = result["runs"].get("dense")
+    dense = result["runs"].get("dense") or result["runs"].get("ddp")
     dense_bytes = _mean(dense["step_bytes"][warm(dense) :]) if dense else None
     rows = []
     for method, run in result["runs"].items():

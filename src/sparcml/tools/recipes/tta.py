@@ -1,0 +1,389 @@
+"""Time to accuracy: a recipe's methods compared by training time and bytes to a target.
+
+The target is the dense float32 run's final figure (``ddp``, plain DDP, else
+sparcml's ``dense``): the time each method's training clock shows at the first
+evaluation that reaches it, and at the first that comes within one point of
+accuracy (perplexity: within 3%). Speedups are over dense float32 and over the
+best of PyTorch's hooks (``fp16``, ``bf16``, ``powersgd*``) for the same target.
+
+The step split: ``compute`` is a forward + backward pass without synchronisation
+(measured after training, all ranks at once, as in training), ``optimizer`` the
+optimizer step, ``sync`` the rest of a step (compression, communication and
+waiting for the slowest rank); ``wire`` is what the bytes one rank sends cost at
+the link rate alone (bytes / rate), the floor of the communication.
+
+:func:`run_on_cluster` runs every method as its own job on a fresh emulated
+cluster (:mod:`sparcml.tools.cluster`) and gathers the runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "baseline_method",
+    "format_tta_table",
+    "load_result",
+    "parse_rate",
+    "run_on_cluster",
+    "targets",
+    "time_to",
+    "tta_rows",
+    "write_tta_report",
+]
+
+log = logging.getLogger("sparcml.train")
+
+HOOKS = ("fp16", "bf16")
+_RATE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(bit|kbit|mbit|gbit|tbit)$")
+_UNIT = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+
+
+def parse_rate(text: str) -> float:
+    """A link rate in tc's syntax (``100mbit``, ``1gbit``, ``2.5gbit``) in bits per second.
+
+    Raises:
+        ValueError: anything else (tc's ``bps`` means bytes per second: not accepted,
+            to avoid an 8x mistake).
+    """
+    m = _RATE.match(text.strip().lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"not a link rate: {text!r} (a positive number and bit, kbit, mbit, gbit or tbit, "
+            "e.g. 100mbit, 1gbit)"
+        )
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+def is_hook(method: str) -> bool:
+    return method in HOOKS or method.startswith("powersgd")
+
+
+def baseline_method(result: dict[str, Any]) -> str | None:
+    runs = result["runs"]
+    return "ddp" if "ddp" in runs else ("dense" if "dense" in runs else None)
+
+
+def targets(result: dict[str, Any]) -> tuple[float, float] | None:
+    """The dense run's final figure and the "within" target (1 point; perplexity 3%)."""
+    base = baseline_method(result)
+    if base is None:
+        return None
+    final = float(result["runs"][base]["evals"][-1][result["metric"]])
+    if result["higher_is_better"]:
+        return final, final - 0.01
+    return final, final * 1.03
+
+
+def _reached(value: float, target: float, higher: bool) -> bool:
+    return value >= target - 1e-12 if higher else value <= target + 1e-12
+
+
+def time_to(run: dict[str, Any], metric: str, target: float, higher: bool) -> float | None:
+    """Training seconds at the first evaluation reaching ``target`` (None: never)."""
+    for e in run["evals"]:
+        if metric in e and _reached(float(e[metric]), target, higher):
+            return float(e["train_s"])
+    return None
+
+
+def bytes_to(run: dict[str, Any], metric: str, target: float, higher: bool) -> float | None:
+    """Bytes one rank sent up to the first evaluation reaching ``target``."""
+    for e in run["evals"]:
+        if metric in e and _reached(float(e[metric]), target, higher):
+            return float(sum(run["step_bytes"][: int(e["step"])]))
+    return None
+
+
+def _warm(run: dict[str, Any]) -> int:
+    h = run.get("hyper", {})
+    return int(h.get("warmup_steps", h.get("start_iter", 0)) or 0)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def tta_rows(result: dict[str, Any], rate_bps: float | None = None) -> list[dict[str, Any]]:
+    """One row per method: final figure, times and bytes to the targets, speedups, step split.
+
+    Step figures are means over the steps after any dense warm-up (over all steps
+    when the warm-up covers the run).
+    """
+    metric, higher = result["metric"], result["higher_is_better"]
+    tg = targets(result)
+    rows: list[dict[str, Any]] = []
+    for method, run in result["runs"].items():
+        warm = _warm(run)
+        steps = run["step_times"]
+        after = slice(warm, None) if warm < len(steps) else slice(None)
+        step_s = _mean(steps[after])
+        opt_s = _mean(run.get("opt_times", [])[after]) if run.get("opt_times") else 0.0
+        compute_s = run.get("compute_s")
+        bytes_step = _mean(run["step_bytes"][after])
+        row: dict[str, Any] = {
+            "method": method,
+            metric: float(run["evals"][-1][metric]),
+            "best": (max if higher else min)(float(e[metric]) for e in run["evals"] if metric in e),
+            "train_s": float(run.get("train_s", sum(steps))),
+            "steps": len(steps),
+            "warmup_steps": warm,
+            "ms_per_step": 1000 * step_s,
+            "compute_ms": 1000 * compute_s if compute_s is not None else None,
+            "optimizer_ms": 1000 * opt_s,
+            "sync_ms": (
+                1000 * max(0.0, step_s - compute_s - opt_s) if compute_s is not None else None
+            ),
+            "bytes_per_step": bytes_step,
+            "wire_ms": 1000 * bytes_step * 8 / rate_bps if rate_bps else None,
+            "total_bytes": float(sum(run["step_bytes"])),
+        }
+        if tg is not None:
+            row["to_final_s"] = time_to(run, metric, tg[0], higher)
+            row["to_within_s"] = time_to(run, metric, tg[1], higher)
+            row["bytes_to_within"] = bytes_to(run, metric, tg[1], higher)
+        rows.append(row)
+    if tg is not None:
+        base = baseline_method(result)
+        by = {r["method"]: r for r in rows}
+        t_dense = by[base]["to_within_s"] if base else None
+        hook_times = [r["to_within_s"] for r in rows if is_hook(r["method"]) and r["to_within_s"]]
+        t_hook = min(hook_times) if hook_times else None
+        best_hook = next(
+            (r["method"] for r in rows if is_hook(r["method"]) and r["to_within_s"] == t_hook),
+            None,
+        )
+        for r in rows:
+            t = r["to_within_s"]
+            r["speedup_vs_dense"] = t_dense / t if t and t_dense else None
+            r["speedup_vs_best_hook"] = t_hook / t if t and t_hook else None
+            r["best_hook"] = best_hook
+    return rows
+
+
+def _fmt_metric(metric: str, v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:.2f}%" if metric == "accuracy" else f"{v:.3f}"
+
+
+def _s(v: float | None, spec: str = ".1f") -> str:
+    return "never" if v is None else format(v, spec)
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1f}"
+
+
+def format_tta_table(result: dict[str, Any], rate_bps: float | None = None) -> str:
+    """Two Markdown tables: time to accuracy with speedups, and the time per step split."""
+    metric = result["metric"]
+    rows = tta_rows(result, rate_bps)
+    tg = targets(result)
+    within = "1 point" if result["higher_is_better"] else "3%"
+    out = []
+    if tg is not None:
+        out += [
+            f"Target: dense fp32 ({baseline_method(result)}) final test {metric} "
+            f"{_fmt_metric(metric, tg[0])}; within {within}: {_fmt_metric(metric, tg[1])}. "
+            "Times are training seconds (evaluations excluded), at the first evaluation "
+            "reaching the target.",
+            "",
+            f"| method | final {metric} | s to within {within} | s to dense final "
+            "| MB sent to within (per rank) | vs dense fp32 | vs best PyTorch hook | training s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            mb = r["bytes_to_within"]
+            out.append(
+                f"| {r['method']} | {_fmt_metric(metric, r[metric])} | {_s(r['to_within_s'])} "
+                f"| {_s(r['to_final_s'])} | {'-' if mb is None else f'{mb / 1e6:.1f}'} "
+                f"| {_x(r['speedup_vs_dense'])} | {_x(r['speedup_vs_best_hook'])} "
+                f"| {r['train_s']:.1f} |"
+            )
+        out.append("")
+    out += [
+        "| method | ms per step | compute (fwd+bwd) | optimizer | sync (compress + comm + wait) "
+        "| wire: bytes / link rate | bytes per step (per rank) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['method']} | {_ms(r['ms_per_step'])} | {_ms(r['compute_ms'])} "
+            f"| {_ms(r['optimizer_ms'])} | {_ms(r['sync_ms'])} | {_ms(r['wire_ms'])} "
+            f"| {r['bytes_per_step']:,.0f} |"
+        )
+    return "\n".join(out)
+
+
+def write_tta_report(
+    result: dict[str, Any], out: Path, command: str, rate_bps: float | None = None
+) -> list[Path]:
+    """``results.json`` (runs, rows, machine, rate, command, versions), ``summary.csv``,
+    ``results.md`` and ``tta.png`` (figure against training seconds and against MB)."""
+    from ..bench.harness import write_csv, write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = tta_rows(result, rate_bps)
+    config = {k: v for k, v in result.items() if k != "runs"}
+    doc = write_json(
+        out / "results.json", "train-tta", result["runs"], config, command=command,
+        summary=rows, link_rate_bps=rate_bps, **config,
+    )  # fmt: skip
+    written = [doc]
+    written.append(write_csv(out / "summary.csv", rows))
+    rate = result.get("link_rate") or "loopback"
+    md = [
+        f"# {result['recipe']}: P = {result['world']}, {rate} links, {result['epochs']} epoch(s)",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Hyperparameters per method: "
+        + "; ".join(
+            f"{m}: {r.get('peer_hyper') or r.get('hyper', {})}" for m, r in result["runs"].items()
+        ),
+        "",
+        format_tta_table(result, rate_bps),
+        "",
+    ]
+    if result.get("failed"):
+        md += [
+            "Failed (no result): " + "; ".join(f"{m}: {w}" for m, w in result["failed"].items()),
+            "",
+        ]
+    loads = {m: r["loadavg"] for m, r in result["runs"].items() if r.get("loadavg")}
+    if loads:
+        md += [
+            "Load average of the machine (1 / 5 / 15 min) when each run ended, all work on "
+            "its cores counted: "
+            + "; ".join(f"{m} {' / '.join(f'{x:.1f}' for x in v)}" for m, v in loads.items()),
+            "",
+        ]
+    (out / "results.md").write_text("\n".join(md))
+    written.append(out / "results.md")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plots need the bench extra
+        return written
+    metric = result["metric"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for method, run in result["runs"].items():
+        ev = [e for e in run["evals"] if metric in e]
+        ys = [float(e[metric]) for e in ev]
+        cum = [sum(run["step_bytes"][: int(e["step"])]) / 1e6 for e in ev]
+        style = "--" if method in ("ddp", "dense") or is_hook(method) else "-"
+        axes[0].plot([e["train_s"] for e in ev], ys, style, marker=".", label=method)
+        sent = [(c, y) for c, y in zip(cum, ys, strict=True) if c > 0]  # log axis: no 0
+        axes[1].plot([c for c, _ in sent], [y for _, y in sent], style, marker=".", label=method)
+    tg = targets(result)
+    for ax in axes:
+        if tg is not None:
+            ax.axhline(tg[1], color="grey", lw=0.8, ls=":")
+        ax.set_ylabel(f"test {metric}")
+        ax.grid(alpha=0.3)
+    if tg is not None:
+        lo, hi = sorted((tg[1], tg[0]))
+        span = abs(tg[0] - tg[1])
+        for ax in axes:
+            ax.set_ylim(lo - 8 * span, hi + 3 * span) if result["higher_is_better"] else (
+                ax.set_ylim(lo - 3 * span, hi + 12 * span)
+            )
+    axes[0].set_xlabel("training seconds (evaluations excluded)")
+    axes[1].set_xlabel("MB sent per rank (log)")
+    axes[1].set_xscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{result['recipe']}, P = {result['world']}, {rate} links")
+    fig.tight_layout()
+    fig.savefig(out / "tta.png", dpi=100)
+    plt.close(fig)
+    written.append(out / "tta.png")
+    return written
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """The result a ``results.json`` of :func:`write_tta_report` was written from."""
+    doc = json.loads(Path(path).read_text())
+    result = dict(doc["config"])
+    result["runs"] = doc["rows"]
+    return result
+
+
+def run_on_cluster(
+    recipe: str,
+    methods: Sequence[str],
+    hosts: int,
+    rate: str,
+    child_args: Sequence[str],
+    timeout: float | None = None,
+    log_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Run each method as its own job on a fresh ``hosts``-host cluster at ``rate``.
+
+    Every host runs ``python -m sparcml.tools.cli train RECIPE --env --methods M
+    CHILD_ARGS``; rank 0 writes its run to a temporary file, gathered here.
+
+    A method whose job fails or times out is logged and listed under ``failed``;
+    the others still run.
+
+    Raises:
+        sparcml.tools.cluster.ClusterError: the cluster could not be set up (root?).
+        RuntimeError: every job failed.
+    """
+    from ..cluster import run_on_cluster as run_job
+    from . import RECIPES
+    from .data import data_dir
+
+    RECIPES[recipe].check_data()
+    parse_rate(rate)
+    env_data = os.environ.get("SPARCML_DATA")
+    os.environ["SPARCML_DATA"] = str(Path(env_data or data_dir()).resolve())
+    merged: dict[str, Any] | None = None
+    failed: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="sparcml-tta-") as tmp:
+        for method in methods:
+            part = Path(tmp) / f"{method}.json"
+            argv = [
+                sys.executable, "-m", "sparcml.tools.cli", "train", recipe, "--env",
+                "--methods", method, "--run-json", str(part), *child_args,
+            ]  # fmt: skip
+            logs = Path(log_dir) / method if log_dir else None
+            log.info("%s %s: starting on %d hosts at %s", recipe, method, hosts, rate)
+            code = run_job(hosts, argv, rate=rate, timeout=timeout, log_dir=logs)
+            if code != 0 or not part.exists():
+                # one failed or stuck method does not cost the others' runs
+                why = f"exit code {code}" + (" (timed out)" if code == 124 else "")
+                log.error("%s %s: the job failed, %s%s", recipe, method, why,
+                          f"; logs in {logs}" if logs else "")  # fmt: skip
+                failed[method] = why
+                continue
+            doc = json.loads(part.read_text())
+            if merged is None:
+                merged = doc
+            else:
+                merged["runs"].update(doc["runs"])
+    if env_data is None:
+        os.environ.pop("SPARCML_DATA", None)
+    else:
+        os.environ["SPARCML_DATA"] = env_data
+    if merged is None:
+        raise RuntimeError("every job failed: " + "; ".join(f"{m}: {w}" for m, w in failed.items()))
+    merged["link_rate"] = rate
+    if failed:
+        merged["failed"] = failed
+    return merged

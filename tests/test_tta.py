@@ -1,0 +1,159 @@
+"""Time-to-accuracy harness: the report on synthetic runs, PyTorch's peer hooks on a
+2-rank gloo group, and the command line's checks (no cluster is started here)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tta_workers
+from sparcml.comm.launch import run_processes
+from sparcml.tools.cli import main
+from sparcml.tools.recipes.peers import is_peer, peer_rank
+from sparcml.tools.recipes.tta import (
+    format_tta_table,
+    parse_rate,
+    targets,
+    time_to,
+    tta_rows,
+    write_tta_report,
+)
+
+
+def _run(curve: list[float], seconds: list[float], step_bytes: float, steps: int = 40,
+         metric: str = "accuracy", **extra: Any) -> dict[str, Any]:  # fmt: skip
+    per = steps // (len(curve) - 1)
+    evals = [
+        {metric: v, "test_loss": 1.0, "step": i * per, "train_s": s}
+        for i, (v, s) in enumerate(zip(curve, seconds, strict=True))
+    ]
+    return {
+        "losses": [1.0] * steps,
+        "step_bytes": [step_bytes] * steps,
+        "step_times": [seconds[-1] / steps] * steps,
+        "opt_times": [0.001] * steps,
+        "compute_s": 0.5 * seconds[-1] / steps,
+        "train_s": seconds[-1],
+        "evals": evals,
+        **extra,
+    }
+
+
+def _result(runs: dict[str, Any], metric: str = "accuracy", higher: bool = True) -> dict[str, Any]:
+    return {"recipe": "x", "world": 4, "epochs": 1, "seed": 0, "metric": metric,
+            "higher_is_better": higher, "options": {}, "link_rate": "100mbit",
+            "runs": runs}  # fmt: skip
+
+
+def test_time_to_accuracy_and_speedups_on_synthetic_runs(tmp_path: Path) -> None:
+    result = _result({
+        "ddp": _run([0.1, 0.6, 0.80, 0.85], [0, 10, 20, 30], 1000.0),
+        "fp16": _run([0.1, 0.6, 0.84, 0.85], [0, 6, 12, 18], 500.0),
+        "powersgd": _run([0.1, 0.5, 0.70, 0.83], [0, 5, 10, 15], 50.0,
+                         hyper={"start_iter": 4}),
+        "topk": _run([0.1, 0.7, 0.845, 0.86], [0, 2, 4, 6], 20.0,
+                     hyper={"warmup_steps": 4}),
+        "natural": _run([0.1, 0.2, 0.3, 0.4], [0, 1, 2, 3], 300.0),
+    })  # fmt: skip
+    assert targets(result) == pytest.approx((0.85, 0.84))
+    rows = {r["method"]: r for r in tta_rows(result, parse_rate("100mbit"))}
+    assert rows["ddp"]["to_within_s"] == 30 and rows["ddp"]["to_final_s"] == 30
+    assert rows["fp16"]["to_within_s"] == 12 and rows["fp16"]["to_final_s"] == 18
+    assert rows["powersgd"]["to_within_s"] is None  # 0.83 never within 1 point of 0.85
+    assert rows["topk"]["to_within_s"] == 4 and rows["topk"]["to_final_s"] == 6
+    assert rows["topk"]["speedup_vs_dense"] == pytest.approx(7.5)
+    assert rows["topk"]["speedup_vs_best_hook"] == pytest.approx(3.0)
+    assert rows["topk"]["best_hook"] == "fp16"
+    assert rows["natural"]["speedup_vs_dense"] is None
+    # bytes to the target: 2 evaluations of 13 steps each
+    assert rows["topk"]["bytes_to_within"] == 26 * 20.0
+    # the step split: compute half the step, optimizer 1 ms, the rest synchronisation
+    assert rows["ddp"]["ms_per_step"] == pytest.approx(750.0)
+    assert rows["ddp"]["sync_ms"] == pytest.approx(750.0 - 375.0 - 1.0)
+    assert rows["ddp"]["wire_ms"] == pytest.approx(1000 * 8 / 1e8 * 1000)
+    assert rows["topk"]["warmup_steps"] == 4
+    table = format_tta_table(result, 1e8)
+    assert "| topk | 86.00% | 4.0 | 6.0 | 0.0 | 7.50x | 3.00x | 6.0 |" in table
+    assert "| powersgd | 83.00% | never | never | - | - | - | 15.0 |" in table
+    paths = write_tta_report(result, tmp_path, "sparcml train x --cluster 4", 1e8)
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["command"] == "sparcml train x --cluster 4" and doc["link_rate_bps"] == 1e8
+    assert {"machine", "summary", "rows"} <= doc.keys() and "torch" in json.dumps(doc["machine"])
+    assert "fp16" in (tmp_path / "summary.csv").read_text()
+    assert (tmp_path / "tta.png") in paths and (tmp_path / "tta.png").stat().st_size > 1000
+    # the report again from its JSON, the same tables
+    again = tmp_path / "again"
+    assert main(["train", "fmnist", "--from-json", str(tmp_path / "results.json"),
+                 "--out", str(again)]) == 0  # fmt: skip
+    assert (again / "results.md").read_text() == (tmp_path / "results.md").read_text()
+
+
+def test_perplexity_targets_are_within_three_percent() -> None:
+    result = _result(
+        {"ddp": _run([20.0, 8.0, 6.0], [0, 5, 10], 1.0, metric="perplexity"),
+         "topk": _run([20.0, 6.1, 6.5], [0, 2, 4], 1.0, metric="perplexity")},
+        metric="perplexity", higher=False,
+    )  # fmt: skip
+    assert targets(result) == pytest.approx((6.0, 6.18))
+    assert time_to(result["runs"]["topk"], "perplexity", 6.18, False) == 2
+    rows = {r["method"]: r for r in tta_rows(result)}
+    assert rows["topk"]["best"] == 6.1 and rows["topk"]["speedup_vs_dense"] == pytest.approx(5.0)
+    assert rows["topk"]["wire_ms"] is None  # no link rate: loopback
+
+
+def test_parse_rate() -> None:
+    assert parse_rate("100mbit") == 1e8 and parse_rate("1gbit") == 1e9
+    assert parse_rate("2.5Gbit") == 2.5e9
+    for bad in ("100mbps", "fast", "0mbit", "-1gbit", ""):
+        with pytest.raises(ValueError, match="not a link rate"):
+            parse_rate(bad)
+
+
+def test_peer_names() -> None:
+    assert all(is_peer(m) for m in ("ddp", "fp16", "bf16", "powersgd", "powersgd4"))
+    assert not any(is_peer(m) for m in ("dense", "topk", "powersgd0", "powersgdx"))
+    assert peer_rank("powersgd") == 2 and peer_rank("powersgd1") == 1
+
+
+def test_pytorch_peer_hooks_train_on_two_gloo_ranks() -> None:
+    methods = ["ddp", "fp16", "bf16", "powersgd"]
+    both = run_processes(2, tta_workers.peer_steps, methods, 4, 2, timeout=60)
+    for method in methods:
+        _check_peer(method, [both[0][method], both[1][method]])
+
+
+def _check_peer(method: str, out: list[dict[str, Any]]) -> None:
+    params = 32 * 32 + 32 + 32 * 4 + 4
+    dense = 2 * (2 - 1) / 2 * 4 * params
+    for r in out:
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+        assert len(r["bytes"]) == 4
+    assert torch.equal(out[0]["params"], out[1]["params"])  # the ranks stay in step
+    b = out[0]["bytes"]
+    if method == "ddp":
+        assert b == [round(dense)] * 4
+    elif method in ("fp16", "bf16"):
+        assert b == [round(dense / 2)] * 4
+    else:
+        # two dense steps (start_powerSGD_iter = 2), then the factors: 32x32 at rank 2
+        # (P 32x2, Q 32x2) compressed; 32x4 is not worth it, sent whole with the biases
+        assert b[:2] == [round(dense)] * 2
+        assert b[2:] == [(4 * (2 * 64 + 32 + 128 + 4))] * 2
+        assert out[0]["hyper"]["matrix_approximation_rank"] == 2
+
+
+def test_cli_checks_cluster_arguments(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["train", "fmnist", "--cluster", "4", "--rate", "100mbps"]) == 2
+    assert "not a link rate" in capsys.readouterr().err
+    assert main(["train", "fmnist", "--cluster", "4", "--env"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["train", "fmnist", "--methods", "fp16", "--fsdp"]) == 2
+    assert "DDP-only" in capsys.readouterr().err
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["train", "fmnist", "--cluster", "4", "--rate", "1gbit"]) == 2
+    assert "needs root" in capsys.readouterr().err
