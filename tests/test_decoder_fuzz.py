@@ -12,6 +12,7 @@ in range, as many values as indices.
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 
@@ -23,7 +24,9 @@ from sparcml.compress.asq import ASQ
 from sparcml.compress.base import Context, decode_quantized_stream, encode_quantized_stream
 from sparcml.errors import WireFormatError
 
-INPUTS = 100_000
+# 40,000 in the default suite (its time budget); the full campaign:
+# SPARCML_FUZZ_INPUTS=100000 pytest tests/test_decoder_fuzz.py
+INPUTS = int(os.environ.get("SPARCML_FUZZ_INPUTS", "40000"))
 
 
 def _stream(n: int, k: int, seed: int) -> SparseStream:
@@ -112,7 +115,7 @@ def _well_formed(result: object) -> None:
                 assert bool((idx[1:] > idx[:-1]).all())
 
 
-def test_100k_mutated_inputs_only_wireformaterror() -> None:
+def test_mutated_inputs_only_wireformaterror() -> None:
     rng = random.Random(2026)
     decoders = _decoders()
     for _, msg, fn in decoders:  # the valid messages decode

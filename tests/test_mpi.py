@@ -84,7 +84,7 @@ def test_mpi_example_runs_under_mpirun() -> None:
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMP_NUM_THREADS="1")  # fmt: skip
     script = Path(__file__).parent.parent / "examples" / "mpi_train.py"
-    cmd = [MPIRUN, "-n", "2", "--oversubscribe", sys.executable, str(script), "--steps", "20"]
+    cmd = [MPIRUN, "-n", "2", "--oversubscribe", sys.executable, str(script), "--steps", "10"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "models identical on every rank: True" in done.stdout

@@ -152,7 +152,11 @@ def ddp_sparse_embedding(
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         model = DDP(module)
         if method is not None:
-            st.register(model, method, **hyper)
+            try:
+                st.register(model, method, **hyper)
+            except ValueError as e:
+                out.append({"error": str(e)})
+                continue
         opt = torch.optim.SGD(model.parameters(), lr=0.2)
         losses, sparse_grad = [], True
         for _ in range(steps):
