@@ -311,6 +311,14 @@ def run_recipe(
         run["wall_s"] = time.monotonic() - t0
         run["hyper"] = h
         runs[method] = run
+    return result_of(recipe_name, recipe_cls, world, epochs, seed, options, runs)
+
+
+def result_of(
+    recipe_name: str, recipe_cls: Any, world: int, epochs: int, seed: int,
+    options: dict[str, Any] | None, runs: dict[str, Any], **extra: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """A recipe run's result: its configuration and the runs by method."""
     return {
         "recipe": recipe_name,
         "world": world,
@@ -319,8 +327,21 @@ def run_recipe(
         "metric": recipe_cls.metric,
         "higher_is_better": recipe_cls.higher_is_better,
         "options": options or {},
+        **extra,
         "runs": runs,
     }
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None without the bench extra."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 def join_recipe(
@@ -375,17 +396,10 @@ def join_recipe(
         dist.destroy_process_group()
     if rank != 0:
         return None
-    return {
-        "recipe": recipe_name,
-        "world": world,
-        "epochs": epochs,
-        "seed": seed,
-        "metric": recipe_cls.metric,
-        "higher_is_better": recipe_cls.higher_is_better,
-        "options": options or {},
-        "link_rate": os.environ.get("SPARCML_CLUSTER_RATE"),
-        "runs": runs,
-    }
+    return result_of(
+        recipe_name, recipe_cls, world, epochs, seed, options, runs,
+        link_rate=os.environ.get("SPARCML_CLUSTER_RATE"),
+    )  # fmt: skip
 
 
 def _mean(xs: list[float]) -> float:
@@ -460,13 +474,8 @@ def write_report(result: dict[str, Any], out: Path, command: str) -> list[Path]:
     ]
     (out / "results.md").write_text("\n".join(md))
     written.append(out / "results.md")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:  # plots need the bench extra
+    plt = pyplot()
+    if plt is None:  # plots need the bench extra
         return written
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     metric = result["metric"]
@@ -485,7 +494,9 @@ def write_report(result: dict[str, Any], out: Path, command: str) -> list[Path]:
     axes[0].set_ylabel("training loss (mean over ranks)")
     axes[0].set_yscale("log")
     axes[1].set_xlabel("epoch")
-    axes[1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    from matplotlib.ticker import MaxNLocator
+
+    axes[1].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[1].set_ylabel(f"test {metric}")
     for ax in axes:
         ax.grid(alpha=0.3)

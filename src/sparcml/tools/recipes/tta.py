@@ -274,12 +274,10 @@ def write_tta_report(
         ]
     (out / "results.md").write_text("\n".join(md))
     written.append(out / "results.md")
-    try:
-        import matplotlib
+    from .train import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # plots need the bench extra
+    plt = pyplot()
+    if plt is None:  # plots need the bench extra
         return written
     metric = result["metric"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
