@@ -135,9 +135,12 @@ def test_mismatched_dtype_fails_on_every_rank() -> None:
     assert all("rank 1: torch.float64" in m for m in run_ranks(3, fn))
 
 
-def test_rank_that_never_joins_is_named() -> None:
+def _named_when_absent(absent: int):  # type: ignore[no-untyped-def]
+    """A rank function: rank ``absent`` never calls; the others return the peer
+    their timeout names."""
+
     def fn(comm):  # type: ignore[no-untyped-def]
-        if comm.rank == 2:
+        if comm.rank == absent:
             return None
         try:
             sparse_allreduce(SparseStream.empty(10), comm)
@@ -145,7 +148,11 @@ def test_rank_that_never_joins_is_named() -> None:
             return e.peer
         return "no error"
 
-    assert run_ranks(3, fn, timeout=0.5) == [2, 2, None]
+    return fn
+
+
+def test_rank_that_never_joins_is_named() -> None:
+    assert run_ranks(3, _named_when_absent(2), timeout=0.5) == [2, 2, None]
 
 
 def test_check_takes_log_p_messages_and_names_an_absent_rank_beyond_the_partners() -> None:
@@ -160,16 +167,7 @@ def test_check_takes_log_p_messages_and_names_an_absent_rank_beyond_the_partners
 
     assert run_ranks(8, count) == [3] * 8
 
-    def fn(comm):  # type: ignore[no-untyped-def]
-        if comm.rank == 3:
-            return None
-        try:
-            sparse_allreduce(SparseStream.empty(10), comm)
-        except CommTimeoutError as e:
-            return e.peer
-        return "no error"
-
-    assert run_ranks(4, fn, timeout=0.3) == [3, 3, 3, None]
+    assert run_ranks(4, _named_when_absent(3), timeout=0.3) == [3, 3, 3, None]
 
 
 def test_unknown_algorithm_and_wrong_type() -> None:
