@@ -35,7 +35,7 @@ from .hook import (
     named_parameters_of,
     sparse_gradient_parameters,
 )
-from .reduce import Bucket, check_sparse_gradient_method, reduce_bucket, reduce_sparse_gradient
+from .reduce import Bucket, reduce_bucket, reduce_sparse_gradient
 from .state import SparcmlState
 from .stats import log_groups
 
@@ -122,8 +122,7 @@ class _Item:
     def submit(self, state: SparcmlState, step: int, scale: float | None) -> Any:
         """Hand this item's current gradients to the state's engine; returns the work."""
         if self.sparse:
-            ((name, p),) = self.params
-            check_sparse_gradient_method(state, name, p.numel(), step)
+            ((name, p),) = self.params  # (reduce_sparse_gradient checks its method)
             item = Bucket((name,), (p.numel(),), _sparse_grad(p), step)
             return state.comm.run_ordered(lambda: reduce_sparse_gradient(state, item), True)
         flat = torch.cat(
