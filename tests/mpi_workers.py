@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sparcml
 from inputs import PATTERNS, dense_reference, make_stream
 from sparcml.comm import MPICommunicator
-from sparcml.errors import CommTimeoutError, RankMismatchError
+from sparcml.errors import CommError, CommTimeoutError, RankMismatchError
 from sparcml.wire import encode
 from train_workers import sync_train
 
@@ -85,11 +85,34 @@ def timeout_check(comm: MPICommunicator) -> str:
     return "no error"
 
 
+def dense_timeout_check(comm: MPICommunicator) -> str:
+    """A large dense allreduce (MPI's blocking collective on the helper thread): rank 1
+    arrives late, the others time out instead of hanging, and refuse the next call."""
+    comm.timeout = 1.0
+    x = torch.ones(1 << 20)  # 4 MB: past BLOCKING_MIN_BYTES
+    if comm.rank == 1:
+        time.sleep(3.0)
+        return "late: " + str(float(comm.allreduce(x)[0]))
+    try:
+        comm.allreduce(x)
+    except CommTimeoutError as e:
+        first = f"{type(e).__name__}: {e}"
+    else:
+        return "no error"
+    try:
+        comm.allreduce(x)
+    except CommError as e:
+        return f"{first} | then {type(e).__name__}: {e}"
+    return f"{first} | then no error"
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     comm = MPICommunicator(timeout=60)
     if len(sys.argv) > 2 and sys.argv[2] == "timeout-check":
         result = {"timeout": timeout_check(comm)}
+        comm.mpi.Barrier()
+        result["dense"] = dense_timeout_check(comm)
     else:
         result = {"collectives": collectives(comm), "training": training(comm)}
     torch.save(result, out / f"rank{comm.rank}.pt")

@@ -96,3 +96,8 @@ def test_mpirun_late_rank_is_named_by_the_others(tmp_path: Path) -> None:
     for r in (0, 2):
         msg = out[r]["timeout"]
         assert msg.startswith("peer=1:") and "rank 1" in msg and "timed out" in msg
+        # a large dense allreduce (MPI's blocking collective on a helper thread)
+        dense = out[r]["dense"]
+        assert dense.startswith("CommTimeoutError: rank") and "timed out" in dense, dense
+        assert "then CommError" in dense and "still inside MPI" in dense, dense
+    assert out[1]["dense"] == "late: 3.0"

@@ -8,6 +8,7 @@ import threading
 import torch.distributed as dist
 
 from .base import CommStats, Communicator, Handle, SelfCommunicator
+from .hostmem import enable_huge_pages
 from .local import LocalCommunicator, LocalWorld, run_ranks
 from .mpi import MPICommunicator, mpi_available
 from .torchdist import TorchDistCommunicator
@@ -22,6 +23,7 @@ __all__ = [
     "SelfCommunicator",
     "TorchDistCommunicator",
     "default_communicator",
+    "enable_huge_pages",
     "mpi_available",
     "refuse_silent_world_of_one",
     "resolve",

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from .hostmem import enable_huge_pages
+
 __all__ = ["ProcessFailedError", "free_port", "run_processes"]
 
 
@@ -122,8 +124,10 @@ def run_processes(
         )
         for r in range(world_size)
     ]
-    # Children inherit the environment: keep them from oversubscribing the cores.
+    # Children inherit the environment: keep them from oversubscribing the cores,
+    # and give their large buffers huge pages (sparcml.comm.hostmem).
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    enable_huge_pages()
     for p in procs:
         p.start()
     end = time.monotonic() + (deadline if deadline is not None else timeout + 60.0)

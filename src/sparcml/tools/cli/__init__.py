@@ -31,6 +31,9 @@ FAMILIES = (bench, train, ina, simulate, cluster)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparcml`` command."""
+    from ...comm.hostmem import enable_huge_pages
+
+    enable_huge_pages()  # before any large tensor (see sparcml.comm.hostmem)
     parser = argparse.ArgumentParser(
         prog="sparcml", description="Sparse and compressed gradient collectives for PyTorch."
     )

@@ -1,5 +1,5 @@
 """Benchmarks: ``demo``, ``bench``, ``bench-plot``, ``algorithms``, ``bench-topk``,
-``bench-compress``, ``bench-faults``, ``bench-local``."""
+``bench-compress``, ``bench-faults``, ``bench-local``, ``bench-mpi``."""
 
 from __future__ import annotations
 
@@ -199,6 +199,41 @@ def bench_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_mpi(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from ...comm import MPICommunicator, mpi_available
+    from ...comm.hostmem import VARIABLE
+
+    if not mpi_available():
+        print("sparcml bench-mpi: needs mpi4py (pip install 'sparcml[mpi]')", file=sys.stderr)
+        return 2
+    from ..bench.mpi import dense_rows
+
+    comm = MPICommunicator(timeout=args.timeout)
+    if comm.world_size < 2:
+        print("sparcml bench-mpi: run it under mpirun, e.g. "
+              "mpirun -np 4 sparcml bench-mpi", file=sys.stderr)  # fmt: skip
+        return 2
+    rows = dense_rows(comm, args.sizes, args.repeats)
+    if comm.rank == 0:
+        print(f"dense allreduce, float32, P={comm.world_size}, median of {args.repeats} "
+              f"(slowest rank per call); {VARIABLE}={os.environ.get(VARIABLE, '')}")  # fmt: skip
+        print(f"{'N':>12} {'MB':>7} {'sparcml ms':>11} {'mpi4py ms':>10} "
+              f"{'fresh-out ms':>13} {'sparcml/mpi4py':>15} {'vs fresh-out':>13}")  # fmt: skip
+        for r in rows:
+            print(f"{r['N']:>12,} {r['bytes'] / 1e6:>7.1f} {r['sparcml_ms']:>11.2f} "
+                  f"{r['mpi4py_ms']:>10.2f} {r['mpi4py_fresh_out_ms']:>13.2f} "
+                  f"{r['ratio']:>14.2f}x {r['ratio_fresh_out']:>12.2f}x")  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"world_size": comm.world_size, "rows": rows}, f, indent=1)
+            print(f"wrote {args.json}")
+    comm.close()
+    return 0
+
+
 def list_algorithms(args: argparse.Namespace) -> int:
     from ...collectives import algorithms
     from ...collectives.registry import describe
@@ -316,3 +351,18 @@ def add_parsers(sub: Any) -> None:
     bl.add_argument("--calls", type=positive_arg, default=3, help="timed calls per rank")
     bl.add_argument("--algorithms", default="ssar_split_allgather,ssar_recursive_double")
     bl.set_defaults(run=bench_local)
+    bm = sub.add_parser(
+        "bench-mpi",
+        help="dense allreduce over MPICommunicator next to mpi4py's own Allreduce (mpirun)",
+        description="Run under mpirun (mpirun -np 4 sparcml bench-mpi): times the dense "
+        "allreduce of MPICommunicator, mpi4py's Allreduce into a preallocated buffer and "
+        "into a fresh one, round robin, and prints the ratios.",
+    )
+    bm.add_argument(
+        "-N", "--sizes", type=size_arg, nargs="+", default=[1 << 16, 1 << 20, 16 << 20],
+        help="float32 elements per rank (default 64K 1M 16M)",
+    )  # fmt: skip
+    bm.add_argument("--repeats", type=positive_arg, default=10)
+    bm.add_argument("--timeout", type=float, default=300.0)
+    bm.add_argument("--json", help="write the rows to this JSON file")
+    bm.set_defaults(run=bench_mpi)
