@@ -231,6 +231,7 @@ def test_survivors_name_the_rank_that_failed(
 
 
 @pytest.mark.faults
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("scenario", ["collective", "ddp", "optimizer"])
 @pytest.mark.parametrize("mode", ["kill", "stop"])
 def test_fault_statistics(scenario: str, mode: str) -> None:

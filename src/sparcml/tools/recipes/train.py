@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,12 @@ def train_worker(
     losses: list[float] = []
     step_times: list[float] = []
     opt_times: list[float] = []
+    # the hook's own clock (sparcml methods): local compression work and the
+    # collective's time per step, summed over buckets and parameter groups
+    compress_times: list[float] = []
+    comm_times: list[float] = []
+    hook_clock = _hook_clock(state)
+    last_split = hook_clock()
     evals: list[dict[str, float]] = []
     clock = 0.0  # training time: the loop's wall time with evaluations taken out
 
@@ -176,6 +183,11 @@ def train_worker(
             t2 = time.perf_counter()
             step_times.append(t2 - t0)
             opt_times.append(t2 - t1)
+            split = hook_clock()
+            if split is not None and last_split is not None:
+                compress_times.append(split[0] - last_split[0])
+                comm_times.append(split[1] - last_split[1])
+            last_split = split
             losses.append(float(loss.detach()))
             done += 1
             bar.update(done, f"loss {losses[-1]:.3f}")
@@ -199,6 +211,8 @@ def train_worker(
         "step_bytes": (bytes_t / comm.world_size).tolist(),
         "step_times": step_times,
         "opt_times": opt_times,
+        "compress_times": compress_times,
+        "comm_times": comm_times,
         "train_s": clock,
         "evals": evals,
         "params": sum(p.numel() for p in model.parameters()),
@@ -406,13 +420,34 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _hook_clock(state: Any) -> Callable[[], tuple[float, float] | None]:
+    """Seconds of compression and of communication the sparcml hook has spent so far
+    (every parameter group), or None for PyTorch's own hooks."""
+    groups = [st for st in (state, *getattr(state, "children", ())) if hasattr(st, "stats")]
+    if not groups or not all(hasattr(st.stats, "compress_s") for st in groups):
+        return lambda: None
+
+    def clock() -> tuple[float, float]:
+        return (
+            sum(st.stats.compress_s for st in groups),
+            sum(st.stats.communicate_s for st in groups),
+        )
+
+    return clock
+
+
 def summary_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Final figures per method; bytes and times averaged over the steps after the
-    dense warm-up (``warmup_steps``), when there is one."""
+    dense warm-up (``warmup_steps``), when there is one. Times also leave out the
+    first step (one-time work: loading compiled kernels, first allocations), which
+    is reported on its own (``first_step_ms``)."""
     metric = result["metric"]
 
     def warm(run: dict[str, Any]) -> int:
         return int(run.get("hyper", {}).get("warmup_steps", 0))
+
+    def ms(values: list[float] | None, start: int) -> float | None:
+        return 1000 * _mean(values[start:]) if values and len(values) > start else None
 
     dense = result["runs"].get("dense") or result["runs"].get("ddp")
     dense_bytes = _mean(dense["step_bytes"][warm(dense) :]) if dense else None
@@ -420,7 +455,9 @@ def summary_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     for method, run in result["runs"].items():
         final = run["evals"][-1]
         warmup = warm(run)
+        steady = max(warmup, 1) if len(run["step_times"]) > 1 else warmup
         b = _mean(run["step_bytes"][warmup:])
+        compute_s = run.get("compute_s")
         rows.append(
             {
                 "method": method,
@@ -428,9 +465,20 @@ def summary_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "test_loss": final["test_loss"],
                 "bytes_per_step": b,
                 "fewer_bytes_than_dense": (dense_bytes / b) if dense_bytes and b else None,
-                "ms_per_step": 1000 * _mean(run["step_times"][warmup:]),
+                "ms_per_step": ms(run["step_times"], steady),
+                "first_step_ms": 1000 * run["step_times"][0] if run["step_times"] else None,
+                "compute_ms": 1000 * compute_s if compute_s is not None else None,
+                "compress_ms": ms(run.get("compress_times"), steady),
+                "communicate_ms": ms(run.get("comm_times"), steady),
                 "final_train_loss": _mean(run["losses"][-20:]),
             }
+        )
+    base = next((r for r in rows if r["method"] in ("dense", "ddp")), None)
+    for r in rows:
+        r["step_vs_dense"] = (
+            r["ms_per_step"] / base["ms_per_step"]
+            if base and base["ms_per_step"] and r["ms_per_step"]
+            else None
         )
     return rows
 
@@ -439,15 +487,22 @@ def format_table(result: dict[str, Any]) -> str:
     metric = result["metric"]
     head = (
         f"| method | test {metric} | test loss | bytes sent per step (per rank) "
-        "| fewer bytes than dense | ms per step |"
+        "| fewer bytes than dense | ms per step | vs dense | compute ms | compression ms "
+        "| communication ms | first step ms |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def num(x: float | None, fmt: str = ".1f", unit: str = "") -> str:
+        return "-" if x is None else f"{x:{fmt}}{unit}"
+
     for r in summary_rows(result):
-        ratio = f"{r['fewer_bytes_than_dense']:.1f}x" if r["fewer_bytes_than_dense"] else "-"
         value = f"{100 * r[metric]:.2f}%" if metric == "accuracy" else f"{r[metric]:.3f}"
         lines.append(
             f"| {r['method']} | {value} | {r['test_loss']:.4f} | {r['bytes_per_step']:,.0f} "
-            f"| {ratio} | {r['ms_per_step']:.1f} |"
+            f"| {num(r['fewer_bytes_than_dense'], '.1f', 'x')} | {num(r['ms_per_step'])} "
+            f"| {num(r['step_vs_dense'], '.2f', 'x')} | {num(r['compute_ms'])} "
+            f"| {num(r['compress_ms'])} | {num(r['communicate_ms'])} "
+            f"| {num(r['first_step_ms'], '.0f')} |"
         )
     return "\n".join(lines)
 
@@ -466,8 +521,11 @@ def write_report(result: dict[str, Any], out: Path, command: str) -> list[Path]:
         "",
         "Hyperparameters per method: "
         + "; ".join(f"{m}: {r.get('hyper', {})}" for m, r in result["runs"].items())
-        + " (bytes and ms per step: mean over the steps after any dense warm-up; time per "
-        "step on a shared 2-core machine running all ranks, indicative only)",
+        + " (bytes per step: mean over the steps after any dense warm-up; ms per step: the "
+        "same without the first step, whose one-time work is shown on its own; compute: a "
+        "step without communication, measured after training; compression and "
+        "communication: the sparcml hook's own clock per step, which overlaps backward; "
+        "time per step on a shared 2-core machine running all ranks, indicative only)",
         "",
         format_table(result),
         "",
