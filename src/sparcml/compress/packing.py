@@ -84,11 +84,27 @@ def _pack_sub_byte(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
+_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _unpack_table(bits: int, device: torch.device) -> torch.Tensor:
+    """``[256, 8 // bits]`` int32: the codes held in each byte value, lowest bits first."""
+    key = (bits, device)
+    table = _TABLES.get(key)
+    if table is None:
+        per = 8 // bits
+        shifts = torch.arange(per, dtype=torch.int32) * bits
+        table = ((torch.arange(256, dtype=torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).to(
+            device
+        )
+        _TABLES[key] = table
+    return table
+
+
 def _unpack_sub_byte(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    cols = [(buf >> (j * bits)) & mask for j in range(per)]
-    return torch.stack(cols, dim=1).reshape(-1)[:n]
+    """The ``n`` int32 codes of a sub-byte packing: one table lookup per byte (a gather),
+    instead of a shift-and-mask pass per code position and a stack."""
+    return _unpack_table(bits, buf.device)[buf.long()].reshape(-1)[:n]
 
 
 def _pack_sub_byte_into(dst: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
@@ -147,7 +163,7 @@ def unpack_bits(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     if buf.numel() != need:
         raise ValueError(f"packed buffer has {buf.numel()} bytes, {n} {bits}-bit codes need {need}")
     if bits in (1, 2, 4):
-        return _unpack_sub_byte(buf, n, bits).to(torch.int32)
+        return _unpack_sub_byte(buf, n, bits)
     if bits == 8:
         return buf.to(torch.int32)
     out = torch.zeros(n, dtype=torch.int32, device=buf.device)
