@@ -23,20 +23,16 @@ import atexit
 import contextlib
 import datetime
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CommError, CommTimeoutError, PeerFailedError
-from .base import Communicator, Handle, check_payload
+from .base import Communicator, Handle
 from .faults import StoreFaults, agent_store, make_error, store_client
 
 __all__ = ["TorchDistCommunicator"]
-
-# all_gather_into_tensor was renamed all_gather_single (torch 2.13 warns on the old name)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -276,83 +272,6 @@ class TorchDistCommunicator(Communicator):
         else:
             outs[0].copy_(src)
         return [o.to(tensor.device) for o in outs]
-
-    # ------------------------------------------------ irregular collectives, native
-    # The generic versions (base.py) move each payload as a length message and a data
-    # message, driven from Python: 2 (P-1) round trips for alltoallv, 2 (P-1) ring
-    # steps for allgatherv. Here the backend's own collectives do it in two calls
-    # each (the sizes, then the data), which on a loaded host saves most of the time
-    # of small messages (issue 13: 4 ranks on 2 cores, a 184k-element bucket's
-    # quantized allreduce took 39 ms against 2 ms for the same bytes natively).
-    def _native(self, what: str, start: Any) -> None:
-        try:
-            work = start()
-        except Exception as e:
-            raise self._fail(e, None, what) from e
-        self._wait(work, None, what)
-
-    def alltoallv(self, parts: Sequence[torch.Tensor], tag: int = 0) -> list[torch.Tensor]:
-        """Personalised all-to-all (see :meth:`Communicator.alltoallv`): the backend's
-        ``all_to_all_single`` of the sizes, then of the bytes with those splits."""
-        p, me = self.world_size, self.rank
-        if len(parts) != p:
-            raise ValueError(f"alltoallv needs {p} parts (one per rank), got {len(parts)}")
-        parts = [check_payload(b) for b in parts]
-        if p == 1:
-            return list(parts)
-        send_sizes = [0 if j == me else parts[j].numel() for j in range(p)]
-        sizes = torch.tensor(send_sizes, dtype=torch.int64, device=self.device)
-        got = torch.empty(p, dtype=torch.int64, device=self.device)
-        self.stats.control_bytes += 8 * (p - 1)
-        self._native("alltoallv", lambda: dist.all_to_all_single(
-            got, sizes, group=self.group, async_op=True))  # fmt: skip
-        recv_sizes = [0 if j == me else int(n) for j, n in enumerate(got.tolist())]
-        if any(n < 0 for n in recv_sizes):
-            raise CommError(f"rank {me}: a peer announced a negative length: {recv_sizes}")
-        send = [parts[j].to(self.device) for j in range(p) if j != me and send_sizes[j]]
-        flat = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8, device=self.device)
-        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
-        # every rank joins the data exchange, even with nothing to send or receive (a
-        # rank cannot know that no other rank has bytes for a third one)
-        self._native("alltoallv", lambda: dist.all_to_all_single(
-            out, flat, recv_sizes, send_sizes, group=self.group, async_op=True))  # fmt: skip
-        sent = sum(send_sizes)
-        self.stats.bytes_sent += sent
-        self.stats.bytes_recv += out.numel()
-        self.stats.messages_sent += sum(1 for n in send_sizes if n)
-        self.stats.messages_recv += sum(1 for n in recv_sizes if n)
-        received = list(out.split(recv_sizes))
-        received[me] = parts[me]
-        return received
-
-    def allgatherv(self, buf: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
-        """Every rank's payload in rank order (see :meth:`Communicator.allgatherv`): the
-        backend's ``all_gather`` of the sizes, then of the payloads padded to the largest."""
-        p = self.world_size
-        buf = check_payload(buf)
-        if p == 1:
-            return [buf]
-        size = torch.tensor([buf.numel()], dtype=torch.int64, device=self.device)
-        sizes = torch.empty(p, dtype=torch.int64, device=self.device)
-        self.stats.control_bytes += 8 * (p - 1)
-        self._native("allgatherv", lambda: _all_gather_single(
-            sizes, size, group=self.group, async_op=True))  # fmt: skip
-        lengths = sizes.tolist()
-        if any(n < 0 for n in lengths):
-            raise CommError(f"rank {self.rank}: a peer announced a negative length: {lengths}")
-        width = max(lengths)
-        if width == 0:
-            return [buf[:0] for _ in range(p)]
-        padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
-        padded[: buf.numel()] = buf.to(self.device)
-        out = torch.empty(p * width, dtype=torch.uint8, device=self.device)
-        self._native("allgatherv", lambda: _all_gather_single(
-            out, padded, group=self.group, async_op=True))  # fmt: skip
-        self.stats.bytes_sent += (p - 1) * width
-        self.stats.bytes_recv += (p - 1) * width
-        self.stats.messages_sent += p - 1
-        self.stats.messages_recv += p - 1
-        return [out[j * width : j * width + n] for j, n in enumerate(lengths)]
 
     def barrier(self) -> None:
         self.allreduce(torch.zeros(1, dtype=torch.int32))
