@@ -401,3 +401,25 @@ def test_natural_below_range_flushes_unbiased_in_both_formats(fmt: int) -> None:
     assert set(out.unique().tolist()) <= {0.0, lo}
     mean, se = float(out.mean()), lo * math.sqrt(0.3 * 0.7 / x.numel())
     assert abs(mean - 0.3 * lo) < 5 * se
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "sorted", "heavy_tail", "sparse", "reversed"])
+@pytest.mark.parametrize("n", [1 << 16, 300_007])
+def test_kth_largest_is_exact(kind: str, n: int) -> None:
+    """The bracketed search (strided sample, count above, exact top-k of the band)
+    equals torch.topk's k-th largest on every kind of data, falling back when the
+    sample's bracket misses (sorted and reversed inputs, massive ties)."""
+    from sparcml.compress.threshold_reuse import kth_largest
+
+    g = torch.Generator().manual_seed(n)
+    x = {
+        "randn": lambda: torch.randn(n, generator=g).abs(),
+        "ties": lambda: torch.randint(0, 50, (n,), generator=g).float(),
+        "sorted": lambda: torch.arange(n, dtype=torch.float32),
+        "heavy_tail": lambda: torch.randn(n, generator=g).abs() ** 6,
+        "sparse": lambda: torch.zeros(n).index_fill_(0, torch.arange(0, n, 97), 1.0),
+        "reversed": lambda: torch.arange(n, 0, -1, dtype=torch.float32),
+    }[kind]()
+    for k in (1, 7, n // 1000, n // 100, n // 10, n // 4, n // 2, n):
+        k = max(k, 1)
+        assert kth_largest(x, k) == float(torch.topk(x, k).values.min()), (kind, n, k)
