@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -131,3 +132,14 @@ def test_self_communicator() -> None:
     assert [t.tolist() for t in comm.allgatherv(_bytes(2, 1))] == [[1, 1]]
     assert comm.alltoallv([_bytes(3, 2)])[0].numel() == 3
     comm.barrier()
+
+
+def test_enable_huge_pages_respects_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's allocator setting: set when absent, a user's 0 kept (and reported off)."""
+    from sparcml.comm import enable_huge_pages
+    from sparcml.comm.hostmem import VARIABLE
+
+    monkeypatch.delenv(VARIABLE, raising=False)
+    assert enable_huge_pages() and os.environ[VARIABLE] == "1"
+    monkeypatch.setenv(VARIABLE, "0")
+    assert not enable_huge_pages() and os.environ[VARIABLE] == "0"

@@ -101,3 +101,22 @@ def test_mpirun_late_rank_is_named_by_the_others(tmp_path: Path) -> None:
         assert dense.startswith("CommTimeoutError: rank") and "timed out" in dense, dense
         assert "then CommError" in dense and "still inside MPI" in dense, dense
     assert out[1]["dense"] == "late: 3.0"
+
+
+@pytest.mark.timeout(120)
+def test_bench_mpi_prints_the_ratio_under_mpirun(tmp_path: Path) -> None:
+    """``sparcml bench-mpi``: both ways give a time, the ratio is printed and the JSON
+    holds one row per size (a 4 MB size takes the blocking-collective path)."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1")  # fmt: skip
+    out = tmp_path / "mpi.json"
+    cmd = [MPIRUN, "-n", "2", "--oversubscribe", sys.executable, "-m", "sparcml.tools.cli",
+           "bench-mpi", "-N", "1K", "1M", "--repeats", "2", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sparcml/mpi4py" in done.stdout
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["N"] for r in rows] == [1024, 1 << 20]
+    assert all(r["sparcml_ms"] > 0 and r["mpi4py_ms"] > 0 and r["ratio"] > 0 for r in rows)
