@@ -198,3 +198,45 @@ def test_torch_sparse_any_layout_and_dense_streams() -> None:
         SparseStream.from_torch_sparse(torch.ones(3))
     with pytest.raises(ValueError, match="does not hold"):
         s.to_torch_sparse((5, 5))
+
+
+@pytest.mark.parametrize("span", [40, 2_000, 1 << 20, 1 << 40])
+@pytest.mark.parametrize("runs", [2, 3, 8, 11])
+def test_merge_positions_match_a_sort(span: int, runs: int) -> None:
+    """Every merge kernel (two runs, the bitmap of a narrow span, the k-way merge of a
+    wide one) gives the sorted union and each input's place in it, as a sort does."""
+    from sparcml.merge import merge_positions
+
+    g = torch.Generator().manual_seed(span + runs)
+    base = 1 << 33  # positions beyond 2^32, span narrow or wide
+    parts = []
+    for r in range(runs):
+        n = 0 if r == 1 else int(torch.randint(1, 300, (1,), generator=g))
+        picks = torch.randint(0, span, (n,), generator=g, dtype=torch.int64)
+        parts.append(torch.unique(picks) + base)
+    union, pos = merge_positions(parts)
+    cat = torch.cat(parts)
+    ref = torch.unique(cat)
+    assert torch.equal(union, ref)
+    assert torch.equal(union[pos], cat)
+
+
+@pytest.mark.parametrize("c", [2, 4, 8])
+def test_widen_increasing_checks_in_the_same_pass(c: int) -> None:
+    from sparcml.merge import widen_increasing
+    from sparcml.reinterpret import index_low_bytes
+
+    size = {2: 60_000, 4: 3_000_000_000, 8: 1 << 40}[c]
+    idx = torch.tensor([0, 7, 9, size - 1], dtype=torch.int64)
+    words = index_low_bytes(idx, c)
+    out = torch.empty(4, dtype=torch.int64)
+    assert widen_increasing(words, c, size, out, offset=5) == -1
+    assert torch.equal(out, idx + 5)
+    assert widen_increasing(words, c, size - 1, out) == 4  # last one out of range
+    bad = idx.clone()
+    bad[2] = 7
+    assert widen_increasing(index_low_bytes(bad, c), c, size, out) == 2  # repeated
+    assert widen_increasing(words[:0], c, size, out[:0]) == -1
+    if c == 8:
+        neg = torch.tensor([-3, 1], dtype=torch.int64)
+        assert widen_increasing(index_low_bytes(neg, 8), 8, size, out[:2]) == 0

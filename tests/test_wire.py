@@ -113,3 +113,33 @@ def test_decoder_rejects_corrupted_valid_buffers(pos: int, junk: bytes) -> None:
     except WireFormatError:
         return
     assert s.size <= 2**64 and encode(s).numel() == buf.numel()
+
+
+def test_decode_concat_equals_decoding_then_concatenating() -> None:
+    from sparcml.wire import decode_concat
+
+    g = torch.Generator().manual_seed(3)
+    sizes = [70_000, 1, 0, 5_000_000_000, 40]
+    parts = []
+    for n in sizes:
+        k = min(n // 8, 50)
+        idx = torch.unique(torch.randint(0, max(n, 1), (k,), generator=g))[:k] if n else idx0()
+        parts.append(SparseStream(idx, torch.randn(idx.numel(), generator=g), n))
+    bufs = [encode(p) for p in parts]
+    got = decode_concat(bufs, sizes, torch.float32)
+    assert got is not None and got.equal(SparseStream.concat([decode(b) for b in bufs]))
+    # a dense range: the caller decodes one by one
+    dense = [encode(SparseStream.dense(torch.ones(3))), bufs[0]]
+    assert decode_concat(dense, [3, sizes[0]], torch.float32) is None
+    # a range of the wrong size, or out-of-order indices, is named
+    with pytest.raises(WireFormatError, match="range 1: message holds a stream of size 1"):
+        decode_concat(bufs[:2], [sizes[0], 2], torch.float32)
+    bad = bufs[0].clone()
+    body = bad[HEADER_BYTES : HEADER_BYTES + 8]
+    body[4:8] = body[0:4].clone()  # second index = first
+    with pytest.raises(WireFormatError, match="range 0 are not strictly increasing"):
+        decode_concat([bad], [sizes[0]], torch.float32)
+
+
+def idx0() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.int64)

@@ -14,9 +14,13 @@ and NaN/Inf propagate as in a dense sum.
 
 One implementation per device:
 
-* CPU: a compiled linear merge (numba, ``nogil``: in-process ranks merge in
-  parallel) computes each input's position in the union; ``index_add_`` adds the
-  values run by run;
+* CPU: compiled kernels (numba, ``nogil``: in-process ranks merge in parallel)
+  compute each input's position in the union: two runs by a linear merge; more
+  runs, when they span at most 64 positions per entry (a split phase's pieces of
+  one range), by a bitmap of the span (set a bit per entry, read the union off
+  the set bits, each position = the set bits before it: 4.7 ns per entry against
+  22 ns for a k-way merge of 8 runs), else by a k-way merge; ``index_add_`` adds
+  the values run by run;
 * other devices (CUDA): torch ops (a stable sort of the concatenation, then
   ``unique_consecutive``), the same positions and the same run-by-run adds.
 """
@@ -29,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["merge_positions", "merge_sum"]
+__all__ = ["merge_positions", "merge_sum", "widen_increasing"]
 
 _lock = threading.Lock()
 _kernels: dict[str, Callable[..., Any]] = {}
@@ -49,22 +53,16 @@ def _compiled() -> dict[str, Callable[..., Any]]:
         def merge2(a: Any, b: Any, pos: Any, union: Any) -> int:  # pragma: no cover - compiled
             la, lb = a.shape[0], b.shape[0]
             i = j = n = 0
+            # branch-free: both positions written every step; the one whose run
+            # does not advance is written again when it is taken (1.6x faster
+            # than branching on random indices)
             while i < la and j < lb:
                 x, y = a[i], b[j]
-                if x < y:
-                    union[n] = x
-                    pos[i] = n
-                    i += 1
-                elif y < x:
-                    union[n] = y
-                    pos[la + j] = n
-                    j += 1
-                else:
-                    union[n] = x
-                    pos[i] = n
-                    pos[la + j] = n
-                    i += 1
-                    j += 1
+                union[n] = min(x, y)
+                pos[i] = n
+                pos[la + j] = n
+                i += x <= y
+                j += y <= x
                 n += 1
             while i < la:
                 union[n] = a[i]
@@ -101,8 +99,70 @@ def _compiled() -> dict[str, Callable[..., Any]]:
                 n += 1
             return n
 
+        one = np.uint64(1)
+        m1, m2 = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333)
+        m4, h01 = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0101010101010101)
+
+        @numba.njit(cache=True, nogil=True, inline="always")
+        def popcount(x: Any) -> Any:  # pragma: no cover - compiled
+            x = x - ((x >> one) & m1)
+            x = (x & m2) + ((x >> np.uint64(2)) & m2)
+            x = (x + (x >> np.uint64(4))) & m4
+            return (x * h01) >> np.uint64(56)
+
+        @numba.njit(cache=True, nogil=True)
+        def merge_bitmap(  # pragma: no cover - compiled
+            idx: Any, lo: int, width: int, pos: Any, union: Any
+        ) -> int:
+            # every idx in [lo, lo + width): one bit per position (width / 8 bytes,
+            # cache-resident), the union read off the set bits in order, each
+            # input's position = set bits before it (popcounts of a word prefix)
+            nw = (width + 63) >> 6
+            bits = np.zeros(nw, np.uint64)
+            for i in range(idx.shape[0]):
+                x = idx[i] - lo
+                bits[x >> 6] |= one << np.uint64(x & 63)
+            before = np.empty(nw, np.int64)
+            n = 0
+            for w in range(nw):
+                before[w] = n
+                word = bits[w]
+                base = lo + (w << 6)
+                while word:
+                    low = word & (~word + one)
+                    union[n] = base + np.int64(popcount(low - one))
+                    n += 1
+                    word ^= low
+            for i in range(idx.shape[0]):
+                x = idx[i] - lo
+                w = x >> 6
+                below = (one << np.uint64(x & 63)) - one
+                pos[i] = before[w] + np.int64(popcount(bits[w] & below))
+            return n
+
+        @numba.njit(cache=True, nogil=True)
+        def widen_increasing(  # pragma: no cover - compiled
+            words: Any, mask: int, out: Any, offset: int, size: int
+        ) -> int:
+            # out[i] = (words[i] & mask) + offset, checking in the same pass that the
+            # words strictly increase and stay below size; -1 when they do, else where
+            # they stop: i > 0 not increasing at i, 0 negative first, n out of range
+            n = words.shape[0]
+            prev = np.int64(-1)
+            for i in range(n):
+                x = np.int64(words[i]) & mask
+                if x <= prev:
+                    return i
+                out[i] = x + offset
+                prev = x
+            if n and prev >= size:
+                return n
+            return -1
+
         _kernels["merge2"] = merge2
         _kernels["merge_k"] = merge_k
+        _kernels["merge_bitmap"] = merge_bitmap
+        _kernels["widen_increasing"] = widen_increasing
     return _kernels
 
 
@@ -137,10 +197,58 @@ def merge_positions(runs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.T
     if len(runs) == 2:
         n = k["merge2"](runs[0].numpy(), runs[1].numpy(), pos.numpy(), union.numpy())
     else:
-        offsets = torch.tensor([0, *(r.numel() for r in runs)], dtype=torch.int64).cumsum(0)
         cat = torch.cat(runs)
-        n = k["merge_k"](cat.numpy(), offsets.numpy(), pos.numpy(), union.numpy())
+        full = [r for r in runs if r.numel()]
+        lo = min(int(r[0]) for r in full) if full else 0
+        width = max(int(r[-1]) for r in full) - lo + 1 if full else 0
+        if width <= 64 * total:
+            # a bitmap of the covered span (at most one word per input entry)
+            n = k["merge_bitmap"](cat.numpy(), lo, width, pos.numpy(), union.numpy())
+        else:
+            offsets = torch.tensor([0, *(r.numel() for r in runs)], dtype=torch.int64).cumsum(0)
+            n = k["merge_k"](cat.numpy(), offsets.numpy(), pos.numpy(), union.numpy())
     return union[:n], pos
+
+
+_SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MASKS = {2: 0xFFFF, 4: 0xFFFF_FFFF, 8: -1}
+
+
+def widen_increasing(
+    words: torch.Tensor, c: int, size: int, out: torch.Tensor, offset: int = 0
+) -> int:
+    """``out = words + offset`` as int64 from unsigned ``c``-byte words, checked in one pass.
+
+    The wire's index fields (``c`` = 2, 4 or 8 bytes, little-endian, read here as the
+    signed integer of that width) are widened into ``out`` (int64, same length)
+    while the same pass checks that they strictly increase and lie in ``[0, size)``.
+
+    Returns:
+        ``-1`` when they do; else where they stop: ``i > 0`` not increasing at
+        ``i``, ``0`` a negative first index, ``len(words)`` the last one ``>= size``
+        (``out`` then holds a prefix only).
+
+    One implementation per device: the compiled pass on CPU, torch ops elsewhere.
+    """
+    n = words.numel()
+    if not n:
+        return -1
+    words = words.view(_SIGNED[c])
+    if words.device.type == "cpu":
+        return int(
+            _compiled()["widen_increasing"](words.numpy(), _MASKS[c], out.numpy(), offset, size)
+        )
+    wide = words.to(torch.int64)
+    if c < 8:
+        wide &= _MASKS[c]
+    if n > 1:
+        bad = torch.nonzero(wide[1:] <= wide[:-1])
+        if bad.numel():
+            return int(bad[0]) + 1
+    if int(wide[0]) < 0:
+        return 0
+    torch.add(wide, offset, out=out)
+    return n if int(wide[-1]) >= size else -1
 
 
 def merge_sum(

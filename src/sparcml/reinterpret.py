@@ -67,7 +67,7 @@ def bytes_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         >>> bytes_as(raw[1:], torch.float32).tolist()  # byte offset 1: copied
         [2.5]
     """
-    isize = torch.empty((), dtype=dtype).element_size()
+    isize = dtype.itemsize
     buf = dense_1d(buf)
     if buf.numel() % isize:
         raise ValueError(f"{buf.numel()} bytes do not hold whole {dtype} values")

@@ -88,7 +88,7 @@ def dense_threshold(size: int, dtype: torch.dtype) -> int:
         >>> dense_threshold(1_000_000, torch.float32)
         500000
     """
-    isize = torch.empty((), dtype=dtype).element_size()
+    isize = dtype.itemsize
     return (size * isize) // (index_bytes(size) + isize)
 
 
@@ -573,6 +573,4 @@ class SparseStream:
 
 
 def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-        torch.empty((), dtype=dtype).element_size()
-    ]
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]

@@ -35,7 +35,8 @@ from collections.abc import Sequence
 import torch
 
 from .errors import WireFormatError
-from .reinterpret import as_bytes, bytes_as, indices_from_low_bytes, write_low_bytes
+from .merge import widen_increasing
+from .reinterpret import as_bytes, bytes_as, dense_1d, indices_from_low_bytes, write_low_bytes
 from .stream import SparseStream, index_bytes
 
 __all__ = [
@@ -43,12 +44,14 @@ __all__ = [
     "StreamHeader",
     "check_indices",
     "decode",
+    "decode_concat",
     "encode",
     "encoded_nbytes",
     "pack",
     "peek",
     "peek_bundle",
     "unpack",
+    "widen_checked",
 ]
 
 MAGIC = b"SpS"
@@ -166,13 +169,29 @@ def decode(
     (no copy): do not overwrite ``buf`` while the stream is in use. A dense
     stream gets its own copy (dense streams are summed in place).
     """
+    dense, c, dtype, size, nnz = _checked_header(buf, expect_size, expect_dtype)
+    target = torch.device(device) if device is not None else buf.device
+    body = buf[HEADER_BYTES:].to(target)
+    if dense:
+        return SparseStream.dense(body.clone().view(dtype))
+    indices = torch.empty(nnz, dtype=torch.int64, device=target)
+    widen_checked(body[: nnz * c], c, size, indices)
+    # a view into the message when aligned: sparse streams never write their values
+    values = bytes_as(body[nnz * c :], dtype)
+    return SparseStream.from_sorted(indices, values, size)
+
+
+def _checked_header(
+    buf: torch.Tensor, expect_size: int | None, expect_dtype: torch.dtype | None
+) -> tuple[bool, int, torch.dtype, int, int]:
+    """``(dense, c, dtype, size, nnz)`` of a message whose length matches its header."""
     flags, c, code, size, nnz, _ = _read_header(buf)
     dtype = code_dtype(code)
     if expect_size is not None and size != expect_size:
         raise WireFormatError(f"message holds a stream of size {size}, expected {expect_size}")
     if expect_dtype is not None and dtype != expect_dtype:
         raise WireFormatError(f"message holds {dtype} values, expected {expect_dtype}")
-    isize = torch.empty((), dtype=dtype).element_size()
+    isize = dtype.itemsize
     dense = bool(flags & 1)
     if dense:
         if c != 0 or nnz != size:
@@ -187,15 +206,88 @@ def decode(
     if buf.numel() != need:
         what = "truncated" if buf.numel() < need else "trailing bytes in"
         raise WireFormatError(f"{what} message: {buf.numel()} bytes, header says {need}")
-    target = torch.device(device) if device is not None else buf.device
-    body = buf[HEADER_BYTES:].to(target)
-    if dense:
-        return SparseStream.dense(body.clone().view(dtype))
-    indices = indices_from_low_bytes(body[: nnz * c], c)
-    # a view into the message when aligned: sparse streams never write their values
-    values = bytes_as(body[nnz * c :], dtype)
-    check_indices(indices, size)
-    return SparseStream.from_sorted(indices, values, size)
+    return dense, c, dtype, size, nnz
+
+
+def decode_concat(
+    bufs: Sequence[torch.Tensor],
+    sizes: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> SparseStream | None:
+    """Decode messages holding consecutive ranges of one vector into their concatenation.
+
+    What ``SparseStream.concat([decode(b) for b in bufs])`` returns, in one pass
+    per message: each message's indices are widened, shifted by its range's start
+    and checked straight into the result, its values copied next to them (no
+    per-message streams, no second pass to concatenate).
+
+    Args:
+        bufs: one :func:`encode` buffer per range, in order.
+        sizes: each range's expected size.
+        dtype: the values' expected dtype.
+        device: where to place the result (default: the first buffer's device).
+
+    Returns:
+        The concatenated stream, or ``None`` when a message holds a dense stream
+        (the caller then decodes one by one).
+
+    Raises:
+        WireFormatError: as :func:`decode`, naming the message.
+    """
+    if len(bufs) != len(sizes):
+        raise ValueError(f"{len(bufs)} messages for {len(sizes)} ranges")
+    heads = []
+    for j, (buf, size) in enumerate(zip(bufs, sizes, strict=True)):
+        try:
+            dense, c, _, _, nnz = _checked_header(buf, size, dtype)
+        except WireFormatError as e:
+            raise WireFormatError(f"range {j}: {e}") from None
+        if dense:
+            return None
+        heads.append((c, nnz))
+    target = torch.device(device) if device is not None else bufs[0].device
+    total = sum(nnz for _, nnz in heads)
+    indices = torch.empty(total, dtype=torch.int64, device=target)
+    values = torch.empty(total, dtype=dtype, device=target)
+    start = offset = 0
+    for j, (buf, size, (c, nnz)) in enumerate(zip(bufs, sizes, heads, strict=True)):
+        body = buf[HEADER_BYTES:].to(target)
+        widen_checked(body[: nnz * c], c, size, indices[start : start + nnz], offset, f"range {j}")
+        values[start : start + nnz].copy_(bytes_as(body[nnz * c :], dtype))
+        start += nnz
+        offset += size
+    return SparseStream.from_sorted(indices, values, offset)
+
+
+def widen_checked(
+    raw: torch.Tensor,
+    c: int,
+    size: int,
+    out: torch.Tensor,
+    offset: int = 0,
+    what: str = "message",
+) -> None:
+    """The ``c``-byte index fields ``raw`` as int64 into ``out`` (plus ``offset``), checked
+    in the same pass: strictly increasing, in ``[0, size)``.
+
+    Raises:
+        WireFormatError: naming the first problem.
+    """
+    words = dense_1d(raw)
+    if words.storage_offset() % c:
+        words = words.clone()
+    stop = widen_increasing(words, c, size, out, offset)
+    if stop < 0:
+        return
+    n = out.numel()
+    if stop == n:
+        last = int(out[-1]) - offset if n else 0
+        raise WireFormatError(f"index {last} in {what} out of range for size {size}")
+    if stop == 0:
+        first = int(indices_from_low_bytes(raw[:c], c)[0])
+        raise WireFormatError(f"negative index {first} in {what}")
+    raise WireFormatError(f"indices in {what} are not strictly increasing")
 
 
 def check_indices(indices: torch.Tensor, size: int, what: str = "message") -> None:

@@ -34,6 +34,7 @@ results are handed on exactly (:meth:`encode_exact`).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -41,7 +42,7 @@ from ..compress.base import Quantizer, decode_quantized_stream, encode_quantized
 from ..errors import WireFormatError
 from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
-from ..wire import decode, encode
+from ..wire import decode, decode_concat, encode
 
 __all__ = ["EXACT", "QUANTIZE_MODES", "StreamCodec"]
 
@@ -176,6 +177,23 @@ class StreamCodec:
             return s
         return decode(buf, expect_size=size, expect_dtype=dtype, device=device)
 
+    def decode_concat(
+        self,
+        bufs: Sequence[torch.Tensor],
+        sizes: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> SparseStream:
+        """Decode the messages of consecutive ranges into their concatenation: exact
+        sparse messages straight into the result (:func:`~sparcml.wire.decode_concat`),
+        anything else one by one, then :meth:`SparseStream.concat`."""
+        if not any(b.numel() >= 3 and bytes(b[:3].tolist()) == b"SpQ" for b in bufs):
+            out = decode_concat(bufs, sizes, dtype, device)
+            if out is not None:
+                return out
+        parts = [self.decode(b, n, dtype, device) for b, n in zip(bufs, sizes, strict=True)]
+        return SparseStream.concat(parts)
+
     def roundtrip(
         self, stream: SparseStream, buf: torch.Tensor, *, partial: bool = False
     ) -> SparseStream:
@@ -196,7 +214,7 @@ class StreamCodec:
         if self.quantizer is not None:
             out = self.quantizer.dequantize(buf, dtype, device)
         else:
-            isize = torch.empty((), dtype=dtype).element_size()
+            isize = dtype.itemsize
             if buf.numel() != n * isize:
                 raise WireFormatError(f"dense message of {buf.numel()} bytes, expected {n * isize}")
             out = bytes_as(buf.to(device).clone(), dtype)

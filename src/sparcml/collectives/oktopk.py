@@ -332,7 +332,7 @@ def _pairs(indices: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tens
 
 def _unpairs(buf: torch.Tensor, dtype: torch.dtype, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     c = index_bytes(size)
-    isize = torch.empty((), dtype=dtype).element_size()
+    isize = dtype.itemsize
     rec = buf.reshape(-1, c + isize)
     # Columns of records are strided: both copies are compact, then reinterpreted.
     indices = indices_from_low_bytes(rec[:, :c].reshape(-1), c)

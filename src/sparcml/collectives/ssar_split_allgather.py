@@ -27,7 +27,7 @@ from ..stream import SparseStream
 from ._common import fold_messages, largest_power_of_two, split_and_reduce, split_cost
 from .codec import EXACT, StreamCodec
 from .registry import register
-from .sparse_allgather import gather_streams
+from .sparse_allgather import allgather_buffers
 
 if TYPE_CHECKING:
     from ..costmodel import CostModel
@@ -70,11 +70,12 @@ def ssar_split_allgather(
     # Steps 1-2: split and reduce.
     mine, bounds, _ = split_and_reduce(stream, comm, codec)
     # Step 3: sparse allgather of the reduced ranges, then concatenation.
-    parts = gather_streams(mine, comm, codec, partial=True)
-    for j, part in enumerate(parts):
-        if part.size != bounds[j + 1] - bounds[j]:
-            raise WireFormatError(
-                f"rank {comm.rank}: rank {j} returned a range of size {part.size}, "
-                f"expected {bounds[j + 1] - bounds[j]} (do all ranks pass the same N?)"
-            )
-    return SparseStream.concat(parts)
+    bufs = allgather_buffers(codec.encode(mine, partial=True), comm)
+    widths = [bounds[j + 1] - bounds[j] for j in range(comm.world_size)]
+    try:
+        # decoded straight into the result (exact codec: one pass per range)
+        return codec.decode_concat(bufs, widths, stream.dtype, stream.device)
+    except WireFormatError as e:
+        raise WireFormatError(
+            f"rank {comm.rank}: the gathered ranges: {e} (do all ranks pass the same N?)"
+        ) from None

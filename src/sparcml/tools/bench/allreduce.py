@@ -299,7 +299,7 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
     if comm.rank != 0:
         return None
     rows = []
-    isize = torch.empty((), dtype=dtype).element_size()
+    isize = dtype.itemsize
     for a in names:
         p25, p50, p75 = percentiles(times[a])
         rows.append(

@@ -30,7 +30,7 @@ import torch
 from ...collectives import sparse_allreduce
 from ...comm import Communicator, run_ranks
 from ...stream import SparseStream, index_bytes
-from ...wire import decode, encode
+from ...wire import decode, decode_concat, encode
 
 __all__ = ["collective_rows", "copy_bandwidth", "kernel_rows", "uniform_stream"]
 
@@ -106,6 +106,12 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
             result.nnz,
             2 * result.nnz * pair,
             lambda: SparseStream.concat(decoded),
+        ),
+        (
+            f"decode {p} ranges straight into the result",
+            result.nnz,
+            result.nnz * (wire_pair + pair),
+            lambda: decode_concat(bufs, [width] * p, torch.float32),
         ),
     ]
     rows = []
