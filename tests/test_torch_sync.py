@@ -257,6 +257,28 @@ def test_redsync_sends_one_message_per_rank_and_bsearch_for_large_layers() -> No
     assert kinds["p0"] == "TrimmedTopK"
 
 
+@pytest.mark.parametrize("method", ["natural", "qsgd"])
+def test_quantized_methods_agree_on_nan_inside_their_collective(method: str) -> None:
+    """nan_policy="propagate" costs a quantizer no round of its own: the collective's
+    header exchange refuses NaN/Inf on every rank (checks_nonfinite), and a bucket
+    step sends exactly the messages of the bare quantized allreduce."""
+    from sparcml import SparseStream, sparse_allreduce
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        g = _grads(comm.rank, 0)
+        state = SparcmlState(method, comm=comm)
+        comm.stats.reset()
+        reduce_bucket(state, Bucket(_names(), SIZES, g, 0))
+        step = comm.stats.messages_sent
+        comm.stats.reset()
+        sparse_allreduce(SparseStream.from_dense(g), comm, algorithm="dsar_split_allgather",
+                         quantizer=method, quantize="all")  # fmt: skip
+        return step, comm.stats.messages_sent
+
+    for step, bare in run_ranks(4, fn):
+        assert step == bare > 0
+
+
 @pytest.mark.parametrize("method", ["qsgd", "natural", "natural_dithering"])
 @pytest.mark.parametrize("world", [1, 3])  # more ranks: test_quantization_independence
 def test_unbiased_quantizers_are_identical_unbiased_and_bounded(method: str, world: int) -> None:

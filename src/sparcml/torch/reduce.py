@@ -14,7 +14,10 @@ DGC's additions as RedSync sec. 3.5 describes them):
    (compressed methods), a bucket holding NaN/Inf on any rank is reduced densely
    for that step, so every method returns what dense allreduce would (NaN/Inf
    where any rank had them), on every rank, and keeps its residuals and momenta
-   unchanged (one tiny allreduce per bucket agrees on it);
+   unchanged (one tiny allreduce per bucket agrees on it; methods whose
+   collective refuses NaN/Inf in its own header exchange, ``checks_nonfinite``
+   in their registration, need no extra round: the refusal sends the bucket
+   dense);
 3. local gradient clipping to ``clip_norm / sqrt(P)``, of this bucket's
    gradient (``clip_scope="bucket"``; :func:`~sparcml.torch.sync_gradients` with
    ``clip_scope="model"`` clips the whole local gradient first, as RedSync does);
@@ -39,6 +42,8 @@ import time
 import torch
 
 from ..collectives import sparse_allreduce
+from ..comm import Communicator
+from ..errors import NonFiniteError
 from ..stream import SparseStream
 from .methods import method_spec
 from .state import SparcmlState
@@ -95,6 +100,17 @@ def _check_finite(state: SparcmlState, bucket: Bucket, g: torch.Tensor) -> None:
             f"NaN/Inf gradient at step {bucket.step} on rank(s) {ranks} (nan_policy='raise'); "
             f"rank {comm.rank}'s non-finite parameters: {mine}"
         )
+
+
+def _dense_for_nonfinite(comm: Communicator, bucket: Bucket, g: torch.Tensor) -> torch.Tensor:
+    """``nan_policy="propagate"``: the bucket's dense average, NaN/Inf where dense has them."""
+    log.warning(
+        "NaN/Inf gradient at step %d (bucket %s): reduced densely, the average "
+        "is non-finite (nan_policy='propagate')",
+        bucket.step,
+        bucket.names[0] if bucket.names else "?",
+    )
+    return comm.allreduce(g) / comm.world_size
 
 
 def _any_nonfinite(state: SparcmlState, g: torch.Tensor) -> bool:
@@ -249,19 +265,14 @@ def _reduce(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
                 return (comm.allreduce(u.to(g.dtype)) / p).to(g.dtype)
             return comm.allreduce(g) / p
         # Step 2: NaN policy.
+        spec = method_spec(state.kind)
         if state.nan_policy == "raise":
             _check_finite(state, bucket, g)
-        elif state.kind != "nonzeros" and _any_nonfinite(state, g):
+        elif state.kind != "nonzeros" and not spec.checks_nonfinite and _any_nonfinite(state, g):
             # propagate: compressed methods cannot place NaN/Inf where dense would
             # (selectors may drop them into the residual, quantizers cannot encode
             # them): this bucket goes dense for this step, residuals untouched
-            log.warning(
-                "NaN/Inf gradient at step %d (bucket %s): reduced densely, the average "
-                "is non-finite (nan_policy='propagate')",
-                bucket.step,
-                bucket.names[0] if bucket.names else "?",
-            )
-            return comm.allreduce(g) / p
+            return _dense_for_nonfinite(comm, bucket, g)
         t_local = time.perf_counter()
         # Step 3: local gradient clipping (DGC: threshold scaled by P^-1/2).
         if state.clip_norm is not None and state.clip_scope == "bucket":
@@ -283,7 +294,13 @@ def _reduce(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
         send = acc if acc.dtype == g.dtype else acc.to(g.dtype)
         compress_s = time.perf_counter() - t_local
         # Step 5: the method's collective (sparcml.torch.methods).
-        sent, total = method_spec(state.kind).run(state, bucket, send)
+        try:
+            sent, total = spec.run(state, bucket, send)
+        except NonFiniteError:
+            # (checks_nonfinite: refused on every rank before any state changed)
+            if state.nan_policy != "propagate" or not spec.checks_nonfinite:
+                raise
+            return _dense_for_nonfinite(comm, bucket, g)
         compress_s += state.select_s
         # Step 6: residuals (and momentum factor masking).
         if state.error_feedback:

@@ -15,6 +15,10 @@ registration carries:
   routes its keyword arguments to it by field name;
 * ``unbiased``: sends every entry (no error feedback, no momentum correction);
 * ``operator``: builds a compressor per bucket from the method name;
+* ``checks_nonfinite``: its collective refuses NaN/Inf on every rank (one
+  :class:`~sparcml.errors.NonFiniteError` everywhere, from the header exchange
+  every call makes anyway) before anything changes state, so
+  ``nan_policy="propagate"`` needs no round of its own to agree on a NaN;
 * ``description``: one line for ``sparcml methods``.
 
 Adding a method: one module here with its config, its run function and
@@ -84,6 +88,7 @@ class MethodSpec:
     names: tuple[str, ...] | None = None
     unbiased: bool = False
     operator: bool = False
+    checks_nonfinite: bool = False
 
 
 _METHODS: dict[str, MethodSpec] = {}

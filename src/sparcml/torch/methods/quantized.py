@@ -59,5 +59,8 @@ QUANTIZED = register_method(
         config=QuantizedConfig,
         unbiased=True,
         operator=True,
+        # quantize="all" makes the header exchange lossy: NaN/Inf on any rank is
+        # refused on every rank before anything is quantized
+        checks_nonfinite=True,
     )
 )
