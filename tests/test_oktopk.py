@@ -270,3 +270,72 @@ def test_bench_period_times_every_call_and_keeps_the_volume_bound() -> None:
     for times, sent, cpu in run_ranks(p, fn):
         assert len(times) == len(sent) == len(cpu) == 4
         assert max(sent) <= 6 * k * (p - 1) / p * (index_bytes(n) + 4)
+
+
+@pytest.mark.parametrize("scale", [3.0, 0.3])
+def test_count_guard_equals_a_full_recomputation(scale: float) -> None:
+    """A drift that pushes the count out of [3k/4, 5k/4] (up: the exact thresholds
+    come from the current selection alone; down: from everything) gives the result
+    of a fresh state, which recomputes both thresholds exactly, bit for bit."""
+    n, k = 1 << 13, 200
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(comm.rank)
+        acc = torch.randn(n, generator=g)
+        state = OkTopkState(tau_prime=8)
+        oktopk_allreduce(acc, k, comm, state)
+        drifted = acc * scale + 0.5 * torch.randn(n, generator=g)
+        guarded = oktopk_allreduce(drifted, k, comm, state)
+        fresh = oktopk_allreduce(drifted, k, comm, OkTopkState(tau_prime=8))
+        return guarded.stream, fresh.stream, guarded.local_indices, fresh.local_indices
+
+    for guarded, fresh, gl, fl in run_ranks(3, fn):
+        assert guarded.equal(fresh)
+        assert torch.equal(gl, fl)
+
+
+def test_exact_again_from_the_selection_matches_the_whole() -> None:
+    from sparcml.collectives.oktopk import _exact_again
+    from sparcml.compress.selection import select_above
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5000, generator=g)
+    x[[3, 70]] = float("nan")
+    x[[9]] = float("-inf")
+    x[100:140] = 2.5  # ties at the threshold
+    for k in (30, 60, 800):
+        for t_old in (0.5, 2.5, 3.5):
+            idx = select_above(x, t_old, strict=False)
+            t, got = _exact_again(x, idx, k)
+            ref_t = float(torch.topk(torch.nan_to_num(x.abs(), nan=float("inf")), k).values.min())
+            assert t == ref_t
+            assert torch.equal(got, select_above(x, ref_t, strict=ref_t == 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_global_kth_is_exact_and_counts_every_rank(dtype: torch.dtype) -> None:
+    """The radix select's threshold is the exact k-th largest |v| over all ranks, and
+    the counts its last round gathers are each rank's |v| >= t (NaN as +inf, ties)."""
+    from sparcml.collectives.oktopk import _global_kth
+    from sparcml.compress.selection import select_above
+
+    def fn(comm, k):  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(comm.rank)
+        v = torch.randn(300 + 50 * comm.rank, generator=g).to(dtype)
+        v[:20] = 1.5  # ties across ranks
+        if comm.rank == 1:
+            v[30] = float("nan")
+            v[31] = float("-inf")
+        t, counts = _global_kth(v, k, comm)
+        return v, t, counts, int(select_above(v, t, strict=t == 0).numel())
+
+    for k in (1, 3, 25, 200):
+        out = run_ranks(3, fn, k)
+        allv = torch.cat([o[0].float() for o in out])
+        mag = torch.nan_to_num(allv.abs(), nan=float("inf"))
+        ref = float(torch.topk(mag, k).values.min())
+        for v, t, counts, mine in out:
+            assert t == ref
+            assert counts == [o[3] for o in out]
+    few = run_ranks(2, fn, 10_000)  # fewer than k in all
+    assert all(t == 0.0 and counts is None for _, t, counts, _ in few)

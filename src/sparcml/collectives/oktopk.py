@@ -133,41 +133,54 @@ def _balanced_boundaries(
     return bounds
 
 
-def _global_kth(values: torch.Tensor, k: int, comm: Communicator) -> float:
-    """Step 4: the exact k-th largest ``|v|`` over every rank's ``values``.
+def _global_kth(values: torch.Tensor, k: int, comm: Communicator) -> tuple[float, list[int] | None]:
+    """Step 4: the exact k-th largest ``|v|`` over every rank's ``values``, and how many
+    of each rank's values reach it.
 
     Non-negative float magnitudes order like their integer bit patterns, so a
     distributed radix select on the bit pattern finds the largest ``t`` with
-    ``count(|v| >= t) >= k`` exactly, moving no values: one allreduce of a
-    256-bin histogram per byte of the pattern, 4 rounds for float32 (float16 and
-    bfloat16 are exact in float32), 8 for float64 (the bisection this replaces
-    took 31 allreduces of one count). NaN counts as +inf; fewer than ``k``
-    entries in all give 0.
+    ``count(|v| >= t) >= k`` exactly, moving no values: one 256-bin histogram per
+    byte of the pattern, 4 rounds for float32 (float16 and bfloat16 are exact in
+    float32), 8 for float64 (the bisection this replaces took 31 allreduces of one
+    count). The first rounds allreduce the histogram; the last one allgathers every
+    rank's histogram with its count above the prefix so far (beyond the paper: every
+    rank then knows every rank's count ``|v| >= t``, which step 5 needs, without an
+    allgather of its own). NaN counts as +inf; fewer than ``k`` entries in all give
+    ``(0, None)``.
 
-    Cost: ``4 T_allreduce(256 int64)`` plus ``O(n)`` local work in the first
-    round (later rounds scan only the entries whose high bytes match).
+    Cost: ``3 T_allreduce(256 int64) + T_allgather(257 int64)`` plus ``O(n)`` local
+    work in the first round (later rounds scan only the entries whose high bytes
+    match).
     """
     if values.dtype == torch.float64:
         bits = values.abs().contiguous().view(torch.int64).clamp(max=0x7FF0000000000000)
-        fdtype, idtype, shifts = torch.float64, torch.int64, range(56, -1, -8)
+        fdtype, idtype, shifts = torch.float64, torch.int64, list(range(56, -1, -8))
     else:
         bits = values.abs().float().contiguous().view(torch.int32).clamp(max=0x7F800000)
-        fdtype, idtype, shifts = torch.float32, torch.int32, range(24, -1, -8)
-    remaining, prefix, first = k, 0, True
-    for shift in shifts:
+        fdtype, idtype, shifts = torch.float32, torch.int32, list(range(24, -1, -8))
+    remaining, prefix, above = k, 0, 0
+    counts: list[int] | None = None
+    for r, shift in enumerate(shifts):
         digit = ((bits >> shift) & 0xFF).to(torch.int64)
-        hist = torch.bincount(digit, minlength=256).to(device="cpu", dtype=torch.int64)
-        hist = comm.allreduce(hist)
-        if first and int(hist.sum()) < k:
-            return 0.0
-        first = False
+        mine = torch.bincount(digit, minlength=256).to(device="cpu", dtype=torch.int64)
+        if r < len(shifts) - 1:
+            hist = comm.allreduce(mine)
+        else:
+            rows = comm.allgather(torch.cat([mine, torch.tensor([above])]))
+            hist = torch.stack([row[:256] for row in rows]).sum(0)
+        if r == 0 and int(hist.sum()) < k:
+            return 0.0, None
         from_top = hist.flip(0).cumsum(0)
         j = int(torch.searchsorted(from_top, torch.tensor([remaining])).item())
         b = 255 - j
         remaining -= int(from_top[j]) - int(hist[b])
         prefix |= b << shift
-        bits = bits[digit == b]
-    return float(torch.tensor([prefix], dtype=idtype).view(fdtype))
+        if r < len(shifts) - 1:
+            above += int(mine[b + 1 :].sum())
+            bits = bits[digit == b]
+        else:
+            counts = [int(row[256]) + int(row[b:256].sum()) for row in rows]
+    return float(torch.tensor([prefix], dtype=idtype).view(fdtype)), counts
 
 
 def _in_sorted(sub: torch.Tensor, sup: torch.Tensor) -> torch.Tensor:
@@ -225,9 +238,9 @@ def oktopk_allreduce(
     idx = select_above(x, state.local_threshold, strict=state.local_threshold == 0)
     if not refresh and not _near_k(idx.numel(), k):
         # count guard (the authors' code nudges the threshold when the count leaves
-        # [3k/4, 5k/4]): recompute the local threshold now, a local pass only
-        state.local_threshold = kth_largest(torch.nan_to_num(x.abs(), nan=float("inf")), k)
-        idx = select_above(x, state.local_threshold, strict=state.local_threshold == 0)
+        # [3k/4, 5k/4]): the exact threshold now, a local pass only; over the
+        # selection alone when it holds k or more (the k-th largest is among them)
+        state.local_threshold, idx = _exact_again(x, idx, k)
     local = SparseStream.from_sorted(idx, x[idx], n)
     # Step 2: balanced split, re-estimated every tau calls
     if state.boundaries is None or state.calls % state.tau == 0 or len(state.boundaries) != p + 1:
@@ -238,20 +251,31 @@ def oktopk_allreduce(
     # Step 3: split and reduce (alltoallv sends to r+1, r+2, ... first)
     region, _, state.last_send_bytes = split_and_reduce(local, comm, codec, bounds)
     # Step 4: global top-k by a (reused) global threshold
+    counts: list[int] | None = None
     if refresh or state.global_threshold is None:
-        state.global_threshold = _global_kth(region.values, k, comm)
+        state.global_threshold, counts = _global_kth(region.values, k, comm)
     # (a zero threshold, fewer than k entries in all, keeps the non-zeros only: a
     # region that went dense holds zeros that nobody selected)
     t_global = state.global_threshold
     keep = select_above(region.values, t_global, strict=t_global == 0)
-    # Step 5: balanced allgather: counts, equal shares, allgather of the shares
-    counts = _allgather_count(int(keep.numel()), comm)
-    if not refresh and not _near_k(sum(counts), k):
-        # the same guard on the global selection (every rank sees the same counts, so
-        # every rank takes the same branch): an exact threshold now, then the counts again
-        state.global_threshold = t_global = _global_kth(region.values, k, comm)
-        keep = select_above(region.values, t_global, strict=t_global == 0)
+    # Step 5: balanced allgather: counts (from the threshold's last round after a
+    # refresh), equal shares, allgather of the shares
+    if counts is None:
         counts = _allgather_count(int(keep.numel()), comm)
+        if not refresh and not _near_k(sum(counts), k):
+            # the same guard on the global selection (every rank sees the same counts,
+            # so every rank takes the same branch): an exact threshold now, with the
+            # counts; with k or more kept in all, the k-th largest is among the kept
+            if sum(counts) >= k:
+                sub = keep
+                t_global, counts = _global_kth(region.values[sub], k, comm)
+                keep = sub[_at_least(region.values[sub], t_global)]
+            else:
+                t_global, counts = _global_kth(region.values, k, comm)
+                keep = select_above(region.values, t_global, strict=t_global == 0)
+            state.global_threshold = t_global
+            if counts is None:
+                counts = _allgather_count(int(keep.numel()), comm)
     # (kept as raw pairs, never a stream: a stream past delta would turn dense over
     # the whole N and claim positions of other ranks' regions)
     kept_idx = region.indices[keep] + bounds[me]
@@ -259,6 +283,28 @@ def oktopk_allreduce(
     state.calls += 1
     state.last_local_indices = idx[_in_sorted(idx, indices)]
     return OkTopkResult(SparseStream.from_sorted(indices, values, n), state.last_local_indices)
+
+
+def _at_least(values: torch.Tensor, t: float) -> torch.Tensor:
+    """``|v| >= t`` (``> 0`` when ``t`` is 0), NaN included: :func:`select_above`'s test
+    as a mask."""
+    mag = torch.nan_to_num(values.abs(), nan=float("inf"))
+    return mag > 0 if t == 0 else mag >= t
+
+
+def _exact_again(x: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
+    """The count guard's exact local threshold and selection.
+
+    ``idx`` is the selection ``|x| >= t_old``. When it holds ``k`` or more entries,
+    the k-th largest of all lies among them, so the threshold and the new selection
+    come from ``x[idx]`` alone (``O(|idx|)``); else from the whole accumulator.
+    Either way the result is that of a full recomputation, bit for bit.
+    """
+    if idx.numel() >= k:
+        t = kth_largest(torch.nan_to_num(x[idx].abs(), nan=float("inf")), k)
+        return t, idx[_at_least(x[idx], t)]
+    t = kth_largest(torch.nan_to_num(x.abs(), nan=float("inf")), k)
+    return t, select_above(x, t, strict=t == 0)
 
 
 def _near_k(count: int, k: int) -> bool:
@@ -343,12 +389,17 @@ def _unpairs(buf: torch.Tensor, dtype: torch.dtype, size: int) -> tuple[torch.Te
 def refresh_cost(model: CostModel, p: int, n: int, k: int, isize: int) -> float:
     """One threshold refresh (every ``tau_prime`` calls): the exact local k-th largest
     over all ``N`` magnitudes (a pass for ``|acc|``, one for the selection), and the
-    global radix select: ``32 / 8 = 4`` ring allreduces of a 256-bin int64 histogram
-    (``2(P-1)`` messages each), with a scan of the ``~k`` reduced entries per round."""
-    rounds = 4
+    global radix select: ``32 / 8 = 4`` rounds of a 256-bin int64 histogram, three
+    ring allreduces (``2(P-1)`` messages each) and one allgather that also carries
+    every rank's count (``log2 P`` messages; it replaces step 5's count allgather),
+    with a scan of the ``~k`` reduced entries per round."""
     hist = 256 * 8
     allreduce = 2 * (p - 1) * model.alpha + 2 * (p - 1) / p * hist * model.beta
-    return 2 * n * model.gamma_add + rounds * (allreduce + model.gamma * k)
+    allgather = log2_ceil(p) * model.alpha + (p - 1) * (hist + 8) * model.beta
+    count_allgather = (p - 1) * model.alpha
+    return (
+        2 * n * model.gamma_add + 3 * allreduce + allgather - count_allgather + 4 * model.gamma * k
+    )
 
 
 def boundaries_cost(model: CostModel, p: int, quantiles: int) -> float:

@@ -31,6 +31,7 @@ this path next to mpi4py's own ``Allreduce``.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,6 +50,8 @@ __all__ = ["MPICommunicator", "mpi_available"]
 # first polls without pausing (_SPIN tests, as a blocking MPI call would spin), then
 # yields the core between tests (_YIELDS of them), then sleeps _SLEEP_S between tests
 # (an idle wait for a late peer costs no CPU). The timeout is checked throughout.
+# More ranks on this host than cores it lets us use: no spinning (a spinning rank
+# takes the core a peer needs to reach the collective), yield from the first test.
 _SPIN = 20_000
 _YIELDS = 200_000
 _POLL_S = 0.0
@@ -81,12 +84,24 @@ def _mpi() -> Any:
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
 
+def _usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 class MPICommunicator(Communicator):
     """A communicator over an MPI communicator (default ``MPI.COMM_WORLD``, duplicated).
 
     Args:
         comm: an mpi4py communicator (default ``COMM_WORLD``); it is duplicated.
         timeout: seconds to wait for a peer (default 300).
+
+    Attributes:
+        oversubscribed: more ranks share this host than the cores this rank may
+            use; waits then yield the core from the first test instead of spinning.
 
     Raises:
         ImportError: mpi4py is not installed.
@@ -109,6 +124,12 @@ class MPICommunicator(Communicator):
         self._blocking: ThreadPoolExecutor | None = None
         self._blocking_lock = threading.Lock()
         self._stuck: str | None = None
+        local = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            self.oversubscribed = local.Get_size() > _usable_cores()
+        finally:
+            local.Free()
+        self._spin = 0 if self.oversubscribed else _SPIN
 
     # ------------------------------------------------------------------ helpers
     def _deadline_wait(self, request: Any, peer: int | None, what: str) -> Any:
@@ -118,7 +139,7 @@ class MPICommunicator(Communicator):
         polls = 0
         while not request.Test(status):
             polls += 1
-            if polls < _SPIN:
+            if polls < self._spin:
                 continue
             if time.monotonic() > deadline:
                 who = f"rank {peer}" if peer is not None else "a peer"
@@ -127,7 +148,7 @@ class MPICommunicator(Communicator):
                     f"waiting for {who} (is it alive and calling the same collective?)",
                     peer=peer,
                 )
-            time.sleep(_POLL_S if polls < _SPIN + _YIELDS else _SLEEP_S)
+            time.sleep(_POLL_S if polls < self._spin + _YIELDS else _SLEEP_S)
         return status
 
     def _blocking_call(self, what: str, fn: Any, *args: Any) -> None:
