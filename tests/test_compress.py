@@ -423,3 +423,27 @@ def test_kth_largest_is_exact(kind: str, n: int) -> None:
     for k in (1, 7, n // 1000, n // 100, n // 10, n // 4, n // 2, n):
         k = max(k, 1)
         assert kth_largest(x, k) == float(torch.topk(x, k).values.min()), (kind, n, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [0, 1, 1000, (1 << 18) + 77])
+def test_select_above_is_the_comparison_it_replaces(dtype: torch.dtype, n: int) -> None:
+    """The compiled scan (bit patterns, one pass) selects exactly ``|x| >= t``
+    (``> t`` strict) with NaN always selected, for every dtype, threshold and layout."""
+    from sparcml.compress.selection import select_above
+
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(2 * n, generator=g).to(dtype)
+    if n > 4:
+        base[[0, 3]] = float("nan")
+        base[5] = float("-inf")
+        base[6:10] = 1.0  # ties
+        base[10] = -0.0
+    x = base[::2]  # strided
+    mag = x.abs().double()
+    for t in (0.0, 0.3, 1.0, 1.7, float("inf")):
+        for strict in (True, False):
+            tt = float(torch.tensor(t, dtype=dtype))  # the comparison's rounding
+            ref = ((mag > tt if strict else mag >= tt) | mag.isnan()).nonzero().flatten()
+            got = select_above(x, t, strict=strict)
+            assert torch.equal(got, ref), (t, strict)

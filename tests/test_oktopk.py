@@ -334,7 +334,7 @@ def test_global_kth_is_exact_and_counts_every_rank(dtype: torch.dtype) -> None:
         allv = torch.cat([o[0].float() for o in out])
         mag = torch.nan_to_num(allv.abs(), nan=float("inf"))
         ref = float(torch.topk(mag, k).values.min())
-        for v, t, counts, mine in out:
+        for _, t, counts, _ in out:
             assert t == ref
             assert counts == [o[3] for o in out]
     few = run_ranks(2, fn, 10_000)  # fewer than k in all

@@ -40,7 +40,9 @@ _kernels: dict[str, Callable[..., Any]] = {}
 
 
 def _compiled() -> dict[str, Callable[..., Any]]:
-    """The CPU kernels, compiled on first use (cached on disk by numba)."""
+    """The library's compiled CPU kernels (merges, index widening, the threshold scan of
+    :func:`sparcml.compress.selection.select_above`), compiled on first use and
+    cached on disk by numba."""
     if _kernels:
         return _kernels
     with _lock:
@@ -159,6 +161,20 @@ def _compiled() -> dict[str, Callable[..., Any]]:
                 return n
             return -1
 
+        @numba.njit(cache=True, nogil=True)
+        def above_positions(  # pragma: no cover - compiled
+            words: Any, mask: int, tb: int, offset: int, out: Any
+        ) -> int:
+            # the threshold scan and compaction in one pass: positions (plus offset)
+            # of the entries whose magnitude bits (sign masked off) reach tb
+            n = 0
+            for i in range(words.shape[0]):
+                if (words[i] & mask) >= tb:
+                    out[n] = i + offset
+                    n += 1
+            return n
+
+        _kernels["above_positions"] = above_positions
         _kernels["merge2"] = merge2
         _kernels["merge_k"] = merge_k
         _kernels["merge_bitmap"] = merge_bitmap

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ..merge import _compiled
+from ..reinterpret import dense_1d
 from ..stream import SparseStream
 from ._kernels import chunks, scratch
 
@@ -91,16 +93,32 @@ def _above_flags_f32(chunk: torch.Tensor, t: float, strict: bool) -> torch.Tenso
     return flags
 
 
-def _positions(flags: torch.Tensor) -> torch.Tensor:
-    """Positions of the non-zero 0/1 flags: a nonzero over 8-byte words, then inside them."""
-    m = flags.numel()
-    width = (m + 7) // 8 * 8
-    u8 = scratch("above_u8", width, torch.uint8, flags.device)
-    u8[m:] = 0
-    u8[:m].copy_(flags)
-    words = u8.view(torch.int64).nonzero().flatten()
-    rows, cols = u8.view(-1, 8)[words].nonzero(as_tuple=True)
-    return words[rows] * 8 + cols
+_BITS = {
+    torch.float32: (torch.int32, 0x7FFF_FFFF),
+    torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF),
+    torch.float16: (torch.int16, 0x7FFF),
+    torch.bfloat16: (torch.int16, 0x7FFF),
+}
+
+
+def _above_positions_cpu(x: torch.Tensor, t: float, strict: bool) -> torch.Tensor:
+    """CPU: the compiled scan and compaction in one pass per chunk, on bit patterns.
+
+    Non-negative IEEE magnitudes order like their bit patterns with the sign masked
+    off, and NaN patterns lie above +inf's, so NaN counts as the largest magnitude.
+    The threshold is rounded to ``x``'s dtype first, as torch's comparison of a
+    tensor with a Python scalar does.
+    """
+    idtype, mask = _BITS[x.dtype]
+    tb = int(torch.tensor(t, dtype=x.dtype).view(idtype)) + (1 if strict else 0)
+    kernel = _compiled()["above_positions"]
+    words = dense_1d(x).view(idtype)
+    parts = []
+    for lo, hi in chunks(x.numel(), x.device):
+        out = scratch("above_pos", hi - lo, torch.int64, x.device)
+        n = kernel(words[lo:hi].numpy(), mask, tb, lo, out.numpy())
+        parts.append(out[:n].clone())
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def count_above(x: torch.Tensor, t: float, strict: bool = True) -> int:
@@ -119,12 +137,11 @@ def select_above(x: torch.Tensor, t: float, strict: bool = True, nan: bool = Tru
 
     ``nan=False`` promises that ``x`` holds no NaN (a faster test).
     """
+    if x.device.type == "cpu" and t >= 0 and x.numel():
+        return _above_positions_cpu(x, t, strict)
     parts = []
     for lo, hi in chunks(x.numel(), x.device):
-        if x.dtype == torch.float32 and t >= 0 and x.device.type == "cpu":
-            parts.append(_positions(_above_flags_f32(x[lo:hi], t, strict)) + lo)
-        else:
-            parts.append(_above(x[lo:hi], t, strict, nan).nonzero().flatten() + lo)
+        parts.append(_above(x[lo:hi], t, strict, nan).nonzero().flatten() + lo)
     if not parts:
         return torch.empty(0, dtype=torch.int64, device=x.device)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
