@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["merge_positions", "merge_sum", "widen_increasing"]
+__all__ = ["above_positions", "merge_positions", "merge_sum", "widen_increasing"]
 
 _lock = threading.Lock()
 _kernels: dict[str, Callable[..., Any]] = {}
@@ -265,6 +265,14 @@ def widen_increasing(
         return 0
     torch.add(wide, offset, out=out)
     return n if int(wide[-1]) >= size else -1
+
+
+def above_positions(words: torch.Tensor, mask: int, tb: int, offset: int, out: torch.Tensor) -> int:
+    """CPU only: positions (plus ``offset``) of the ``words`` with ``words & mask >= tb``
+    written into ``out`` (int64, as long as ``words``), in one compiled pass; returns
+    how many. The threshold scan of :func:`sparcml.compress.selection.select_above`
+    on IEEE bit patterns (``mask`` drops the sign bit)."""
+    return int(_compiled()["above_positions"](words.numpy(), mask, tb, offset, out.numpy()))
 
 
 def merge_sum(

@@ -301,8 +301,9 @@ def _exact_again(x: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[float, tor
     Either way the result is that of a full recomputation, bit for bit.
     """
     if idx.numel() >= k:
-        t = kth_largest(torch.nan_to_num(x[idx].abs(), nan=float("inf")), k)
-        return t, idx[_at_least(x[idx], t)]
+        sel = x[idx]
+        t = kth_largest(torch.nan_to_num(sel.abs(), nan=float("inf")), k)
+        return t, idx[_at_least(sel, t)]
     t = kth_largest(torch.nan_to_num(x.abs(), nan=float("inf")), k)
     return t, select_above(x, t, strict=t == 0)
 

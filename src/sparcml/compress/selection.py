@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..merge import _compiled
+from ..merge import above_positions
 from ..reinterpret import dense_1d
 from ..stream import SparseStream
 from ._kernels import chunks, scratch
@@ -111,12 +111,11 @@ def _above_positions_cpu(x: torch.Tensor, t: float, strict: bool) -> torch.Tenso
     """
     idtype, mask = _BITS[x.dtype]
     tb = int(torch.tensor(t, dtype=x.dtype).view(idtype)) + (1 if strict else 0)
-    kernel = _compiled()["above_positions"]
     words = dense_1d(x).view(idtype)
     parts = []
     for lo, hi in chunks(x.numel(), x.device):
         out = scratch("above_pos", hi - lo, torch.int64, x.device)
-        n = kernel(words[lo:hi].numpy(), mask, tb, lo, out.numpy())
+        n = above_positions(words[lo:hi], mask, tb, lo, out)
         parts.append(out[:n].clone())
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
