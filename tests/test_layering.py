@@ -16,7 +16,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "sparcml"
 
-CORE = {"stream", "merge", "wire", "errors", "reinterpret", "costmodel"}
+CORE = {"stream", "merge", "cpu_kernels", "wire", "errors", "reinterpret", "costmodel"}
 # layer -> the layers it may import (besides itself and the core)
 ALLOWED: dict[str, set[str]] = {
     "core": set(),

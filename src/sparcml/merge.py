@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["above_positions", "merge_positions", "merge_sum", "widen_increasing"]
+__all__ = ["above_positions", "merge_positions", "merge_sum", "warm_kernels", "widen_increasing"]
 
 _lock = threading.Lock()
 _kernels: dict[str, Callable[..., Any]] = {}
@@ -41,145 +41,49 @@ _kernels: dict[str, Callable[..., Any]] = {}
 
 def _compiled() -> dict[str, Callable[..., Any]]:
     """The library's compiled CPU kernels (merges, index widening, the threshold scan of
-    :func:`sparcml.compress.selection.select_above`), compiled on first use and
-    cached on disk by numba."""
+    :func:`sparcml.compress.selection.select_above`): :mod:`sparcml.cpu_kernels`,
+    imported on first use (numba compiles them once and caches them on disk)."""
     if _kernels:
         return _kernels
     with _lock:
-        if _kernels:
-            return _kernels
-        import numba  # a declared dependency; imported lazily (compilation takes a moment)
-        import numpy as np
+        if not _kernels:
+            # numba: a declared dependency, imported lazily (a moment to load)
+            from .cpu_kernels import (
+                above_positions,
+                merge2,
+                merge_bitmap,
+                merge_k,
+                widen_increasing,
+            )
 
-        @numba.njit(cache=True, nogil=True)
-        def merge2(a: Any, b: Any, pos: Any, union: Any) -> int:  # pragma: no cover - compiled
-            la, lb = a.shape[0], b.shape[0]
-            i = j = n = 0
-            # branch-free: both positions written every step; the one whose run
-            # does not advance is written again when it is taken (1.6x faster
-            # than branching on random indices)
-            while i < la and j < lb:
-                x, y = a[i], b[j]
-                union[n] = min(x, y)
-                pos[i] = n
-                pos[la + j] = n
-                i += x <= y
-                j += y <= x
-                n += 1
-            while i < la:
-                union[n] = a[i]
-                pos[i] = n
-                i += 1
-                n += 1
-            while j < lb:
-                union[n] = b[j]
-                pos[la + j] = n
-                j += 1
-                n += 1
-            return n
-
-        @numba.njit(cache=True, nogil=True)
-        def merge_k(idx: Any, offsets: Any, pos: Any, union: Any) -> int:  # pragma: no cover
-            p = offsets.shape[0] - 1
-            heads = offsets[:-1].copy()
-            big = np.iinfo(np.int64).max
-            n = 0
-            while True:
-                m = big
-                for r in range(p):
-                    h = heads[r]
-                    if h < offsets[r + 1] and idx[h] < m:
-                        m = idx[h]
-                if m == big:
-                    break
-                for r in range(p):
-                    h = heads[r]
-                    if h < offsets[r + 1] and idx[h] == m:
-                        pos[h] = n
-                        heads[r] = h + 1
-                union[n] = m
-                n += 1
-            return n
-
-        one = np.uint64(1)
-        m1, m2 = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333)
-        m4, h01 = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0101010101010101)
-
-        @numba.njit(cache=True, nogil=True, inline="always")
-        def popcount(x: Any) -> Any:  # pragma: no cover - compiled
-            x = x - ((x >> one) & m1)
-            x = (x & m2) + ((x >> np.uint64(2)) & m2)
-            x = (x + (x >> np.uint64(4))) & m4
-            return (x * h01) >> np.uint64(56)
-
-        @numba.njit(cache=True, nogil=True)
-        def merge_bitmap(  # pragma: no cover - compiled
-            idx: Any, lo: int, width: int, pos: Any, union: Any
-        ) -> int:
-            # every idx in [lo, lo + width): one bit per position (width / 8 bytes,
-            # cache-resident), the union read off the set bits in order, each
-            # input's position = set bits before it (popcounts of a word prefix)
-            nw = (width + 63) >> 6
-            bits = np.zeros(nw, np.uint64)
-            for i in range(idx.shape[0]):
-                x = idx[i] - lo
-                bits[x >> 6] |= one << np.uint64(x & 63)
-            before = np.empty(nw, np.int64)
-            n = 0
-            for w in range(nw):
-                before[w] = n
-                word = bits[w]
-                base = lo + (w << 6)
-                while word:
-                    low = word & (~word + one)
-                    union[n] = base + np.int64(popcount(low - one))
-                    n += 1
-                    word ^= low
-            for i in range(idx.shape[0]):
-                x = idx[i] - lo
-                w = x >> 6
-                below = (one << np.uint64(x & 63)) - one
-                pos[i] = before[w] + np.int64(popcount(bits[w] & below))
-            return n
-
-        @numba.njit(cache=True, nogil=True)
-        def widen_increasing(  # pragma: no cover - compiled
-            words: Any, mask: int, out: Any, offset: int, size: int
-        ) -> int:
-            # out[i] = (words[i] & mask) + offset, checking in the same pass that the
-            # words strictly increase and stay below size; -1 when they do, else where
-            # they stop: i > 0 not increasing at i, 0 negative first, n out of range
-            n = words.shape[0]
-            prev = np.int64(-1)
-            for i in range(n):
-                x = np.int64(words[i]) & mask
-                if x <= prev:
-                    return i
-                out[i] = x + offset
-                prev = x
-            if n and prev >= size:
-                return n
-            return -1
-
-        @numba.njit(cache=True, nogil=True)
-        def above_positions(  # pragma: no cover - compiled
-            words: Any, mask: int, tb: int, offset: int, out: Any
-        ) -> int:
-            # the threshold scan and compaction in one pass: positions (plus offset)
-            # of the entries whose magnitude bits (sign masked off) reach tb
-            n = 0
-            for i in range(words.shape[0]):
-                if (words[i] & mask) >= tb:
-                    out[n] = i + offset
-                    n += 1
-            return n
-
-        _kernels["above_positions"] = above_positions
-        _kernels["merge2"] = merge2
-        _kernels["merge_k"] = merge_k
-        _kernels["merge_bitmap"] = merge_bitmap
-        _kernels["widen_increasing"] = widen_increasing
+            _kernels.update(
+                above_positions=above_positions,
+                merge2=merge2,
+                merge_k=merge_k,
+                merge_bitmap=merge_bitmap,
+                widen_increasing=widen_increasing,
+            )
     return _kernels
+
+
+def warm_kernels() -> None:
+    """Load the compiled CPU kernels now and run each once on a few entries.
+
+    A process's first call of a compiled kernel loads it from numba's disk cache
+    (compiles it, the first time on a machine) and starts numba's runtime: about
+    0.3 s, 1 s or more with compilation. Inside a collective that stalls every other
+    rank for as long, at whatever step the kernel is first needed; training states
+    (:class:`sparcml.torch.SparcmlState`) call this when they are built instead.
+    """
+    runs = [torch.tensor([1, 5]), torch.tensor([2, 5]), torch.tensor([3])]
+    merge_positions(runs[:2])  # two runs
+    merge_positions(runs)  # a bitmap of their span
+    merge_positions([torch.tensor([1, 1000]), *runs[1:]])  # a k-way merge
+    out = torch.empty(2, dtype=torch.int64)
+    for c in (2, 4, 8):
+        widen_increasing(torch.tensor([1, 2], dtype=_SIGNED[c]).view(torch.uint8), c, 4, out)
+    for dtype in (torch.int16, torch.int32, torch.int64):
+        above_positions(torch.tensor([1, 3], dtype=dtype), -1, 2, 0, out)
 
 
 def merge_positions(runs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from ..comm import Communicator, SelfCommunicator, TorchDistCommunicator
 from ..comm import refuse_silent_world_of_one as _refuse_silent_world_of_one
 from ..compress import get
 from ..compress.base import operator_class
+from ..merge import warm_kernels
 from ..sgd.feedback import ErrorFeedback, MomentumCorrection
 from .methods import MethodConfig, method_kind, method_spec, methods, valid_algorithms
 from .rules import Density, LayerRule, check_density, describe_schedule, rules_from
@@ -283,6 +284,10 @@ class SparcmlState:
                 _refuse_silent_world_of_one()
                 comm = SelfCommunicator()
         self.comm = comm
+        if comm.world_size > 1 and _parent is None:
+            # the compiled kernels' first load, here rather than inside a step's
+            # collective, where it would stall every rank at an unknown step
+            warm_kernels()
         # ------------------------------------------------------------- internal fields
         self.step = 0
         self.bytes_sent = 0
