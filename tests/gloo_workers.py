@@ -117,3 +117,50 @@ def raises_on_rank_one(comm):  # type: ignore[no-untyped-def]
     if comm.rank == 1:
         raise KeyError("deliberate failure on rank 1")
     return comm.rank
+
+
+def message_sizes(comm):  # type: ignore[no-untyped-def]
+    """Point-to-point messages around the eager protocol's boundary, and an alltoallv
+    of mixed sizes: what each rank received, with what it should have been."""
+    from sparcml.comm.torchdist import EAGER_BYTES
+
+    p, me = comm.world_size, comm.rank
+    sizes = [
+        0,
+        1,
+        24,
+        EAGER_BYTES - 9,
+        EAGER_BYTES - 8,
+        EAGER_BYTES - 7,
+        EAGER_BYTES,
+        3 * EAGER_BYTES + 5,
+    ]
+
+    def payload(src: int, dst: int, n: int) -> torch.Tensor:
+        return ((torch.arange(n, dtype=torch.int64) * (src + 3) + dst * 7 + n) % 251).to(
+            torch.uint8
+        )
+
+    bad = []
+    right, left = (me + 1) % p, (me - 1) % p
+    for n in sizes:  # every size in turn around the ring, the same tag
+        h = comm.isend(payload(me, right, n), right)
+        got = comm.recv(left)
+        h.wait()
+        if not torch.equal(got, payload(left, me, n)):
+            bad.append(("ring", n, got.numel()))
+    # all sizes at once to every peer: in-order matching on one tag
+    handles = [comm.isend(payload(me, d, n), d) for d in range(p) if d != me for n in sizes]
+    for s in range(p):
+        if s != me:
+            for n in sizes:
+                got = comm.recv(s)
+                if not torch.equal(got, payload(s, me, n)):
+                    bad.append(("burst", s, n, got.numel()))
+    for h in handles:
+        h.wait()
+    parts = [payload(me, d, sizes[(me + d) % len(sizes)]) for d in range(p)]
+    for s, got in enumerate(comm.alltoallv(parts)):
+        if not torch.equal(got, payload(s, me, sizes[(s + me) % len(sizes)])):
+            bad.append(("alltoallv", s, got.numel()))
+    return bad

@@ -99,3 +99,10 @@ def test_launcher_reports_the_failing_rank_with_its_traceback() -> None:
     with pytest.raises(ProcessFailedError, match="rank 1 raised KeyError") as info:
         run_processes(2, gloo_workers.raises_on_rank_one, timeout=20, deadline=60)
     assert info.value.rank == 1 and "deliberate failure" in str(info.value)
+
+
+def test_messages_of_every_size_around_the_eager_boundary() -> None:
+    # one message for payloads up to EAGER_BYTES - 8 bytes, two beyond: sizes on
+    # either side of the boundary, empty and large, in a ring, in bursts on one
+    # tag and in an alltoallv, arrive whole and in order
+    assert run_processes(3, gloo_workers.message_sizes, timeout=60) == [[], [], []]

@@ -1,8 +1,16 @@
 """torch.distributed backend: gloo with CPU tensors, NCCL with CUDA tensors.
 
-Unknown-size messages use a two-message protocol: an int64 length, then the
-payload (skipped when empty). Messages between one pair of ranks are matched in
-order, so a collective's steps never mix.
+Messages of unknown size, on CPU backends (gloo), use an eager protocol: the
+receiver posts a buffer of ``EAGER_BYTES`` at once; the first message carries an
+int64 length and up to ``EAGER_BYTES - 8`` payload bytes, and only a longer
+payload's remainder follows in a second message, received straight into the
+result. A small message is then one message and one wait instead of two
+(a length, then the payload the receiver can only post once it knows the
+length): on an oversubscribed host each wait costs a scheduling delay, and the
+collectives' small headers and sparse pieces are mostly small. NCCL needs
+matching sizes, so there the length always travels alone, then the payload
+(skipped when empty). Messages between one pair of ranks are matched in order,
+so a collective's steps never mix.
 
 Timeouts: every wait is bounded by the communicator's ``timeout``. A peer that
 does not answer raises :class:`~sparcml.errors.CommTimeoutError` naming it; a
@@ -32,7 +40,10 @@ from ..errors import CommError, CommTimeoutError, PeerFailedError
 from .base import Communicator, Handle
 from .faults import StoreFaults, agent_store, make_error, store_client
 
-__all__ = ["TorchDistCommunicator"]
+__all__ = ["EAGER_BYTES", "TorchDistCommunicator"]
+
+EAGER_BYTES = 64 * 1024
+"""Size of the first message of the eager protocol (length word included)."""
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -101,6 +112,8 @@ class TorchDistCommunicator(Communicator):
             )
         self.device = torch.device(device)
         self._td = datetime.timedelta(seconds=self.timeout)
+        # a receive may be posted larger than the message on CPU backends, not on NCCL
+        self._eager = backend != "nccl" and self.device.type == "cpu"
         self._faults: StoreFaults | None = None
         _live.add(self)
 
@@ -197,13 +210,22 @@ class TorchDistCommunicator(Communicator):
 
     def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
         buf = buf.to(self.device)
-        n = torch.tensor([buf.numel()], dtype=torch.int64, device=self.device)
         gdst = self._global(dst)
         self.stats.control_bytes += 8
+        size = buf.numel()
+        if self._eager:
+            inline = min(size, EAGER_BYTES - 8)
+            first = torch.empty(8 + inline, dtype=torch.uint8, device=self.device)
+            first[:8].view(torch.int64).fill_(size)
+            first[8:].copy_(buf[:inline])
+            rest = buf[inline:] if size > inline else None
+        else:
+            first = torch.tensor([size], dtype=torch.int64, device=self.device)
+            rest = buf if size else None
         try:
-            works = [dist.isend(n, gdst, group=self.group, tag=tag)]
-            if buf.numel():
-                works.append(dist.isend(buf, gdst, group=self.group, tag=tag))
+            works = [dist.isend(first, gdst, group=self.group, tag=tag)]
+            if rest is not None:
+                works.append(dist.isend(rest, gdst, group=self.group, tag=tag))
         except Exception as e:
             raise self._fail(e, dst, "send") from e
 
@@ -211,31 +233,39 @@ class TorchDistCommunicator(Communicator):
             for w in works:
                 self._wait(w, dst, "send")
             del works[:]
-            _ = (n, buf)  # the closure keeps the tensors alive until the sends finish
+            _ = (first, rest)  # the closure keeps the tensors alive until the sends finish
 
         return Handle(wait)
 
     def _irecv(self, src: int, tag: int) -> Handle:
-        n = torch.empty(1, dtype=torch.int64, device=self.device)
+        eager = self._eager
+        head = torch.empty(
+            EAGER_BYTES if eager else 1,
+            dtype=torch.uint8 if eager else torch.int64,
+            device=self.device,
+        )
         gsrc = self._global(src)
         self.stats.control_bytes += 8
         try:
-            first = dist.irecv(n, gsrc, group=self.group, tag=tag)
+            first = dist.irecv(head, gsrc, group=self.group, tag=tag)
         except Exception as e:
             raise self._fail(e, src, "recv") from e
 
         def wait() -> torch.Tensor:
             self._wait(first, src, "recv")
-            size = int(n.item())
+            size = int((head[:8].view(torch.int64) if eager else head).item())
             if size < 0:
                 raise CommError(f"rank {self.rank}: rank {src} announced a negative length")
+            inline = min(size, EAGER_BYTES - 8) if eager else 0
+            if size == inline:
+                return head[8 : 8 + size]
             out = torch.empty(size, dtype=torch.uint8, device=self.device)
-            if size:
-                try:
-                    work = dist.irecv(out, gsrc, group=self.group, tag=tag)
-                except Exception as e:
-                    raise self._fail(e, src, "recv") from e
-                self._wait(work, src, "recv")
+            out[:inline].copy_(head[8 : 8 + inline])
+            try:
+                work = dist.irecv(out[inline:], gsrc, group=self.group, tag=tag)
+            except Exception as e:
+                raise self._fail(e, src, "recv") from e
+            self._wait(work, src, "recv")
             return out
 
         return Handle(wait)
