@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..comm import Communicator, resolve
+from ..errors import WireFormatError
 from ..stream import SparseStream
 from ._common import split_and_reduce, split_cost
 from .codec import EXACT, StreamCodec
@@ -62,7 +63,9 @@ def dsar_split_allgather(
         stream: this rank's vector (same size and dtype on every rank).
         comm: the communicator (default: the default process group, or a world of one).
         codec: with a quantizer, phase 3 sends each reduced range quantized (SparCML
-            sec. 6) and every rank, the owner included, uses the dequantized ranges.
+            sec. 6) and every rank, the owner included, uses the dequantized ranges
+            (the payloads padded to the largest, so the backend's allgather carries
+            them).
 
     Returns:
         The sum as a dense stream, on ``stream``'s device.
@@ -75,11 +78,22 @@ def dsar_split_allgather(
     mine, bounds, _ = split_and_reduce(stream, comm, codec)
     widths = [bounds[j + 1] - bounds[j] for j in range(p)]
     if codec.quantizes_sums:
-        # Step 3, quantized: allgather of variable-size payloads, all decoded alike.
-        payloads = comm.allgatherv(codec.encode_dense(mine.to_dense()))
+        # Step 3, quantized: every range's payload size follows from its width (the
+        # quantizer's format), so the backend's allgather of payloads padded to the
+        # largest does it in one collective; every rank decodes the same bytes.
+        assert codec.quantizer is not None
+        sizes = [codec.quantizer.expected_nbytes(w) for w in widths]
+        payload = codec.encode_dense(mine.to_dense())
+        if payload.numel() != sizes[comm.rank]:
+            raise WireFormatError(
+                f"{codec.quantizer.name}: a payload of {payload.numel()} bytes for "
+                f"{widths[comm.rank]} values, its format says {sizes[comm.rank]}"
+            )
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=payload.device)
+        padded[: payload.numel()] = payload
         ranges = [
-            codec.decode_dense(buf, w, stream.dtype, stream.device)
-            for buf, w in zip(payloads, widths, strict=True)
+            codec.decode_dense(buf[:size], w, stream.dtype, stream.device)
+            for buf, size, w in zip(comm.allgather(padded), sizes, widths, strict=True)
         ]
         return SparseStream.dense(torch.cat(ranges))
     width = max(widths)

@@ -40,8 +40,10 @@ class QuantizedConfig(MethodConfig):
 def run(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
     op = state.operator(bucket.key)
     assert isinstance(op, Quantizer)
+    # dense, whatever the gradient's zeros: a quantized value costs a byte or less,
+    # its index would cost two to four more (and a sparse sum a merge)
     total = sparse_allreduce(
-        SparseStream.from_dense(acc),
+        SparseStream.dense(acc),
         state.comm,
         algorithm="dsar_split_allgather",
         quantizer=op,
