@@ -10,12 +10,14 @@ compared with a stated tolerance. Results must be bitwise identical on all ranks
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 
 from inputs import PATTERNS, dense_reference, make_stream
 from sparcml import SparseStream, algorithms, sparse_allgather, sparse_allreduce
+from sparcml.collectives.registry import algorithm_info
 from sparcml.comm import run_ranks
 from sparcml.errors import CommTimeoutError, RankMismatchError
 from sparcml.stream import SUPPORTED_DTYPES
@@ -135,7 +137,7 @@ def test_mismatched_dtype_fails_on_every_rank() -> None:
     assert all("rank 1: torch.float64" in m for m in run_ranks(3, fn))
 
 
-def _named_when_absent(absent: int):  # type: ignore[no-untyped-def]
+def _named_when_absent(absent: int, algorithm: str = "auto"):  # type: ignore[no-untyped-def]
     """A rank function: rank ``absent`` never calls; the others return the peer
     their timeout names."""
 
@@ -143,7 +145,7 @@ def _named_when_absent(absent: int):  # type: ignore[no-untyped-def]
         if comm.rank == absent:
             return None
         try:
-            sparse_allreduce(SparseStream.empty(10), comm)
+            sparse_allreduce(SparseStream.empty(10), comm, algorithm=algorithm)
         except CommTimeoutError as e:
             return e.peer
         return "no error"
@@ -168,6 +170,59 @@ def test_check_takes_log_p_messages_and_names_an_absent_rank_beyond_the_partners
     assert run_ranks(8, count) == [3] * 8
 
     assert run_ranks(4, _named_when_absent(3), timeout=0.3) == [3, 3, 3, None]
+
+
+FIRST_ROUND = [a for a in ALGORITHMS if a != "auto" and algorithm_info(a).header_in_first_round]
+
+
+@pytest.mark.parametrize("algorithm", FIRST_ROUND)
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_an_explicit_split_call_checks_in_its_first_round(algorithm: str, world: int) -> None:
+    """Called by name, a split-phase algorithm sends no message beyond its own (the
+    header rides on the split), returns the same bits as the bare algorithm, and
+    every rank still raises the same error for mismatched dtypes, call_ids and
+    NaN under a quantizer, or names a rank that never calls."""
+    from sparcml.collectives import get_algorithm
+    from sparcml.errors import NonFiniteError
+    from sparcml.wire import encode
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = make_stream("overlap", comm.rank, comm.world_size, 300)
+        comm.stats.reset()
+        bare = get_algorithm(algorithm)(s, comm)
+        bare_msgs = comm.stats.messages_sent
+        comm.stats.reset()
+        got = sparse_allreduce(s, comm, algorithm=algorithm)
+        msgs = comm.stats.messages_sent
+        errors = []
+        cases = [
+            (SparseStream.empty(10, torch.float64 if comm.rank == 1 else torch.float32), {}),
+            (SparseStream.empty(10), {"call_id": 7 if comm.rank == world - 1 else 6}),
+            (
+                SparseStream.dense(torch.full((12,), math.nan if comm.rank == 0 else 1.0)),
+                {"quantizer": "natural", "quantize": "all"},
+            ),
+        ]
+        for case, kw in cases:
+            try:
+                sparse_allreduce(case, comm, algorithm=algorithm, **kw)
+                errors.append("no error")
+            except (RankMismatchError, NonFiniteError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        return msgs, bare_msgs, encode(bare), encode(got), errors
+
+    out = run_ranks(world, fn)
+    for msgs, bare_msgs, bare, got, errors in out:
+        assert msgs == bare_msgs and torch.equal(bare, got)
+        assert torch.equal(got, out[0][3])
+        assert errors == out[0][4]  # the same error on every rank
+    errors = out[0][4]
+    assert errors[0].startswith("RankMismatchError") and "rank 1: torch.float64" in errors[0]
+    assert errors[1].startswith("RankMismatchError") and f"rank {world - 1}: call_id 7" in errors[1]
+    assert errors[2].startswith("NonFiniteError") and "rank(s) [0]" in errors[2]
+    absent = world - 1
+    named = run_ranks(world, _named_when_absent(absent, algorithm), timeout=0.3)
+    assert named == [absent] * (world - 1) + [None]
 
 
 def test_unknown_algorithm_and_wrong_type() -> None:

@@ -9,7 +9,7 @@ import torch
 
 from ..comm import Communicator
 from ..stream import SparseStream
-from .codec import EXACT, StreamCodec
+from .codec import EXACT, HEADER_BYTES, StreamCodec
 
 if TYPE_CHECKING:
     from ..costmodel import CostModel
@@ -94,6 +94,10 @@ def split_and_reduce(
        (zero-length payloads for empty ranges).
     3. Rank ``j`` sums the ``P`` pieces of its range in rank order (deterministic).
 
+    With ``codec.first_round`` (an explicit call of an algorithm registered with
+    ``header_in_first_round``), every message starts with this rank's consistency
+    header, and every rank checks all headers before decoding anything.
+
     Cost: ``(P-1) alpha + [0, k] beta_s`` (``T_split``).
 
     Returns:
@@ -101,16 +105,24 @@ def split_and_reduce(
         this rank sent.
     """
     p, me = comm.world_size, comm.rank
+    first, codec.first_round = codec.first_round, None
     if bounds is None:
         bounds = partition_boundaries(stream.size, p)
     pieces = stream.split(bounds)
+    empty = torch.empty(0, dtype=torch.uint8, device=stream.device)
     payloads = [
-        torch.empty(0, dtype=torch.uint8, device=stream.device)
-        if j == me
-        else encode_or_empty(piece, codec)
+        empty if j == me or (first is not None and first.refuse) else encode_or_empty(piece, codec)
         for j, piece in enumerate(pieces)
     ]
+    sent = sum(pl.numel() for pl in payloads)
+    if first is not None:  # the consistency header in front of every message
+        header = first.header.to(stream.device)
+        payloads = [pl if j == me else torch.cat([header, pl]) for j, pl in enumerate(payloads)]
     received = comm.alltoallv(payloads)
+    if first is not None:
+        # every rank checks every header before using anything: the same error everywhere
+        first.check([first.header if j == me else r[:HEADER_BYTES] for j, r in enumerate(received)])
+        received = [r[HEADER_BYTES:] for r in received]
     width = bounds[me + 1] - bounds[me]
     mine = [
         codec.quantize_own(pieces[me])
@@ -118,4 +130,4 @@ def split_and_reduce(
         else decode_or_empty(received[j], width, stream.dtype, stream.device, codec)
         for j in range(p)
     ]
-    return SparseStream.sum(mine), bounds, sum(pl.numel() for pl in payloads)
+    return SparseStream.sum(mine), bounds, sent

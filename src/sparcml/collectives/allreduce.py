@@ -9,6 +9,13 @@ instead of hanging or corrupting data, and gives ``algorithm="auto"`` the
 observed nnz of every rank for the cost model
 (:mod:`sparcml.costmodel`). The choice is computed from the same gathered numbers
 on every rank, so all ranks pick the same algorithm.
+
+An explicit ``algorithm=`` whose first round is a message to every peer (the
+split phase: registered with ``header_in_first_round``) carries the header in
+that round instead (:class:`~sparcml.collectives.codec.FirstRound`): every rank
+checks every header before it uses anything received, so the errors are the
+same, and the call costs no rounds beyond the algorithm's own. (This goes
+beyond the papers, which assume matching calls.)
 """
 
 from __future__ import annotations
@@ -28,10 +35,17 @@ from ..stream import SparseStream
 from ..wire import code_dtype, dtype_code
 from ._common import largest_power_of_two
 from .autotune import AutoClass, auto_choices, auto_mode, run_auto
-from .codec import StreamCodec
-from .registry import algorithms, check_options, choose, get_algorithm
+from .codec import HEADER_BYTES, FirstRound, StreamCodec
+from .registry import algorithm_info, algorithms, check_options, choose, get_algorithm
 
-__all__ = ["check_consistent", "choose_algorithm", "gather_headers", "sparse_allreduce"]
+__all__ = [
+    "check_consistent",
+    "check_headers",
+    "choose_algorithm",
+    "consistency_header",
+    "gather_headers",
+    "sparse_allreduce",
+]
 
 log = logging.getLogger("sparcml")
 
@@ -95,57 +109,33 @@ def gather_headers(header: torch.Tensor, comm: Communicator) -> list[torch.Tenso
     return [h for h in out if h is not None]
 
 
-def check_consistent(
+def consistency_header(
     stream: SparseStream,
-    comm: Communicator,
-    *,
-    sequence: int | None = None,
+    sequence: int,
     call_id: int | None = None,
     lossy: bool = False,
-) -> list[int]:
-    """Check that every rank passes the same size and dtype; return every rank's nnz.
-
-    The ranks gather every rank's (size, dtype, nnz, call number, ``call_id``, NaN
-    flag), 24 bytes, by recursive doubling (:func:`gather_headers`, ``log2 P``
-    messages per rank) on communicators that agree on the failed rank, else
-    straight from every peer (``P-1`` messages); either way a rank that is dead or
-    not calling the collective is named by every peer's error, not just by a
-    neighbour's.
-
-    Args:
-        sequence: this call's number on the communicator (default: the next one,
-            :meth:`~sparcml.comm.Communicator.next_sequence`). Ranks whose counts
-            differ have made a different number of calls.
-        call_id: the caller's own number for the call (e.g. the training step): a
-            rank that skipped one call and made an extra one later keeps the same
-            count, but not the same ``call_id``.
-        lossy: values will be quantized: NaN/Inf on any rank is refused on every rank.
-
-    Raises:
-        RankMismatchError: on every rank, naming the ranks that differ.
-        NonFiniteError: ``lossy`` and a rank holds NaN/Inf values (on every rank).
-        CommTimeoutError / PeerFailedError: naming a rank that did not answer.
-    """
-    seq = comm.next_sequence() if sequence is None else sequence
+) -> tuple[torch.Tensor, bool]:
+    """This rank's 24-byte header for :func:`check_consistent` and whether its values
+    hold NaN/Inf that a quantizer must refuse (``lossy``)."""
     bad = lossy and stream.values.numel() > 0 and not bool(torch.isfinite(stream.values).all())
     # three words: size, (NaN flag << 56 | dtype << 48 | nnz), (call_id << 32 | call
     # number), the last two modulo 2^32 (no call_id: all ones)
     packed = (int(bad) << 56) | (dtype_code(stream.dtype) << 48) | stream.nnz
     cid = _MASK32 if call_id is None else call_id & _MASK32
-    calls = (cid << 32) | (seq & _MASK32)
+    calls = (cid << 32) | (sequence & _MASK32)
     meta = torch.tensor(
         [stream.size, packed, calls - (1 << 64) if calls >= 1 << 63 else calls],
         dtype=torch.int64,
     )
-    payload = as_bytes(meta)
-    with comm.control():
-        if comm.agrees_on_failures:
-            got = gather_headers(payload, comm)
-        else:
-            got = comm.alltoallv([payload] * comm.world_size)
+    return as_bytes(meta), bad
+
+
+def check_headers(got: list[torch.Tensor]) -> list[int]:
+    """Every rank's nnz from every rank's header (rank order), or the error every rank
+    raises alike (they all hold the same headers); see :func:`check_consistent`."""
     rows = []
     for r, buf in enumerate(got):
-        if buf.numel() != payload.numel():
+        if buf.numel() != HEADER_BYTES:
             raise RankMismatchError(
                 f"rank {r} sent a malformed header ({buf.numel()} bytes): is it running "
                 "the same collective and sparcml version?"
@@ -183,6 +173,48 @@ def check_consistent(
     return [r[2] for r in rows]
 
 
+def check_consistent(
+    stream: SparseStream,
+    comm: Communicator,
+    *,
+    sequence: int | None = None,
+    call_id: int | None = None,
+    lossy: bool = False,
+) -> list[int]:
+    """Check that every rank passes the same size and dtype; return every rank's nnz.
+
+    The ranks gather every rank's (size, dtype, nnz, call number, ``call_id``, NaN
+    flag), 24 bytes, by recursive doubling (:func:`gather_headers`, ``log2 P``
+    messages per rank) on communicators that agree on the failed rank, else
+    straight from every peer (``P-1`` messages); either way a rank that is dead or
+    not calling the collective is named by every peer's error, not just by a
+    neighbour's. (Algorithms whose first round is a message to every peer carry
+    the header in it instead: :class:`~sparcml.collectives.codec.FirstRound`.)
+
+    Args:
+        sequence: this call's number on the communicator (default: the next one,
+            :meth:`~sparcml.comm.Communicator.next_sequence`). Ranks whose counts
+            differ have made a different number of calls.
+        call_id: the caller's own number for the call (e.g. the training step): a
+            rank that skipped one call and made an extra one later keeps the same
+            count, but not the same ``call_id``.
+        lossy: values will be quantized: NaN/Inf on any rank is refused on every rank.
+
+    Raises:
+        RankMismatchError: on every rank, naming the ranks that differ.
+        NonFiniteError: ``lossy`` and a rank holds NaN/Inf values (on every rank).
+        CommTimeoutError / PeerFailedError: naming a rank that did not answer.
+    """
+    seq = comm.next_sequence() if sequence is None else sequence
+    payload, _ = consistency_header(stream, seq, call_id, lossy)
+    with comm.control():
+        if comm.agrees_on_failures:
+            got = gather_headers(payload, comm)
+        else:
+            got = comm.alltoallv([payload] * comm.world_size)
+    return check_headers(got)
+
+
 def choose_algorithm(
     stream: SparseStream,
     comm: Communicator,
@@ -218,6 +250,14 @@ def _run(
     call_id: int | None = None,
 ) -> SparseStream:
     codec = codec.with_call(comm.next_sequence(), comm.rank)
+    if algorithm != "auto":
+        info = algorithm_info(algorithm)
+        if info.header_in_first_round and comm.world_size > 1:
+            # the header travels in the algorithm's first round, a message to every
+            # peer, and is checked before anything received is used: no rounds of its own
+            header, refuse = consistency_header(stream, codec.sequence, call_id, codec.lossy)
+            codec.first_round = FirstRound(header, refuse, check_headers)
+            return info.fn(stream, comm, codec, **options)
     ks = check_consistent(stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy)
     if algorithm != "auto":
         return get_algorithm(algorithm)(stream, comm, codec, **options)

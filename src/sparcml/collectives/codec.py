@@ -33,8 +33,9 @@ results are handed on exactly (:meth:`encode_exact`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -44,13 +45,36 @@ from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import decode, decode_concat, encode
 
-__all__ = ["EXACT", "QUANTIZE_MODES", "StreamCodec"]
+__all__ = ["EXACT", "HEADER_BYTES", "QUANTIZE_MODES", "FirstRound", "StreamCodec"]
+
+HEADER_BYTES = 24
+"""Size of a rank's consistency header (:func:`~sparcml.collectives.check_consistent`)."""
 
 QUANTIZE_MODES = ("dense", "contributions", "all")
 
 # The base of the own-generator seeds of quantizers built with seed=None: random
 # per process, so such runs are not reproducible but still independent across ranks.
 _PROCESS_SEED = int.from_bytes(os.urandom(8), "little") >> 1
+
+
+@dataclasses.dataclass
+class FirstRound:
+    """The consistency header carried by an algorithm's first round.
+
+    ``sparse_allreduce`` hands this to algorithms registered with
+    ``header_in_first_round`` (their first round is a message to every peer: the
+    split phase). :func:`~sparcml.collectives._common.split_and_reduce` then puts
+    ``header`` in front of each message, and ``check`` runs on every rank's header
+    before anything received is used, so every rank raises the same error for
+    mismatched calls, as the separate exchange would, without its ``log2 P``
+    rounds. With ``refuse`` (this rank holds NaN/Inf and a quantizer is set) the
+    messages carry the header alone, and ``check`` raises
+    :class:`~sparcml.errors.NonFiniteError` on every rank.
+    """
+
+    header: torch.Tensor
+    refuse: bool
+    check: Callable[[list[torch.Tensor]], list[int]]
 
 
 class StreamCodec:
@@ -89,6 +113,9 @@ class StreamCodec:
         self.sequence = sequence  # the collective call's number, equal on every rank
         self.rank = rank
         self._own_gen: torch.Generator | None = None
+        # this call's consistency header, when the first round carries it (taken by
+        # split_and_reduce)
+        self.first_round: FirstRound | None = None
 
     def with_call(self, sequence: int, rank: int) -> StreamCodec:
         """The same policy for one collective call: its number and this rank."""

@@ -53,7 +53,14 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
     )
 
 
-@register("dsar_split_allgather", auto=True, cost=cost, quadratic=True, auto_priority=2)
+@register(
+    "dsar_split_allgather",
+    auto=True,
+    cost=cost,
+    quadratic=True,
+    auto_priority=2,
+    header_in_first_round=True,
+)
 def dsar_split_allgather(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:

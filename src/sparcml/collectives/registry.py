@@ -32,6 +32,11 @@ Facts (:class:`AlgorithmInfo`):
   pieces or decodes ``P`` messages), so the simulator caps ``P`` for it;
 * ``family``: ``"sparcml"`` (SparCML's sparse allreduce) and/or ``"topk"``
   (Ok-Topk's comparison: dense, TopkA, TopkDSA, gTopk, Gaussiank, Ok-Topk);
+* ``header_in_first_round``: its first round (at ``P > 1``) is
+  :func:`~sparcml.collectives._common.split_and_reduce`, a message to every peer,
+  which then carries the call's consistency header; an explicit
+  ``algorithm=`` call skips the header's own exchange (``log2 P`` rounds).
+  ``auto`` still exchanges headers first: its choice needs every rank's nnz;
 * ``options``: the keyword options it takes (``k``, ``state``), from its signature.
 """
 
@@ -81,6 +86,7 @@ class AlgorithmInfo:
     family: frozenset[str] = frozenset({"sparcml"})
     alias_of: str | None = None
     auto_priority: int = 0
+    header_in_first_round: bool = False
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -107,13 +113,14 @@ def register(
     quadratic: bool = False,
     family: Sequence[str] = ("sparcml",),
     auto_priority: int = 0,
+    header_in_first_round: bool = False,
 ) -> Callable[[F], F]:
     """Decorator adding an allreduce algorithm to the registry under ``name``.
 
     Args:
         name: the ``algorithm=`` name.
-        exact, input, auto, cost, quadratic, family, auto_priority: the facts of
-            :class:`AlgorithmInfo` (module docstring).
+        exact, input, auto, cost, quadratic, family, auto_priority,
+            header_in_first_round: the facts of :class:`AlgorithmInfo` (module docstring).
 
     Raises:
         ValueError: the name is taken by another function, or a fact is invalid.
@@ -132,8 +139,9 @@ def register(
             raise ValueError(f"an allreduce algorithm named {name!r} is already registered")
         alias = next((i.name for i in _REGISTRY.values() if i.fn is fn and i.name != name), None)
         _REGISTRY[name] = AlgorithmInfo(
-            name, fn, exact, input, auto, cost, quadratic, frozenset(family), alias, auto_priority
-        )
+            name, fn, exact, input, auto, cost, quadratic, frozenset(family), alias,
+            auto_priority, header_in_first_round,
+        )  # fmt: skip
         return fn
 
     return deco

@@ -50,7 +50,14 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
     return t + model.gamma * fill
 
 
-@register("ssar_split_allgather", auto=True, cost=cost, quadratic=True, auto_priority=1)
+@register(
+    "ssar_split_allgather",
+    auto=True,
+    cost=cost,
+    quadratic=True,
+    auto_priority=1,
+    header_in_first_round=True,
+)
 def ssar_split_allgather(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:
