@@ -27,43 +27,22 @@ One implementation per device:
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
 __all__ = ["above_positions", "merge_positions", "merge_sum", "warm_kernels", "widen_increasing"]
 
-_lock = threading.Lock()
-_kernels: dict[str, Callable[..., Any]] = {}
 
-
-def _compiled() -> dict[str, Callable[..., Any]]:
+def _compiled() -> ModuleType:
     """The library's compiled CPU kernels (merges, index widening, the threshold scan of
     :func:`sparcml.compress.selection.select_above`): :mod:`sparcml.cpu_kernels`,
-    imported on first use (numba compiles them once and caches them on disk)."""
-    if _kernels:
-        return _kernels
-    with _lock:
-        if not _kernels:
-            # numba: a declared dependency, imported lazily (a moment to load)
-            from .cpu_kernels import (
-                above_positions,
-                merge2,
-                merge_bitmap,
-                merge_k,
-                widen_increasing,
-            )
+    imported on first use (numba, a declared dependency, takes a moment to load;
+    it compiles the kernels once and caches them on disk)."""
+    import sparcml.cpu_kernels
 
-            _kernels.update(
-                above_positions=above_positions,
-                merge2=merge2,
-                merge_k=merge_k,
-                merge_bitmap=merge_bitmap,
-                widen_increasing=widen_increasing,
-            )
-    return _kernels
+    return sparcml.cpu_kernels
 
 
 def warm_kernels() -> None:
@@ -115,7 +94,7 @@ def merge_positions(runs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.T
     union = torch.empty(total, dtype=torch.int64)
     runs = [r.contiguous() for r in runs]
     if len(runs) == 2:
-        n = k["merge2"](runs[0].numpy(), runs[1].numpy(), pos.numpy(), union.numpy())
+        n = k.merge2(runs[0].numpy(), runs[1].numpy(), pos.numpy(), union.numpy())
     else:
         cat = torch.cat(runs)
         full = [r for r in runs if r.numel()]
@@ -123,10 +102,10 @@ def merge_positions(runs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.T
         width = max(int(r[-1]) for r in full) - lo + 1 if full else 0
         if width <= 64 * total:
             # a bitmap of the covered span (at most one word per input entry)
-            n = k["merge_bitmap"](cat.numpy(), lo, width, pos.numpy(), union.numpy())
+            n = k.merge_bitmap(cat.numpy(), lo, width, pos.numpy(), union.numpy())
         else:
             offsets = torch.tensor([0, *(r.numel() for r in runs)], dtype=torch.int64).cumsum(0)
-            n = k["merge_k"](cat.numpy(), offsets.numpy(), pos.numpy(), union.numpy())
+            n = k.merge_k(cat.numpy(), offsets.numpy(), pos.numpy(), union.numpy())
     return union[:n], pos
 
 
@@ -156,7 +135,7 @@ def widen_increasing(
     words = words.view(_SIGNED[c])
     if words.device.type == "cpu":
         return int(
-            _compiled()["widen_increasing"](words.numpy(), _MASKS[c], out.numpy(), offset, size)
+            _compiled().widen_increasing(words.numpy(), _MASKS[c], out.numpy(), offset, size)
         )
     wide = words.to(torch.int64)
     if c < 8:
@@ -176,7 +155,7 @@ def above_positions(words: torch.Tensor, mask: int, tb: int, offset: int, out: t
     written into ``out`` (int64, as long as ``words``), in one compiled pass; returns
     how many. The threshold scan of :func:`sparcml.compress.selection.select_above`
     on IEEE bit patterns (``mask`` drops the sign bit)."""
-    return int(_compiled()["above_positions"](words.numpy(), mask, tb, offset, out.numpy()))
+    return int(_compiled().above_positions(words.numpy(), mask, tb, offset, out.numpy()))
 
 
 def merge_sum(

@@ -257,10 +257,12 @@ def _run(
             # peer, and is checked before anything received is used: no rounds of its own
             header, refuse = consistency_header(stream, codec.sequence, call_id, codec.lossy)
             codec.first_round = FirstRound(header, refuse, check_headers)
-            return info.fn(stream, comm, codec, **options)
+        else:
+            check_consistent(
+                stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy
+            )
+        return info.fn(stream, comm, codec, **options)
     ks = check_consistent(stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy)
-    if algorithm != "auto":
-        return get_algorithm(algorithm)(stream, comm, codec, **options)
 
     def run(name: str) -> SparseStream:
         return get_algorithm(name)(stream, comm, codec)

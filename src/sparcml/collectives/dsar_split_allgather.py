@@ -96,8 +96,10 @@ def dsar_split_allgather(
                 f"{codec.quantizer.name}: a payload of {payload.numel()} bytes for "
                 f"{widths[comm.rank]} values, its format says {sizes[comm.rank]}"
             )
-        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=payload.device)
-        padded[: payload.numel()] = payload
+        padded = payload
+        if payload.numel() < max(sizes):
+            padded = torch.zeros(max(sizes), dtype=torch.uint8, device=payload.device)
+            padded[: payload.numel()] = payload
         ranges = [
             codec.decode_dense(buf[:size], w, stream.dtype, stream.device)
             for buf, size, w in zip(comm.allgather(padded), sizes, widths, strict=True)
