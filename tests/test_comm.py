@@ -143,3 +143,43 @@ def test_enable_huge_pages_respects_the_environment(monkeypatch: pytest.MonkeyPa
     assert enable_huge_pages() and os.environ[VARIABLE] == "1"
     monkeypatch.setenv(VARIABLE, "0")
     assert not enable_huge_pages() and os.environ[VARIABLE] == "0"
+
+
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_ranks_taking_turns_compute_one_at_a_time_and_get_the_same_results(world: int) -> None:
+    """``take_turns``: a rank computes only while no other does (what bench-local's
+    "alone" column relies on); it hands the CPU on only while waiting for a message."""
+    import threading
+    import time
+
+    guard = threading.Lock()
+    state = {"active": 0, "most": 0}
+
+    def enter() -> None:
+        with guard:
+            state["active"] += 1
+            state["most"] = max(state["most"], state["active"])
+
+    def leave() -> None:
+        with guard:
+            state["active"] -= 1
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        total = comm.rank
+        for step in range(4):
+            enter()
+            time.sleep(0.005)  # work that lets go of the GIL: ranks overlap unless taking turns
+            total = (total * 3 + step) % 251
+            leave()
+            right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
+            if comm.world_size > 1:
+                h = comm.isend(_bytes(1, total), right)
+                total += int(comm.recv(left)[0])
+                h.wait()
+        return total
+
+    free = run_ranks(world, fn)
+    assert (state["most"] > 1) == (world > 1)  # the count sees ranks that overlap
+    state["most"] = 0
+    assert run_ranks(world, fn, take_turns=True) == free
+    assert state["most"] == 1

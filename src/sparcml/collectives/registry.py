@@ -43,6 +43,7 @@ Facts (:class:`AlgorithmInfo`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -165,10 +166,18 @@ def get_algorithm(name: str) -> Algorithm:
     return algorithm_info(name).fn
 
 
+@functools.cache
+def _options_of(fn: Algorithm) -> tuple[str, ...]:
+    """The keyword options ``fn`` takes (its signature is read once, not per call)."""
+    params = inspect.signature(fn).parameters
+    return tuple(p for p in params if p not in ("stream", "comm", "codec"))
+
+
 def check_options(fn: Algorithm, name: str, options: dict[str, object]) -> None:
     """Raise a clear error for options the algorithm does not take."""
-    params = inspect.signature(fn).parameters
-    takes = [p for p in params if p not in ("stream", "comm", "codec")]
+    if not options:
+        return
+    takes = _options_of(fn)
     unknown = sorted(set(options) - set(takes))
     if unknown:
         hint = f"it takes {', '.join(takes)}" if takes else "it takes no options"

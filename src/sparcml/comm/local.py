@@ -68,14 +68,23 @@ class MemoryStore:
 class LocalWorld:
     """Mailboxes shared by the in-process ranks of one world."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, take_turns: bool = False) -> None:
         self.world_size = world_size
         self.aborted = threading.Event()
+        # With take_turns, a rank computes only while it holds this lock and lets go
+        # of it while it waits for a message (see run_ranks).
+        self.turn: threading.Lock | None = threading.Lock() if take_turns else None
+        self.turn_threads: set[int] = set()  # the rank threads that take turns
         self.store = MemoryStore()
         self._lock = threading.Lock()
         self._boxes: dict[tuple[int, int, int], queue.SimpleQueue[torch.Tensor]] = defaultdict(
             queue.SimpleQueue
         )
+
+    def my_turn(self) -> threading.Lock | None:
+        """The turn lock if the calling thread holds it (a rank's own thread, not a
+        background engine), else None."""
+        return self.turn if threading.get_ident() in self.turn_threads else None
 
     def box(self, src: int, dst: int, tag: int) -> queue.SimpleQueue[torch.Tensor]:
         with self._lock:
@@ -90,13 +99,23 @@ def wait_for_message(
     tag: int,
     timeout: float,
     poll_s: float = _POLL_S,
+    turn: threading.Lock | None = None,
 ) -> Any:
     """Block on ``box`` until a message arrives, another rank fails, or ``timeout`` passes.
+
+    ``turn``: the world's turn lock (``run_ranks(take_turns=True)``), held by the
+    caller; let go while waiting and taken back before returning.
 
     Raises:
         RankAbortedError: another rank of the world failed.
         CommTimeoutError: nothing came from ``src`` within ``timeout`` seconds.
     """
+    if turn is not None:
+        turn.release()
+        try:
+            return wait_for_message(box, aborted, rank, src, tag, timeout, poll_s)
+        finally:
+            turn.acquire()
     deadline = time.monotonic() + timeout
     while True:
         if aborted.is_set():
@@ -148,9 +167,10 @@ class LocalCommunicator(Communicator):
         box = self.world.box(src, self.rank, tag)
 
         def wait() -> torch.Tensor:
+            turn = self.world.my_turn()
             try:
                 got: torch.Tensor = wait_for_message(
-                    box, self.world.aborted, self.rank, src, tag, self.timeout
+                    box, self.world.aborted, self.rank, src, tag, self.timeout, turn=turn
                 )
             except (CommTimeoutError, RankAbortedError) as e:
                 raise self._fail(e, src) from e
@@ -159,7 +179,13 @@ class LocalCommunicator(Communicator):
         return Handle(wait)
 
 
-def run_ranks(world_size: int, fn: Callable[..., T], *args: Any, timeout: float = 30.0) -> list[T]:
+def run_ranks(
+    world_size: int,
+    fn: Callable[..., T],
+    *args: Any,
+    timeout: float = 30.0,
+    take_turns: bool = False,
+) -> list[T]:
     """Run ``fn(comm, *args)`` on ``world_size`` in-process ranks; results in rank order.
 
     Args:
@@ -167,6 +193,11 @@ def run_ranks(world_size: int, fn: Callable[..., T], *args: Any, timeout: float 
         fn: the SPMD function; its first argument is the rank's communicator.
         timeout: seconds a rank waits for a peer before raising
             :class:`~sparcml.errors.CommTimeoutError`.
+        take_turns: at most one rank computes at a time; a rank hands the CPU on
+            only while it waits for a message. A rank's thread CPU time then
+            measures its own work as if it had a core to itself (no cache, GIL
+            or scheduler contention from the other ranks): what ``sparcml
+            bench-local`` reports as "alone". Results are the same either way.
 
     Raises:
         The first exception raised by any rank (with a note naming the rank);
@@ -178,13 +209,16 @@ def run_ranks(world_size: int, fn: Callable[..., T], *args: Any, timeout: float 
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    world = LocalWorld(world_size)
+    world = LocalWorld(world_size, take_turns)
     comms = [LocalCommunicator(world, r, timeout) for r in range(world_size)]
     results: list[Any] = [None] * world_size
     errors: list[tuple[float, int, BaseException]] = []
     lock = threading.Lock()
 
     def body(r: int) -> None:
+        if world.turn is not None:
+            world.turn.acquire()
+            world.turn_threads.add(threading.get_ident())
         try:
             results[r] = fn(comms[r], *args)
         except BaseException as e:
@@ -193,6 +227,8 @@ def run_ranks(world_size: int, fn: Callable[..., T], *args: Any, timeout: float 
             world.aborted.set()
         finally:
             comms[r].close()
+            if world.turn is not None:
+                world.turn.release()
 
     threads = [
         threading.Thread(target=body, args=(r,), name=f"sparcml-rank-{r}", daemon=True)

@@ -12,7 +12,11 @@ Two tables, measured in one process with one torch thread:
   (:func:`sparcml.comm.run_ranks`), uniform independent indices on every rank
   (the papers' setting), next to the memory-traffic bound of the bytes one
   rank must touch: its own pairs, the messages it writes and reads, the
-  partial sums and the result (``rank_bound_bytes``).
+  partial sums and the result (``rank_bound_bytes``). Measured twice: with the
+  ranks running together (``shared``: ``P`` threads on this machine's cores,
+  so cache, GIL and scheduler contention inflate every rank's CPU time) and
+  with the ranks taking turns (``alone``: ``run_ranks(take_turns=True)``, one
+  rank computes at a time, as each would on a core of its own in a cluster).
 
 Timings are medians over ``reps`` calls (per rank, then the median and the
 maximum over ranks); the machine's other load shows in the spread.
@@ -163,18 +167,21 @@ def collective_rows(
 
     def body(comm: Communicator, algorithm: str) -> tuple[list[float], int]:
         mine = streams[comm.rank]
-        out = sparse_allreduce(mine, comm, algorithm=algorithm)  # warm-up
+        nnz = sparse_allreduce(mine, comm, algorithm=algorithm).nnz  # warm-up
         times = []
         for _ in range(reps):
             t0 = time.thread_time()
             out = sparse_allreduce(mine, comm, algorithm=algorithm)
             times.append(time.thread_time() - t0)
-        return times, out.nnz
+            del out  # as a training step does: the result is used, then freed
+        return times, nnz
 
     rows = []
     for algorithm in algorithms:
         got = run_ranks(p, body, algorithm, timeout=600.0)
         per_rank = [statistics.median(t) * 1e3 for t, _ in got]
+        alone = run_ranks(p, body, algorithm, timeout=600.0, take_turns=True)
+        per_rank_alone = [statistics.median(t) * 1e3 for t, _ in alone]
         nnz = got[0][1]
         nbytes = _rank_bound_bytes(algorithm, n, p, k, nnz)
         rows.append(
@@ -186,6 +193,8 @@ def collective_rows(
                 "result_nnz": nnz,
                 "cpu_ms_median": statistics.median(per_rank),
                 "cpu_ms_max": max(per_rank),
+                "alone_cpu_ms_median": statistics.median(per_rank_alone),
+                "alone_cpu_ms_max": max(per_rank_alone),
                 "rank_bound_bytes": nbytes,
                 "bound_ms": nbytes / bw * 1e3,
             }
