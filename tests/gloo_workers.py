@@ -164,3 +164,72 @@ def message_sizes(comm):  # type: ignore[no-untyped-def]
         if not torch.equal(got, payload(s, me, sizes[(s + me) % len(sizes)])):
             bad.append(("alltoallv", s, got.numel()))
     return bad
+
+
+def allgather_sizes(comm):  # type: ignore[no-untyped-def]
+    """``comm.allgather`` on both sides of the direct (all-to-all) threshold, every
+    dtype, shapes and strides, and on a sub-group: what went wrong, and the bytes
+    counted for one piece of each way."""
+    import torch.distributed as dist
+
+    from sparcml.comm import TorchDistCommunicator
+    from sparcml.comm.torchdist import DIRECT_ALLGATHER_BYTES
+
+    def piece(r: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        t = (torch.arange(n, dtype=torch.int64) * (r + 3) + n) % 97
+        return (t % 2).bool() if dtype == torch.bool else t.to(dtype)
+
+    direct = []  # which calls took the all-to-all
+    a2a = dist.all_to_all_single
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        direct.append(args[0].numel() // comm.world_size)
+        return a2a(*args, **kwargs)
+
+    dist.all_to_all_single = counting  # this child process only
+    bad = []
+    counts = {}
+    cases = [
+        (n, torch.uint8) for n in (0, 1, 7, DIRECT_ALLGATHER_BYTES, DIRECT_ALLGATHER_BYTES + 1)
+    ]
+    cases += [
+        (5, d) for d in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool)
+    ]
+    cases += [(DIRECT_ALLGATHER_BYTES // 8 + 1, torch.float64)]
+    for n, dtype in cases:
+        comm.stats.reset()
+        got = comm.allgather(piece(comm.rank, n, dtype))
+        counts[(n, str(dtype))] = (comm.stats.bytes_sent, len(direct))
+        for r, g in enumerate(got):
+            if g.dtype != dtype or not torch.equal(g, piece(r, n, dtype)):
+                bad.append(("flat", n, str(dtype), r))
+    # a 2-D strided input keeps its shape; a one-element view with an odd stride
+    m = torch.arange(60, dtype=torch.float32).view(6, 10) * (comm.rank + 1)
+    for r, g in enumerate(comm.allgather(m[:, ::3])):
+        if g.shape != (6, 4) or not torch.equal(
+            g, (torch.arange(60.0).view(6, 10) * (r + 1))[:, ::3]
+        ):
+            bad.append(("strided", r))
+    one = (torch.arange(10.0) + comm.rank)[3::5][:1]
+    if [float(g) for g in comm.allgather(one)] != [3.0 + r for r in range(comm.world_size)]:
+        bad.append(("one-element",))
+    members = list(range(1, comm.world_size))
+    sub = dist.new_group(ranks=members)
+    if comm.rank in members:
+        sc = TorchDistCommunicator(group=sub, timeout=30)
+        got = sc.allgather(torch.tensor([comm.rank], dtype=torch.int64))
+        if [int(g) for g in got] != members:
+            bad.append(("subgroup", [int(g) for g in got]))
+        sc.close()
+    dist.all_to_all_single = a2a
+    return bad, counts
+
+
+def dead_rank_in_allgather(comm, victim):  # type: ignore[no-untyped-def]
+    if comm.rank == victim:
+        os._exit(3)
+    try:
+        comm.allgather(torch.tensor([comm.rank], dtype=torch.int64))
+    except CommError as e:
+        return type(e).__name__, e.peer, str(e)
+    return "no error"

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparcml import compress as C
+from sparcml.compress.base import all_finite
 from sparcml.compress.packing import pack_bits, packed_nbytes, unpack_bits
 from sparcml.errors import WireFormatError
 from sparcml.stream import SUPPORTED_DTYPES
@@ -306,6 +307,26 @@ def test_quantizers_refuse_non_finite_and_handle_empty(name: str) -> None:
     assert bool((op.decompress(p, ctx) == 0).all())
     with pytest.raises(TypeError, match="float32"):
         op.compress(torch.arange(4))
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
+    # the one-reduction check against torch.isfinite(x).all(): each kind of bad
+    # value at each end and in the middle, strided and one-element views, empty,
+    # and finite values whose sum (not their extremes) would overflow
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1001, generator=g).to(dtype)
+    assert all_finite(x) and all_finite(x[::7]) and all_finite(x[:0])
+    big = torch.finfo(dtype).max
+    assert all_finite(torch.tensor([big, big, -big], dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 500, 1000):
+            y = x.clone()
+            y[at] = bad
+            assert not all_finite(y), (bad, at)
+            assert all_finite(y[::3]) == bool(torch.isfinite(y[::3]).all()), (bad, at)
+            assert not all_finite(y[at:][:1].as_strided((1,), (5,)))
+    assert all_finite(torch.arange(5)) and all_finite(torch.zeros(3, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)

@@ -106,3 +106,32 @@ def test_messages_of_every_size_around_the_eager_boundary() -> None:
     # either side of the boundary, empty and large, in a ring, in bursts on one
     # tag and in an alltoallv, arrive whole and in order
     assert run_processes(3, gloo_workers.message_sizes, timeout=60) == [[], [], []]
+
+
+def test_allgather_direct_and_ring_give_every_piece() -> None:
+    # pieces up to DIRECT_ALLGATHER_BYTES travel as one all-to-all, larger ones by
+    # gloo's ring all_gather: both give every rank's piece, in rank order, with its
+    # dtype and shape, and count (P-1) * bytes per rank
+    from sparcml.comm.torchdist import DIRECT_ALLGATHER_BYTES
+
+    out = run_processes(4, gloo_workers.allgather_sizes, timeout=60)
+    big = DIRECT_ALLGATHER_BYTES
+    for bad, counts in out:
+        assert bad == [], bad
+        # (bytes counted for the call, all-to-all calls so far)
+        assert counts[(0, "torch.uint8")] == (0, 0)
+        assert counts[(1, "torch.uint8")] == (3, 1)
+        assert counts[(big, "torch.uint8")] == (3 * big, 3)
+        assert counts[(big + 1, "torch.uint8")] == (3 * (big + 1), 3)  # the ring
+        assert counts[(big // 8 + 1, "torch.float64")][1] == 8  # too large: the ring
+
+
+def test_dead_rank_in_allgather_is_named() -> None:
+    out = run_processes(
+        3, gloo_workers.dead_rank_in_allgather, 2, timeout=10, deadline=60, allow_missing=True
+    )
+    assert out[2] is None
+    for r in (0, 1):
+        name, peer, msg = out[r]
+        assert name in {"PeerFailedError", "CommTimeoutError"}, out[r]
+        assert peer == 2 and "rank 2" in msg, out[r]

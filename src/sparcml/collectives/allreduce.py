@@ -27,7 +27,7 @@ import torch
 
 from ..comm import Communicator, resolve
 from ..comm.engine import Work
-from ..compress.base import Quantizer
+from ..compress.base import Quantizer, all_finite
 from ..costmodel import CostModel
 from ..errors import NonFiniteError, RankMismatchError
 from ..reinterpret import as_bytes, bytes_as
@@ -117,7 +117,7 @@ def consistency_header(
 ) -> tuple[torch.Tensor, bool]:
     """This rank's 24-byte header for :func:`check_consistent` and whether its values
     hold NaN/Inf that a quantizer must refuse (``lossy``)."""
-    bad = lossy and stream.values.numel() > 0 and not bool(torch.isfinite(stream.values).all())
+    bad = lossy and not all_finite(stream.values)
     # three words: size, (NaN flag << 56 | dtype << 48 | nnz), (call_id << 32 | call
     # number), the last two modulo 2^32 (no call_id: all ones)
     packed = (int(bad) << 56) | (dtype_code(stream.dtype) << 48) | stream.nnz

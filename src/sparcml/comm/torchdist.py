@@ -23,6 +23,15 @@ usable (gloo closes the pair): treat it as fatal.
 Dense collectives call torch.distributed's own ``all_reduce``/``all_gather``;
 their bytes are counted as a ring algorithm moves them per rank:
 ``2(P-1)/P * n`` for allreduce and ``(P-1) * n`` for allgather of ``n`` bytes.
+On CPU backends an allgather of at most ``DIRECT_ALLGATHER_BYTES`` per rank is
+one ``all_to_all_single`` of the piece repeated P times instead: every rank
+sends its piece to every other rank directly, one round where gloo's ring
+all_gather waits P - 1 times (the same bytes per rank). On an oversubscribed
+host each wait is a scheduling delay: with 8 gloo processes on 2 cores a 45 KB
+piece took 7.6 ms direct against 16.2 ms by ring; from about 256 KiB the two
+are even and at 8 MiB the ring's pipelining wins (389 vs 269 ms), so larger
+pieces keep ``all_gather`` (``benchmarks/allgather_direct.py``; the table is in
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -37,13 +46,17 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CommError, CommTimeoutError, PeerFailedError
+from ..reinterpret import as_bytes, bytes_as
 from .base import Communicator, Handle
 from .faults import StoreFaults, agent_store, make_error, store_client
 
-__all__ = ["EAGER_BYTES", "TorchDistCommunicator"]
+__all__ = ["DIRECT_ALLGATHER_BYTES", "EAGER_BYTES", "TorchDistCommunicator"]
 
 EAGER_BYTES = 64 * 1024
 """Size of the first message of the eager protocol (length word included)."""
+
+DIRECT_ALLGATHER_BYTES = 256 * 1024
+"""Largest piece per rank that CPU backends allgather directly (one all-to-all)."""
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -289,9 +302,11 @@ class TorchDistCommunicator(Communicator):
     def allgather(self, tensor: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
         src = tensor.detach().to(self.device).contiguous()
         p = self.world_size
+        nbytes = src.numel() * src.element_size()
+        if p > 1 and self._eager and 0 < nbytes <= DIRECT_ALLGATHER_BYTES:
+            return [o.to(tensor.device) for o in self._allgather_direct(src)]
         outs = [torch.empty_like(src) for _ in range(p)]
         if p > 1:
-            nbytes = src.numel() * src.element_size()
             self.stats.bytes_sent += (p - 1) * nbytes
             self.stats.bytes_recv += (p - 1) * nbytes
             try:
@@ -302,6 +317,28 @@ class TorchDistCommunicator(Communicator):
         else:
             outs[0].copy_(src)
         return [o.to(tensor.device) for o in outs]
+
+    def _allgather_direct(self, src: torch.Tensor) -> list[torch.Tensor]:
+        """Allgather as one all-to-all of ``src`` repeated P times (see the module doc).
+
+        The bytes travel as ``uint8`` (any dtype, gloo's all-to-all included) and the
+        pieces come back as views into one received buffer.
+        """
+        p = self.world_size
+        raw = as_bytes(src)
+        nbytes = raw.numel()
+        recv = torch.empty(p * nbytes, dtype=torch.uint8, device=self.device)
+        self.stats.bytes_sent += (p - 1) * nbytes
+        self.stats.bytes_recv += (p - 1) * nbytes
+        try:
+            work = dist.all_to_all_single(recv, raw.repeat(p), group=self.group, async_op=True)
+        except Exception as e:
+            raise self._fail(e, None, "allgather") from e
+        self._wait(work, None, "allgather")
+        return [
+            bytes_as(recv[r * nbytes : (r + 1) * nbytes], src.dtype).view(src.shape)
+            for r in range(p)
+        ]
 
     def barrier(self) -> None:
         self.allreduce(torch.zeros(1, dtype=torch.int32))

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import WireFormatError
 from ._kernels import chunks, exact_bernoulli, scratch
-from .base import Quantizer, check_finite, make_header, read_header, register
+from .base import Quantizer, all_finite, check_finite, make_header, read_header, register
 from .packing import pack_bits_into, packed_nbytes, unpack_bits
 
 __all__ = ["QSGD"]
@@ -101,7 +101,7 @@ class QSGD(Quantizer):
             frac &= 1 << (bits - 1)
             level |= frac
             pack_bits_into(codes, level.view(-1)[: hi - lo], n, lo, bits)
-        if self.check_finite and nb and not bool(torch.isfinite(scales).all()):
+        if self.check_finite and nb and not all_finite(scales):
             check_finite(v, "qsgd")
         return torch.cat(
             [make_header(1, n, flags=bits, device=v.device), scales.view(torch.uint8), codes]

@@ -43,6 +43,7 @@ import torch
 
 from ..collectives import sparse_allreduce
 from ..comm import Communicator
+from ..compress.base import all_finite
 from ..errors import NonFiniteError
 from ..stream import SparseStream
 from .methods import method_spec
@@ -85,11 +86,7 @@ def _sent_and_mask(
 
 def _check_finite(state: SparcmlState, bucket: Bucket, g: torch.Tensor) -> None:
     comm = state.comm
-    bad = [
-        i
-        for i, part in enumerate(g.split(list(bucket.sizes)))
-        if part.numel() and not bool(torch.isfinite(part).all())
-    ]
+    bad = [i for i, part in enumerate(g.split(list(bucket.sizes))) if not all_finite(part)]
     flags = torch.zeros(comm.world_size, dtype=torch.int64)
     flags[comm.rank] = 1 if bad else 0
     flags = comm.allreduce(flags)
@@ -115,7 +112,7 @@ def _dense_for_nonfinite(comm: Communicator, bucket: Bucket, g: torch.Tensor) ->
 
 def _any_nonfinite(state: SparcmlState, g: torch.Tensor) -> bool:
     """Whether any rank's bucket holds NaN/Inf (a collective: every rank gets the answer)."""
-    bad = torch.tensor([0 if bool(torch.isfinite(g).all()) else 1], dtype=torch.int64)
+    bad = torch.tensor([0 if all_finite(g) else 1], dtype=torch.int64)
     return bool(int(state.comm.allreduce(bad)))
 
 
