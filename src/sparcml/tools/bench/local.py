@@ -33,6 +33,7 @@ import torch
 
 from ...collectives import sparse_allreduce
 from ...comm import Communicator, run_ranks
+from ...compress.base import all_finite
 from ...stream import SparseStream, index_bytes
 from ...wire import decode, decode_concat, encode
 
@@ -116,6 +117,19 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
             result.nnz,
             result.nnz * (wire_pair + pair),
             lambda: decode_concat(bufs, [width] * p, torch.float32),
+        ),
+        # the NaN/Inf check of a header under a quantizer, before and after issue 13
+        (
+            "NaN/Inf check of the values: isfinite().all()",
+            result.nnz,
+            result.nnz * isize,
+            lambda: bool(torch.isfinite(result.values).all()),
+        ),
+        (
+            "NaN/Inf check of the values: all_finite",
+            result.nnz,
+            result.nnz * isize,
+            lambda: all_finite(result.values),
         ),
     ]
     rows = []
