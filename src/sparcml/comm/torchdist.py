@@ -28,8 +28,8 @@ one ``all_to_all_single`` of the piece repeated P times instead: every rank
 sends its piece to every other rank directly, one round where gloo's ring
 all_gather waits P - 1 times (the same bytes per rank). On an oversubscribed
 host each wait is a scheduling delay: with 8 gloo processes on 2 cores a 45 KB
-piece took 7.6 ms direct against 16.2 ms by ring; from about 256 KiB the two
-are even and at 8 MiB the ring's pipelining wins (389 vs 269 ms), so larger
+piece took 7.8 ms direct against 14.8 ms by ring; from about 256 KiB the two
+are even and at 8 MiB the ring's pipelining wins (348 vs 237 ms), so larger
 pieces keep ``all_gather`` (``benchmarks/allgather_direct.py``; the table is in
 docs/benchmarks.md).
 """
