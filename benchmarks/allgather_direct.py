@@ -22,16 +22,9 @@ import torch.distributed as dist
 
 from sparcml.comm import torchdist
 from sparcml.comm.launch import run_processes
+from sparcml.tools.cli.common import size_arg
 
 WARMUP = 3
-
-
-def parse_size(s: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = s.strip().upper()
-    if s and s[-1] in mult:
-        return int(float(s[:-1]) * mult[s[-1]])
-    return int(float(s))
 
 
 def _rank(comm: torchdist.TorchDistCommunicator, sizes: list[int], calls: int) -> dict:
@@ -66,7 +59,7 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["1K", "45K", "1M", "8M"])
     ap.add_argument("--calls", type=int, default=20, help="timed calls per way and size")
     args = ap.parse_args()
-    sizes = [parse_size(s) for s in args.sizes]
+    sizes = [size_arg(s) for s in args.sizes]
     print(f"{'P':>3} {'bytes/rank':>11} {'direct ms':>10} {'ring ms':>9} {'ring/direct':>12}")
     for p in args.P:
         per_rank = run_processes(p, _rank, sizes, args.calls, timeout=120.0, deadline=1800.0)

@@ -45,16 +45,9 @@ from mpi4py import MPI  # noqa: E402
 from sparcml.collectives import OkTopkState, sparse_allreduce  # noqa: E402
 from sparcml.comm.mpi import MPICommunicator  # noqa: E402
 from sparcml.stream import SparseStream  # noqa: E402
+from sparcml.tools.cli.common import size_arg  # noqa: E402
 
 ref_settings.logger.setLevel(logging.WARNING)  # their AllReducer logs 'density' per rank
-
-
-def parse_size(s: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = s.strip().upper()
-    if s and s[-1] in mult:
-        return int(float(s[:-1]) * mult[s[-1]])
-    return int(float(s))
 
 
 class Reference:
@@ -131,7 +124,7 @@ def main() -> int:
     )
     ap.add_argument("--reference", help="the CPU-patched copy of their BERT/bert folder")
     ap.add_argument("--pydeps", help="extra import path (scipy) for their code")
-    ap.add_argument("-N", type=parse_size, default=parse_size("4M"))
+    ap.add_argument("-N", type=size_arg, default=size_arg("4M"))
     ap.add_argument("-d", type=float, default=0.01, help="density (k = int(d*N))")
     ap.add_argument("--calls", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
