@@ -309,6 +309,52 @@ def test_quantizers_refuse_non_finite_and_handle_empty(name: str) -> None:
         op.compress(torch.arange(4))
 
 
+def _natural9_by_torch_ops(v: torch.Tensor, seed: int, deterministic: bool):  # type: ignore[no-untyped-def]
+    """The 9-bit payload body and clip count by the torch operations (the CUDA path)."""
+    from sparcml.compress._kernels import chunks
+    from sparcml.compress.natural import natural_round
+    from sparcml.compress.packing import pack_bools
+
+    gen = None if deterministic else torch.Generator().manual_seed(seed)
+    exps, signs, clipped = [], [], 0
+    for lo, hi in chunks(v.numel(), v.device):
+        sign, exp, _, c = natural_round(v[lo:hi], gen, deterministic)
+        exps.append(exp.to(torch.uint8))
+        signs.append(sign.clone())
+        clipped += c
+    n = v.numel()
+    plane = pack_bools(torch.cat(signs)) if n else torch.empty(0, dtype=torch.uint8)
+    return torch.cat([*exps, plane[: (n + 7) // 8]]) if n else plane, clipped
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("n", [0, 1, 7, 9, 1000, (1 << 18) + 13])
+def test_natural9_compiled_cpu_pass_equals_the_torch_ops(n: int, deterministic: bool) -> None:
+    # the CPU's fused pass against the torch operations the CUDA path runs: the
+    # same draws give the same bytes, chunk boundaries included; special values:
+    # zeros of both signs, subnormals, the top binade (clipped), powers of two
+    g = torch.Generator().manual_seed(n)
+    v = torch.randn(n, generator=g) * torch.exp2(torch.randint(-140, 120, (n,), generator=g))
+    special = [0.0, -0.0, 1e-45, -3e-39, 2.0**127 * 1.9, -(2.0**127) * 1.99, 1.0, -0.5]
+    v[: min(n, len(special))] = torch.tensor(special[: min(n, len(special))])
+    q = C.get("natural", deterministic=deterministic, seed=None)
+    payload = q.quantize(v, torch.Generator().manual_seed(7))
+    body, clipped = _natural9_by_torch_ops(v, 7, deterministic)
+    assert torch.equal(payload[16:], body)
+    assert q.clipped == clipped
+    # expected float32 bits as unsigned int64: exponent << 23 | sign << 31
+    sign = (body[n:].repeat_interleave(8)[:n].to(torch.int64) >> torch.arange(n) % 8) & 1
+    want = (body[:n].to(torch.int64) << 23) | (sign << 31)
+    got = q.dequantize(payload, torch.float32, v.device).view(torch.int32).to(torch.int64)
+    assert torch.equal(got & 0xFFFFFFFF, want)
+    # NaN/Inf mapped as documented when not refused: the same bytes either way
+    if n >= 3:
+        v[1], v[2] = float("nan"), float("-inf")
+        q = C.get("natural", deterministic=deterministic, check_finite=False)
+        payload = q.quantize(v, torch.Generator().manual_seed(7))
+        assert torch.equal(payload[16:], _natural9_by_torch_ops(v, 7, deterministic)[0])
+
+
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
 def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
     # the one-reduction check against torch.isfinite(x).all(): each kind of bad

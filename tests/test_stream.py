@@ -225,7 +225,7 @@ _CACHE_PROBE = """
 from sparcml import cpu_kernels as k
 from sparcml.merge import warm_kernels
 warm_kernels()
-names = ["merge2", "merge_k", "merge_bitmap", "widen_increasing", "above_positions"]
+names = k.__all__  # every compiled kernel
 print({n: (sum(getattr(k, n).stats.cache_hits.values()),
            sum(getattr(k, n).stats.cache_misses.values())) for n in names})
 """

@@ -32,7 +32,15 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["above_positions", "merge_positions", "merge_sum", "warm_kernels", "widen_increasing"]
+__all__ = [
+    "above_positions",
+    "merge_positions",
+    "merge_sum",
+    "natural9_decode",
+    "natural9_encode",
+    "warm_kernels",
+    "widen_increasing",
+]
 
 
 def _compiled() -> ModuleType:
@@ -63,6 +71,11 @@ def warm_kernels() -> None:
         widen_increasing(torch.tensor([1, 2], dtype=_SIGNED[c]).view(torch.uint8), c, 4, out)
     for dtype in (torch.int16, torch.int32, torch.int64):
         above_positions(torch.tensor([1, 3], dtype=dtype), -1, 2, 0, out)
+    codes = torch.empty(4, dtype=torch.uint8)
+    for deterministic in (False, True):
+        bits = torch.tensor([1.5, -3.0], dtype=torch.float32).view(torch.int32)
+        natural9_encode(bits, bits, deterministic, codes[:2], codes[2:3])
+    natural9_decode(codes[:2], codes[2:3], torch.empty(2, dtype=torch.int32))
 
 
 def merge_positions(runs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +169,34 @@ def above_positions(words: torch.Tensor, mask: int, tb: int, offset: int, out: t
     how many. The threshold scan of :func:`sparcml.compress.selection.select_above`
     on IEEE bit patterns (``mask`` drops the sign bit)."""
     return int(_compiled().above_positions(words.numpy(), mask, tb, offset, out.numpy()))
+
+
+def natural9_encode(
+    bits: torch.Tensor,
+    rand: torch.Tensor,
+    deterministic: bool,
+    exps: torch.Tensor,
+    plane: torch.Tensor,
+) -> tuple[int, int]:
+    """CPU only: 9-bit natural compression of float32 bit patterns in one compiled pass.
+
+    ``bits`` (int32): the values' IEEE bits; ``rand`` (int32, as long, uniform in
+    ``[0, 2^31)``): the draws of :func:`sparcml.compress._kernels.exact_bernoulli`
+    (ignored when ``deterministic``). Writes the rounded biased exponents into
+    ``exps`` (uint8, as long) and the sign bits into ``plane`` (uint8,
+    ``ceil(n / 8)`` bytes). Returns ``(largest exponent before rounding, number
+    rounded up to 255 and clipped to 254)``. The same bits as the torch path of
+    :meth:`sparcml.compress.natural.NaturalCompression.quantize` given the same draws.
+    """
+    top, clipped = _compiled().natural9_encode(
+        bits.numpy(), rand.numpy(), deterministic, exps.numpy(), plane.numpy()
+    )
+    return int(top), int(clipped)
+
+
+def natural9_decode(exps: torch.Tensor, plane: torch.Tensor, out: torch.Tensor) -> None:
+    """CPU only: the float32 bit patterns (into int32 ``out``) of 9-bit natural codes."""
+    _compiled().natural9_decode(exps.numpy(), plane.numpy(), out.numpy())
 
 
 def merge_sum(

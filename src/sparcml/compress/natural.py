@@ -35,6 +35,16 @@ range values are clipped (biased, counted in ``clipped``).
 
 Natural-compressed values are powers of two: a sum of them is an integer sum of
 shifted ones, which is what an integer-only aggregator exploits (``summable``).
+
+Implementation (beyond the paper): the 9-bit format runs, on CPU tensors, as
+compiled passes per cache-sized chunk (:func:`sparcml.merge.natural9_encode`,
+numba) that read the float32 bits and the chunk's random draws and write the
+exponents and the packed signs, and decodes in one pass the same way; on CUDA
+it runs the torch operations of :func:`natural_round`. Both consume the same
+draws from the generator and give the same bits (tested). ``sparcml
+bench-local -P 8 -N 16M`` on one 2M-value range: quantize 11.0 -> 8.5 ms, of
+which 6.4 ms are the generator's draws (3.1 ns per value, the floor of any
+implementation that draws from a torch generator); dequantize 11.2 -> 1.5 ms.
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import WireFormatError
+from ..merge import natural9_decode, natural9_encode
+from ..reinterpret import dense_1d
 from ._kernels import chunks, exact_bernoulli, scratch
 from .base import Quantizer, check_finite, make_header, read_header, register
 from .packing import pack_bools_into, unpack_bits
@@ -122,7 +134,7 @@ class NaturalCompression(Quantizer):
         self, values: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         n = values.numel()
-        v = values.to(torch.float32).contiguous()
+        v = dense_1d(values.to(torch.float32))
         gen = None if self.deterministic else (generator or self._generator(v.device))
         code = 2 if self.format == 9 else 3
         header = make_header(code, n, device=v.device)
@@ -131,8 +143,19 @@ class NaturalCompression(Quantizer):
             exps, plane = out[:n], out[n:]
         else:
             out = torch.empty(n, dtype=torch.uint8, device=v.device)
+        compiled = self.format == 9 and v.device.type == "cpu"
         for lo, hi in chunks(n, v.device):
-            if self.format == 9:
+            if compiled:  # one fused pass per chunk; the draws as exact_bernoulli's
+                bits = v[lo:hi].view(torch.int32)
+                rand = scratch("bernoulli", hi - lo, torch.int32, v.device)
+                if gen is not None:
+                    rand.random_(generator=gen)
+                top, clipped = natural9_encode(
+                    bits, rand, self.deterministic, exps[lo:hi], plane[lo // 8 : (hi + 7) // 8]
+                )
+                finite = top < 255
+                self.clipped += clipped if finite else 0
+            elif self.format == 9:
                 sign, exp, finite, clipped = natural_round(v[lo:hi], gen, self.deterministic)
                 self.clipped += clipped
                 exps[lo:hi].copy_(exp)
@@ -175,6 +198,10 @@ class NaturalCompression(Quantizer):
         if self.format == 9:
             if body.numel() != n + (n + 7) // 8:
                 raise WireFormatError(f"natural: payload of {body.numel()} bytes for {n} values")
+            if device.type == "cpu":
+                bits = torch.empty(n, dtype=torch.int32)
+                natural9_decode(body[:n], body[n:], bits)
+                return bits.view(torch.float32).to(dtype)
             exp = body[:n].to(torch.int32)
             sign = unpack_bits(body[n:], n, 1)
             bits = (sign << 31) | (exp << 23)

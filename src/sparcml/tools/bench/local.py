@@ -34,6 +34,7 @@ import torch
 from ...collectives import sparse_allreduce
 from ...comm import Communicator, run_ranks
 from ...compress.base import all_finite
+from ...compress.natural import NaturalCompression
 from ...stream import SparseStream, index_bytes
 from ...wire import decode, decode_concat, encode
 
@@ -81,6 +82,11 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
     bufs = [encode(x) for x in parts]
     decoded = [decode(x) for x in bufs]
     result = SparseStream.concat(decoded)
+    nat = NaturalCompression()
+    dense_range = torch.randn(width, generator=torch.Generator().manual_seed(300))
+    nat_payload = nat.quantize(dense_range, torch.Generator().manual_seed(301))
+    draws = torch.empty(width, dtype=torch.int32)
+    nat_gen = torch.Generator().manual_seed(302)
     cases: list[tuple[str, int, int, Callable[[], Any]]] = [
         (
             f"merge-sum of {p} sorted pieces of one range",
@@ -130,6 +136,25 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
             result.nnz,
             result.nnz * isize,
             lambda: all_finite(result.values),
+        ),
+        # the quantized allreduce's kernels on one dense range (natural, 9-bit)
+        (
+            "natural quantize of one dense range",
+            width,
+            width * (isize + 4 + 9 / 8),  # values, draws, codes
+            lambda: nat.quantize(dense_range, nat_gen),
+        ),
+        (
+            "  of which the generator's draws",
+            width,
+            width * 4,
+            lambda: draws.random_(generator=nat_gen),
+        ),
+        (
+            "natural dequantize of one dense range",
+            width,
+            width * (9 / 8 + isize),
+            lambda: nat.dequantize(nat_payload, torch.float32, dense_range.device),
         ),
     ]
     rows = []
