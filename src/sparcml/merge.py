@@ -178,7 +178,7 @@ def natural9_encode(
     exps: torch.Tensor,
     plane: torch.Tensor,
 ) -> tuple[int, int]:
-    """CPU only: 9-bit natural compression of float32 bit patterns in one compiled pass.
+    """CPU only: 9-bit natural compression of float32 bit patterns in one compiled call.
 
     ``bits`` (int32): the values' IEEE bits; ``rand`` (int32, as long, uniform in
     ``[0, 2^31)``): the draws of :func:`sparcml.compress._kernels.exact_bernoulli`

@@ -145,7 +145,7 @@ class NaturalCompression(Quantizer):
             out = torch.empty(n, dtype=torch.uint8, device=v.device)
         compiled = self.format == 9 and v.device.type == "cpu"
         for lo, hi in chunks(n, v.device):
-            if compiled:  # one fused pass per chunk; the draws as exact_bernoulli's
+            if compiled:  # one compiled call per chunk; the draws as exact_bernoulli's
                 bits = v[lo:hi].view(torch.int32)
                 rand = scratch("bernoulli", hi - lo, torch.int32, v.device)
                 if gen is not None:
