@@ -128,7 +128,7 @@ def all_finite(values: torch.Tensor) -> bool:
     if values.numel() == 0 or not (values.is_floating_point() or values.is_complex()):
         return True
     if values.is_complex():
-        values = torch.view_as_real(values)
+        values = torch.view_as_real(values.resolve_conj())
     return bool(torch.isfinite(torch.stack(torch.aminmax(values))).all())
 
 

@@ -198,7 +198,7 @@ class NaturalCompression(Quantizer):
         if self.format == 9:
             if body.numel() != n + (n + 7) // 8:
                 raise WireFormatError(f"natural: payload of {body.numel()} bytes for {n} values")
-            if device.type == "cpu":
+            if torch.device(device).type == "cpu":
                 bits = torch.empty(n, dtype=torch.int32)
                 natural9_decode(body[:n], body[n:], bits)
                 return bits.view(torch.float32).to(dtype)
