@@ -32,6 +32,7 @@ from sparcml.compress import get
 from sparcml.compress.base import all_finite
 
 WARMUP = 3
+SHIPPED_DIRECT_BYTES = torchdist.DIRECT_ALLGATHER_BYTES
 
 
 def _isfinite_all(values: torch.Tensor) -> bool:
@@ -39,7 +40,7 @@ def _isfinite_all(values: torch.Tensor) -> bool:
 
 
 def _configure(before: bool) -> None:
-    torchdist.DIRECT_ALLGATHER_BYTES = 0 if before else 256 * 1024
+    torchdist.DIRECT_ALLGATHER_BYTES = 0 if before else SHIPPED_DIRECT_BYTES
     allreduce_module.all_finite = _isfinite_all if before else all_finite  # type: ignore[attr-defined]
 
 

@@ -141,7 +141,7 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
         (
             "natural quantize of one dense range",
             width,
-            width * (isize + 4 + 9 / 8),  # values, draws, codes
+            width * (isize + 4) + (9 * width + 7) // 8,  # values, draws, codes
             lambda: nat.quantize(dense_range, nat_gen),
         ),
         (
@@ -153,7 +153,7 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
         (
             "natural dequantize of one dense range",
             width,
-            width * (9 / 8 + isize),
+            (9 * width + 7) // 8 + width * isize,
             lambda: nat.dequantize(nat_payload, torch.float32, dense_range.device),
         ),
     ]
