@@ -31,13 +31,13 @@ def test_charge_of_streams_bundles_and_records() -> None:
     s = SparseStream(torch.tensor([1, 7, 9]), torch.ones(3), 1000)
     buf = encode(s)  # 24 + 3 * (2 + 4)
     assert charge(buf) == type(charge(buf))(42, 3, False)
-    # scaled: 3*8 pairs of a 1000*100-vector: 4-byte indices
-    assert charge(buf, 100).nbytes == 24 + 300 * 8 and charge(buf, 100).elements == 300
+    # scaled: 3*100 pairs of a 1000*100-vector: 3-byte indices
+    assert charge(buf, 100).nbytes == 24 + 300 * 7 and charge(buf, 100).elements == 300
     d = charge(encode(SparseStream.dense(torch.ones(10))), 4)
     assert (d.nbytes, d.elements, d.dense) == (24 + 40 * 4, 40, True)
     b = pack([(0, buf), (3, buf)])
     cb = charge(b, 100)
-    assert cb.nbytes == b.numel() - 2 * buf.numel() + 2 * (24 + 300 * 8)
+    assert cb.nbytes == b.numel() - 2 * buf.numel() + 2 * (24 + 300 * 7)
     assert cb.elements == 600
     raw = torch.zeros(16, dtype=torch.uint8)
     assert charge(raw, 10).nbytes == 160

@@ -10,13 +10,17 @@ from sparcml.stream import SUPPORTED_DTYPES
 
 
 def test_index_bytes_and_threshold_follow_sec_5_1() -> None:
-    assert index_bytes(10) == 2
-    assert index_bytes(65_535) == 2
-    assert index_bytes(65_536) == 4
-    assert index_bytes(2**32) == 8
+    # c = ceil(log2(N) / 8): the fewest bytes that hold every index below N
+    assert [index_bytes(n) for n in (0, 1, 2, 256, 257)] == [1, 1, 1, 1, 2]
+    assert index_bytes(65_536) == 2 and index_bytes(65_537) == 3
+    assert index_bytes(1 << 24) == 3 and index_bytes((1 << 24) + 1) == 4
+    assert index_bytes(1 << 32) == 4 and index_bytes((1 << 32) + 1) == 5
+    assert index_bytes(1 << 63) == 8
+    for c in range(1, 9):
+        assert index_bytes(256**c) == c and index_bytes(256**c + 1) == min(c + 1, 9)
     # delta = N * isize / (c + isize)
     assert dense_threshold(1000, torch.float32) == 1000 * 4 // (2 + 4)
-    assert dense_threshold(1 << 24, torch.float32) == (1 << 24) * 4 // 8
+    assert dense_threshold(1 << 24, torch.float32) == (1 << 24) * 4 // 7
     assert dense_threshold(1000, torch.float64) == 1000 * 8 // 10
     assert dense_threshold(1000, torch.float16) == 1000 * 2 // 4
 
@@ -255,14 +259,18 @@ def test_compiled_kernels_are_found_in_the_disk_cache_by_the_next_process(tmp_pa
     assert all(hits > 0 and misses == 0 for hits, misses in second.values()), second
 
 
-@pytest.mark.parametrize("c", [2, 4, 8])
+@pytest.mark.parametrize("c", range(1, 9))
 def test_widen_increasing_checks_in_the_same_pass(c: int) -> None:
     from sparcml.merge import widen_increasing
-    from sparcml.reinterpret import index_low_bytes
+    from sparcml.reinterpret import index_low_bytes, indices_from_low_bytes
 
-    size = {2: 60_000, 4: 3_000_000_000, 8: 1 << 40}[c]
+    size = min(256**c, 1 << 62) - 3  # the top byte of the widest index in use
     idx = torch.tensor([0, 7, 9, size - 1], dtype=torch.int64)
     words = index_low_bytes(idx, c)
+    assert words.numel() == 4 * c
+    # the torch ops of the CUDA path read the same fields
+    assert torch.equal(indices_from_low_bytes(words, c), idx)
+    assert torch.equal(indices_from_low_bytes(torch.cat([words[:1], words])[1:], c), idx)
     out = torch.empty(4, dtype=torch.int64)
     assert widen_increasing(words, c, size, out, offset=5) == -1
     assert torch.equal(out, idx + 5)
@@ -270,6 +278,8 @@ def test_widen_increasing_checks_in_the_same_pass(c: int) -> None:
     bad = idx.clone()
     bad[2] = 7
     assert widen_increasing(index_low_bytes(bad, c), c, size, out) == 2  # repeated
+    bad[2] = 3
+    assert widen_increasing(index_low_bytes(bad, c), c, size, out) == 2  # decreasing
     assert widen_increasing(words[:0], c, size, out[:0]) == -1
     if c == 8:
         neg = torch.tensor([-3, 1], dtype=torch.int64)

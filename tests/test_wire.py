@@ -9,22 +9,39 @@ from hypothesis import strategies as st
 
 from sparcml import SparseStream, WireFormatError
 from sparcml.stream import SUPPORTED_DTYPES
-from sparcml.wire import HEADER_BYTES, decode, encode, encoded_nbytes, pack, unpack
+from sparcml.wire import (
+    HEADER_BYTES,
+    decode,
+    decode_concat,
+    encode,
+    encoded_nbytes,
+    pack,
+    unpack,
+)
 
 
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
-@pytest.mark.parametrize("size", [0, 1, 7, 65_535, 65_536, 100_000])
-def test_roundtrip_sparse(dtype: torch.dtype, size: int) -> None:
-    g = torch.Generator().manual_seed(size)
+@pytest.mark.parametrize(
+    ("size", "c"),
+    [(0, 1), (1, 1), (7, 1), (256, 1), (257, 2), (65_536, 2), (65_537, 3), (1 << 24, 3),
+     ((1 << 24) + 1, 4), ((1 << 32) + 1, 5), ((1 << 48) + 1, 7), ((1 << 56) + 1, 8)],
+)  # fmt: skip
+def test_roundtrip_sparse(dtype: torch.dtype, size: int, c: int) -> None:
+    g = torch.Generator().manual_seed(size % 1000)
     k = min(size, 5)
-    idx = torch.randperm(size, generator=g)[:k] if size else torch.empty(0, dtype=torch.int64)
+    idx = torch.randint(0, size, (k,), generator=g) if size else torch.empty(0, dtype=torch.int64)
+    idx[-1:] = size - 1  # the widest index the size allows
     s = SparseStream(idx, torch.randn(k, generator=g).to(dtype), size)
     buf = encode(s)
     assert buf.dtype == torch.uint8 and buf.numel() == encoded_nbytes(s)
     if not s.is_dense:
-        c = 2 if size < 65_536 else 4
-        assert buf.numel() == HEADER_BYTES + k * (c + s.values.element_size())
+        # sec. 5.1: c = ceil(log2(N) / 8) bytes per index, values after the indices
+        assert buf[5] == c
+        assert buf.numel() == HEADER_BYTES + s.nnz * (c + s.values.element_size())
     assert decode(buf).equal(s)
+    whole = decode_concat([buf, buf], [size, size], dtype)
+    if not s.is_dense:
+        assert whole is not None and whole.equal(SparseStream.concat([s, s]))
 
 
 def test_roundtrip_dense_and_special_values() -> None:
@@ -54,11 +71,12 @@ def _patched(offset: int, value: int) -> torch.Tensor:
         (_patched(0, ord("X")), "magic"),
         (_patched(3, 9), "version"),
         (_patched(4, 6), "flags"),
-        (_patched(5, 3), "index width"),
+        (_patched(5, 0), "index width"),
+        (_patched(5, 9), "index width"),
         (_patched(6, 99), "dtype code"),
         (_patched(8, 9), "out of range"),  # N = 9 but the last index is 9
         (_patched(16, 200), "nnz"),
-        (_patched(24 + 2, 0), "strictly increasing"),  # second index 5 -> 0
+        (_patched(24 + 1, 0), "strictly increasing"),  # second index 5 -> 0 (c = 1)
         (torch.zeros(30, dtype=torch.float32), "uint8"),
     ],
 )

@@ -22,6 +22,7 @@ __all__ = [
     "natural9_decode",
     "natural9_encode",
     "widen_increasing",
+    "widen_increasing_bytes",
 ]
 
 _ONE = np.uint64(1)
@@ -132,6 +133,28 @@ def widen_increasing(  # pragma: no cover - compiled
     prev = np.int64(-1)
     for i in range(n):
         x = np.int64(words[i]) & mask
+        if x <= prev:
+            return i
+        out[i] = x + offset
+        prev = x
+    if n and prev >= size:
+        return n
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def widen_increasing_bytes(  # pragma: no cover - compiled
+    raw: Any, c: int, out: Any, offset: int, size: int
+) -> int:
+    # widen_increasing for fields of c bytes that are not a machine word (3, 5,
+    # 6, 7): each little-endian field assembled from its bytes
+    n = raw.shape[0] // c
+    prev = np.int64(-1)
+    for i in range(n):
+        x = np.int64(0)
+        base = i * c
+        for b in range(c):
+            x |= np.int64(raw[base + b]) << (8 * b)
         if x <= prev:
             return i
         out[i] = x + offset

@@ -32,6 +32,8 @@ from types import ModuleType
 
 import torch
 
+from .reinterpret import index_low_bytes, indices_from_low_bytes
+
 __all__ = [
     "above_positions",
     "merge_positions",
@@ -67,8 +69,8 @@ def warm_kernels() -> None:
     merge_positions(runs)  # a bitmap of their span
     merge_positions([torch.tensor([1, 1000]), *runs[1:]])  # a k-way merge
     out = torch.empty(2, dtype=torch.int64)
-    for c in (2, 4, 8):
-        widen_increasing(torch.tensor([1, 2], dtype=_SIGNED[c]).view(torch.uint8), c, 4, out)
+    for c in (1, 2, 3, 4, 8):  # 3: the compiled pass of every width that is not a word
+        widen_increasing(index_low_bytes(torch.tensor([1, 2]), c), c, 4, out)
     for dtype in (torch.int16, torch.int32, torch.int64):
         above_positions(torch.tensor([1, 3], dtype=dtype), -1, 2, 0, out)
     codes = torch.empty(4, dtype=torch.uint8)
@@ -122,8 +124,8 @@ def merge_positions(runs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.T
     return union[:n], pos
 
 
-_SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-_MASKS = {2: 0xFFFF, 4: 0xFFFF_FFFF, 8: -1}
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MASKS = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFF_FFFF, 8: -1}
 
 
 def widen_increasing(
@@ -131,8 +133,8 @@ def widen_increasing(
 ) -> int:
     """``out = words + offset`` as int64 from unsigned ``c``-byte words, checked in one pass.
 
-    The wire's index fields (``c`` = 2, 4 or 8 bytes, little-endian, read here as the
-    signed integer of that width) are widened into ``out`` (int64, same length)
+    The wire's index fields (``c`` = 1 to 8 bytes, little-endian, unsigned; an 8-byte
+    field is read as a signed ``int64``) are widened into ``out`` (int64, same length)
     while the same pass checks that they strictly increase and lie in ``[0, size)``.
 
     Returns:
@@ -142,17 +144,25 @@ def widen_increasing(
 
     One implementation per device: the compiled pass on CPU, torch ops elsewhere.
     """
-    n = words.numel()
-    if not n:
+    if not words.numel():
         return -1
-    words = words.view(_SIGNED[c])
-    if words.device.type == "cpu":
-        return int(
-            _compiled().widen_increasing(words.numpy(), _MASKS[c], out.numpy(), offset, size)
-        )
-    wide = words.to(torch.int64)
-    if c < 8:
-        wide &= _MASKS[c]
+    if c not in _SIGNED:
+        # 3, 5, 6 or 7 bytes: no machine word of that width; the fields are assembled
+        if words.device.type == "cpu":
+            return int(
+                _compiled().widen_increasing_bytes(words.numpy(), c, out.numpy(), offset, size)
+            )
+        wide = indices_from_low_bytes(words, c)
+    else:
+        words = words.view(_SIGNED[c])
+        if words.device.type == "cpu":
+            return int(
+                _compiled().widen_increasing(words.numpy(), _MASKS[c], out.numpy(), offset, size)
+            )
+        wide = words.to(torch.int64)
+        if c < 8:
+            wide &= _MASKS[c]
+    n = wide.numel()
     if n > 1:
         bad = torch.nonzero(wide[1:] <= wide[:-1])
         if bad.numel():

@@ -77,18 +77,26 @@ def bytes_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def index_low_bytes(indices: torch.Tensor, c: int) -> torch.Tensor:
-    """The low ``c`` bytes of each index (little-endian), flattened: the wire's index field."""
+    """The low ``c`` bytes of each index (little-endian), flattened: the wire's index field.
+
+    ``c`` is 1 to 8 (:func:`sparcml.stream.index_bytes`); a width that is not a
+    machine word (3, 5, 6, 7) is one strided copy of the bytes.
+    """
     words = as_bytes(indices.to(torch.int64)).reshape(-1, 8)
     return words[:, :c].reshape(-1) if c < 8 else words.reshape(-1)
 
 
 def write_low_bytes(out: torch.Tensor, indices: torch.Tensor, c: int) -> None:
     """:func:`index_low_bytes` written into the uint8 tensor ``out`` (``c * n`` bytes) in
-    one pass: a narrowing copy when ``out`` is aligned for ``c``-byte words."""
-    if out.storage_offset() % c or out.stride(0) != 1:
-        out.copy_(index_low_bytes(indices, c))
+    one pass: a narrowing copy when ``c`` is a word width and ``out`` is aligned for it,
+    else one strided copy of the low bytes."""
+    word = _WORDS.get(c)
+    if word is None or out.storage_offset() % c or out.stride(0) != 1:
+        n = out.numel() // c
+        low = as_bytes(indices.to(torch.int64)).reshape(-1, 8)[:, :c]
+        out.as_strided((n, c), (c * out.stride(0), out.stride(0))).copy_(low)
     else:
-        out.view(_UNSIGNED[c] if c < 8 else torch.int64).copy_(indices)
+        out.view(word).copy_(indices)
 
 
 def indices_from_low_bytes(raw: torch.Tensor, c: int) -> torch.Tensor:
@@ -96,8 +104,14 @@ def indices_from_low_bytes(raw: torch.Tensor, c: int) -> torch.Tensor:
     raw = dense_1d(raw)
     if c == 8:
         return bytes_as(raw, torch.int64)
-    # one widening pass from the unsigned c-byte words (a view when aligned)
-    return bytes_as(raw, _UNSIGNED[c]).to(torch.int64)
+    if c in _WORDS:
+        # one widening pass from the unsigned c-byte words (a view when aligned)
+        return bytes_as(raw, _WORDS[c]).to(torch.int64)
+    # 3, 5, 6 or 7 bytes: each field into the low bytes of a zeroed int64
+    n = raw.numel() // c
+    wide = torch.zeros(n, 8, dtype=torch.uint8, device=raw.device)
+    wide[:, :c] = raw.view(n, c)
+    return wide.view(torch.int64).reshape(-1)
 
 
-_UNSIGNED = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}
+_WORDS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.int64}

@@ -7,8 +7,9 @@ to the dense representation once the number of stored pairs exceeds
     delta = N * isize / (c + isize),
 
 where ``isize`` is the byte size of a value and ``c`` the byte size of an index
-(the smallest of 2, 4 or 8 bytes that holds ``N``): past ``delta`` the sparse
-form would take more bytes than the dense one.
+(sec. 5.1's ``c >= ceil(log2(N) / 8)``: the fewest whole bytes that hold every
+index below ``N``): past ``delta`` the sparse form would take more bytes than
+the dense one.
 
 In memory, indices are ``int64`` tensors (what PyTorch indexes with); the
 compact ``c``-byte indices are used on the wire (:mod:`sparcml.wire`).
@@ -59,24 +60,25 @@ if sys.byteorder != "little":  # pragma: no cover - all supported platforms are 
 
 
 def index_bytes(size: int) -> int:
-    """Bytes ``c`` of one index on the wire: the smallest of 2, 4, 8 that holds ``size``.
+    """Bytes ``c`` of one index on the wire: sec. 5.1's ``ceil(log2(N) / 8)``, at least 1.
+
+    The fewest whole bytes that hold every index in ``[0, size)``: 3 for
+    ``N = 2^24`` or a range of 2M entries, where a 2/4/8 choice would send 4 (one
+    byte in eight of every float32 pair).
 
     Args:
         size: the vector dimension ``N``.
 
     Returns:
-        2, 4 or 8.
+        1 to 8.
 
     Example:
-        >>> index_bytes(60_000), index_bytes(16_777_216)
-        (2, 4)
+        >>> index_bytes(60_000), index_bytes(16_777_216), index_bytes(16_777_217)
+        (2, 3, 4)
     """
     if size < 0:
         raise ValueError(f"size must be non-negative, got {size}")
-    for c in (2, 4):
-        if size < (1 << (8 * c)):
-            return c
-    return 8
+    return max(1, ((size - 1).bit_length() + 7) // 8) if size else 1
 
 
 def dense_threshold(size: int, dtype: torch.dtype) -> int:
@@ -85,8 +87,8 @@ def dense_threshold(size: int, dtype: torch.dtype) -> int:
     A stream holding more than ``delta`` pairs is stored densely.
 
     Example:
-        >>> dense_threshold(1_000_000, torch.float32)
-        500000
+        >>> dense_threshold(1_000_000, torch.float32)  # c = 3
+        571428
     """
     isize = dtype.itemsize
     return (size * isize) // (index_bytes(size) + isize)

@@ -4,9 +4,9 @@ Layout (little-endian), 24-byte header then data::
 
     offset size  field
     0      3     magic b"SpS"
-    3      1     format version (1)
+    3      1     format version (2)
     4      1     flags: bit 0 = dense
-    5      1     index bytes c (2, 4 or 8; 0 for a dense stream)
+    5      1     index bytes c (1 to 8, sec. 5.1's ceil(log2(N) / 8); 0 if dense)
     6      1     value dtype code (1 float32, 2 float16, 3 bfloat16, 4 float64)
     7      1     reserved, 0
     8      8     N, the vector dimension (uint64)
@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 MAGIC = b"SpS"
-VERSION = 1
+VERSION = 2  # 2: c is the fewest bytes that hold N (version 1 rounded it up to 2, 4 or 8)
 _HEADER = struct.Struct("<3sBBBBBQQ")
 HEADER_BYTES = _HEADER.size  # 24
 
@@ -105,8 +105,8 @@ def encode(stream: SparseStream) -> torch.Tensor:
 
     Example:
         >>> s = SparseStream(torch.tensor([3]), torch.tensor([1.5]), 10)
-        >>> buf = encode(s); buf.numel()
-        30
+        >>> buf = encode(s); buf.numel()  # 24 + 1-byte index + 4-byte value
+        29
         >>> decode(buf).to_dense()[3].item()
         1.5
     """
@@ -119,7 +119,8 @@ def encode(stream: SparseStream) -> torch.Tensor:
         return torch.cat([_bytes_tensor(header, device), values])
     c, nnz = index_bytes(stream.size), stream.nnz
     header = _HEADER.pack(MAGIC, VERSION, 0, c, dtype_code(stream.dtype), 0, stream.size, nnz)
-    # one write of each field into the message (the index field starts 8-byte aligned)
+    # one write of each field into the message (the index field starts 8-byte aligned;
+    # the values are aligned when c is a word width, else decode copies them once)
     out = torch.empty(HEADER_BYTES + nnz * c + values.numel(), dtype=torch.uint8, device=device)
     out[:HEADER_BYTES].copy_(_bytes_tensor(header, device))
     write_low_bytes(out[HEADER_BYTES : HEADER_BYTES + nnz * c], stream.indices, c)
@@ -198,7 +199,7 @@ def _checked_header(
             raise WireFormatError(f"malformed dense header: c={c}, nnz={nnz}, size={size}")
         need = HEADER_BYTES + size * isize
     else:
-        if c not in (2, 4, 8) or c < index_bytes(size):
+        if not 1 <= c <= 8 or c < index_bytes(size):
             raise WireFormatError(f"index width {c} bytes cannot address a stream of size {size}")
         if nnz > size:
             raise WireFormatError(f"malformed header: nnz={nnz} exceeds size {size}")

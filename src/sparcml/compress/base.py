@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 _MAGIC = b"SpQ"
-_VERSION = 1
+_VERSION = 2  # 2: fixed-width indices of index_bytes(N) = ceil(log2(N) / 8) bytes
 _HEADER = struct.Struct("<3sBBBHQ")
 HEADER_BYTES = _HEADER.size  # 16
 QUANTIZED_STREAM_CODE = 7

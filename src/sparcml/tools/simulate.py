@@ -152,8 +152,8 @@ def charge(buf: torch.Tensor, scale: int = 1) -> Charge:
     Example:
         >>> from sparcml.wire import encode
         >>> s = SparseStream(torch.tensor([1, 5]), torch.tensor([1.0, 2.0]), 65536)
-        >>> charge(encode(s), scale=4)  # 8 pairs of a 262144-vector: 4-byte indices
-        Charge(nbytes=88, elements=8, dense=False)
+        >>> charge(encode(s), scale=4)  # 8 pairs of a 262144-vector: 3-byte indices
+        Charge(nbytes=80, elements=8, dense=False)
     """
     if buf.numel() == 0:
         return Charge(0, 0, False)

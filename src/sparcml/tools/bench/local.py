@@ -35,6 +35,8 @@ from ...collectives import sparse_allreduce
 from ...comm import Communicator, run_ranks
 from ...compress.base import all_finite
 from ...compress.natural import NaturalCompression
+from ...merge import widen_increasing
+from ...reinterpret import index_low_bytes
 from ...stream import SparseStream, index_bytes
 from ...wire import decode, decode_concat, encode
 
@@ -69,10 +71,10 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
     """One row per local kernel: elements, ms, ns per element, and the memory bound."""
     bw = copy_bandwidth()
     k = max(int(n * density), 1)
-    c, isize = index_bytes(n), 4
+    width = n // p
+    c, isize = index_bytes(width), 4  # the ranges' indices are relative to their start
     pair = 8 + isize  # an in-memory pair: int64 index, float32 value
     wire_pair = c + isize
-    width = n // p
     pieces = [uniform_stream(width, max(k // p, 1), 100 + r) for r in range(p)]
     reduced = SparseStream.sum(pieces)
     half = max(int(n * (1 - (1 - density) ** (p // 2))), 1)
@@ -82,6 +84,10 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
     bufs = [encode(x) for x in parts]
     decoded = [decode(x) for x in bufs]
     result = SparseStream.concat(decoded)
+    g = torch.Generator().manual_seed(303)
+    ranks = torch.randperm(width, generator=g)[: min(result.nnz, width)].sort().values
+    words4, words3 = index_low_bytes(ranks, 4), index_low_bytes(ranks, 3)
+    widened = torch.empty_like(ranks)
     nat = NaturalCompression()
     dense_range = torch.randn(width, generator=torch.Generator().manual_seed(300))
     nat_payload = nat.quantize(dense_range, torch.Generator().manual_seed(301))
@@ -123,6 +129,20 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
             result.nnz,
             result.nnz * (wire_pair + pair),
             lambda: decode_concat(bufs, [width] * p, torch.float32),
+        ),
+        # reading the received index fields: a 4-byte word (what version 1 of the wire
+        # format sent for a range of 2M) against sec. 5.1's 3 bytes, assembled
+        (
+            "  widen and check 4-byte indices",
+            ranks.numel(),
+            ranks.numel() * (4 + 8),
+            lambda: widen_increasing(words4, 4, width, widened),
+        ),
+        (
+            "  widen and check 3-byte indices",
+            ranks.numel(),
+            ranks.numel() * (3 + 8),
+            lambda: widen_increasing(words3, 3, width, widened),
         ),
         # the NaN/Inf check of a header under a quantizer, before and after issue 13
         (
