@@ -268,6 +268,13 @@ def test_widen_increasing_checks_in_the_same_pass(c: int) -> None:
     idx = torch.tensor([0, 7, 9, size - 1], dtype=torch.int64)
     words = index_low_bytes(idx, c)
     assert words.numel() == 4 * c
+    # the compiled narrowing on CPU writes the bytes torch's copy writes, at any offset
+    from sparcml.merge import write_index_field
+
+    for start in (0, 1):
+        field = torch.full((start + 4 * c,), 0xAB, dtype=torch.uint8)
+        write_index_field(field[start:], idx, c)
+        assert torch.equal(field[start:], words) and (field[:start] == 0xAB).all()
     # the torch ops of the CUDA path read the same fields
     assert torch.equal(indices_from_low_bytes(words, c), idx)
     assert torch.equal(indices_from_low_bytes(torch.cat([words[:1], words])[1:], c), idx)

@@ -19,6 +19,7 @@ __all__ = [
     "merge2",
     "merge_bitmap",
     "merge_k",
+    "narrow_bytes",
     "natural9_decode",
     "natural9_encode",
     "widen_increasing",
@@ -142,6 +143,18 @@ def widen_increasing(  # pragma: no cover - compiled
     return -1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _field(raw: Any, base: int, c: int) -> int:  # pragma: no cover - compiled
+    # the little-endian c-byte field at raw[base:base + c]; 3 bytes (the common
+    # width that is not a word: N up to 2^24) spelled out: about 4x faster than the loop
+    if c == 3:
+        return np.int64(raw[base]) | np.int64(raw[base + 1]) << 8 | np.int64(raw[base + 2]) << 16
+    x = np.int64(0)
+    for b in range(c):
+        x |= np.int64(raw[base + b]) << (8 * b)
+    return x
+
+
 @numba.njit(cache=True, nogil=True)
 def widen_increasing_bytes(  # pragma: no cover - compiled
     raw: Any, c: int, out: Any, offset: int, size: int
@@ -151,10 +164,7 @@ def widen_increasing_bytes(  # pragma: no cover - compiled
     n = raw.shape[0] // c
     prev = np.int64(-1)
     for i in range(n):
-        x = np.int64(0)
-        base = i * c
-        for b in range(c):
-            x |= np.int64(raw[base + b]) << (8 * b)
+        x = _field(raw, i * c, c)
         if x <= prev:
             return i
         out[i] = x + offset
@@ -162,6 +172,23 @@ def widen_increasing_bytes(  # pragma: no cover - compiled
     if n and prev >= size:
         return n
     return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def narrow_bytes(indices: Any, c: int, out: Any) -> None:  # pragma: no cover - compiled
+    # the low c bytes of each int64 index, little-endian, into out (n * c bytes):
+    # the index field of the wire for a width that is not a machine word
+    if c == 3:
+        for i in range(indices.shape[0]):
+            x = indices[i]
+            out[3 * i] = x & 0xFF
+            out[3 * i + 1] = (x >> 8) & 0xFF
+            out[3 * i + 2] = (x >> 16) & 0xFF
+        return
+    for i in range(indices.shape[0]):
+        x = indices[i]
+        for b in range(c):
+            out[i * c + b] = (x >> (8 * b)) & 0xFF
 
 
 @numba.njit(cache=True, nogil=True)

@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from .reinterpret import index_low_bytes, indices_from_low_bytes
+from .reinterpret import index_low_bytes, indices_from_low_bytes, write_low_bytes
 
 __all__ = [
     "above_positions",
@@ -42,6 +42,7 @@ __all__ = [
     "natural9_encode",
     "warm_kernels",
     "widen_increasing",
+    "write_index_field",
 ]
 
 
@@ -71,6 +72,7 @@ def warm_kernels() -> None:
     out = torch.empty(2, dtype=torch.int64)
     for c in (1, 2, 3, 4, 8):  # 3: the compiled pass of every width that is not a word
         widen_increasing(index_low_bytes(torch.tensor([1, 2]), c), c, 4, out)
+    write_index_field(torch.empty(6, dtype=torch.uint8), torch.tensor([1, 2]), 3)
     for dtype in (torch.int16, torch.int32, torch.int64):
         above_positions(torch.tensor([1, 3], dtype=dtype), -1, 2, 0, out)
     codes = torch.empty(4, dtype=torch.uint8)
@@ -171,6 +173,19 @@ def widen_increasing(
         return 0
     torch.add(wide, offset, out=out)
     return n if int(wide[-1]) >= size else -1
+
+
+def write_index_field(out: torch.Tensor, indices: torch.Tensor, c: int) -> None:
+    """The wire's index field: the low ``c`` bytes of each index into the uint8 ``out``.
+
+    :func:`~sparcml.reinterpret.write_low_bytes`, with one compiled pass on CPU for a
+    width that is not a machine word (3, 5, 6, 7), where torch would copy byte by
+    byte through strides.
+    """
+    if c in _SIGNED or out.device.type != "cpu" or out.stride(0) != 1 or not out.numel():
+        write_low_bytes(out, indices, c)
+        return
+    _compiled().narrow_bytes(indices.to(torch.int64).contiguous().numpy(), c, out.numpy())
 
 
 def above_positions(words: torch.Tensor, mask: int, tb: int, offset: int, out: torch.Tensor) -> int:

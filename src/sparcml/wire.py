@@ -35,8 +35,8 @@ from collections.abc import Sequence
 import torch
 
 from .errors import WireFormatError
-from .merge import widen_increasing
-from .reinterpret import as_bytes, bytes_as, dense_1d, indices_from_low_bytes, write_low_bytes
+from .merge import widen_increasing, write_index_field
+from .reinterpret import as_bytes, bytes_as, dense_1d, indices_from_low_bytes
 from .stream import SparseStream, index_bytes
 
 __all__ = [
@@ -123,7 +123,7 @@ def encode(stream: SparseStream) -> torch.Tensor:
     # the values are aligned when c is a word width, else decode copies them once)
     out = torch.empty(HEADER_BYTES + nnz * c + values.numel(), dtype=torch.uint8, device=device)
     out[:HEADER_BYTES].copy_(_bytes_tensor(header, device))
-    write_low_bytes(out[HEADER_BYTES : HEADER_BYTES + nnz * c], stream.indices, c)
+    write_index_field(out[HEADER_BYTES : HEADER_BYTES + nnz * c], stream.indices, c)
     out[HEADER_BYTES + nnz * c :].copy_(values)
     return out
 
@@ -255,7 +255,8 @@ def decode_concat(
     for j, (buf, size, (c, nnz)) in enumerate(zip(bufs, sizes, heads, strict=True)):
         body = buf[HEADER_BYTES:].to(target)
         widen_checked(body[: nnz * c], c, size, indices[start : start + nnz], offset, f"range {j}")
-        values[start : start + nnz].copy_(bytes_as(body[nnz * c :], dtype))
+        # a byte copy: the values need not be aligned in the message (c = 3)
+        as_bytes(values[start : start + nnz]).copy_(body[nnz * c :])
         start += nnz
         offset += size
     return SparseStream.from_sorted(indices, values, offset)
