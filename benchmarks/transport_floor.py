@@ -1,0 +1,109 @@
+"""What the transport alone takes for the bytes of one call, next to sparcml's calls.
+
+Issue 13: the dense baseline of ``sparcml bench`` on the emulated cluster is
+bimodal (about 1.1 s or 2.2 s per 64 MB allreduce at P = 8, 1 Gbit/s), and the
+"x dense" ratios depend on which mode the dense row lands in. This script, run
+as the ranks of a torch.distributed job (``sparcml cluster ... --``), times in
+one process group, after a barrier each, the slowest rank per call:
+
+* the plain gloo ``all_reduce`` of ``N`` float32 in place, of a fresh clone,
+  through :meth:`TorchDistCommunicator.allreduce` and through
+  ``sparse_allreduce(..., algorithm="dense")`` (a fresh dense vector per call);
+* the plain gloo collectives that carry the split allgather's bytes:
+  ``all_to_all_single`` of the split phase and ``all_gather_into_tensor`` of the
+  reduced ranges (sizes from the density, 3-byte indices and float32 values),
+  next to ``sparse_allreduce(..., algorithm="ssar_split_allgather")`` itself on
+  uniform random indices.
+
+    sudo .venv/bin/sparcml cluster -P 8 --rate 1gbit -- \\
+        .venv/bin/python benchmarks/transport_floor.py -N 16M -d 0.00781
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from sparcml import SparseStream, index_bytes
+from sparcml.collectives import sparse_allreduce
+from sparcml.comm import TorchDistCommunicator
+from sparcml.tools.cli.common import size_arg
+
+
+def _timer(calls: int) -> Callable[[str, Callable[[], object]], None]:
+    rank = dist.get_rank()
+
+    def timeit(name: str, fn: Callable[[], object]) -> None:
+        fn()  # warm-up
+        times = []
+        for _ in range(calls):
+            dist.barrier()
+            t = time.perf_counter()
+            fn()
+            worst = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            times.append(float(worst) * 1e3)
+        if rank == 0:
+            print(
+                f"{name:<56} p50 {statistics.median(times):8.1f} ms"
+                f"  min {min(times):8.1f}  max {max(times):8.1f}",
+                flush=True,
+            )
+
+    return timeit
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-N", "--size", type=size_arg, default=16 << 20)
+    ap.add_argument("-d", "--density", type=float, default=0.00781)
+    ap.add_argument("--calls", type=int, default=5)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    p, me = dist.get_world_size(), dist.get_rank()
+    comm = TorchDistCommunicator()
+    timeit = _timer(args.calls)
+    n, k = args.size, max(int(args.size * args.density), 1)
+    if me == 0:
+        thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
+        print(f"P={p} N={n:,} k={k:,} per rank, THP_MEM_ALLOC_ENABLE={thp}", flush=True)
+    x = torch.randn(n)
+    timeit(f"gloo all_reduce in place ({4 * n / 1e6:.1f} MB)", lambda: dist.all_reduce(x))
+    timeit("gloo all_reduce of a fresh clone", lambda: dist.all_reduce(x.clone()))
+    timeit("TorchDistCommunicator.allreduce", lambda: comm.allreduce(x))
+    g = torch.Generator().manual_seed(me)
+    idx = torch.randperm(n, generator=g)[:k]
+    stream = SparseStream(idx, torch.randn(k, generator=g), n)
+    timeit("sparse_allreduce(algorithm='dense')", lambda: sparse_allreduce(stream, comm, "dense"))
+    # the split allgather's bytes: k pairs cut into P pieces, then the reduced ranges
+    pair = index_bytes(n // p) + 4
+    reduced = int(n / p * (1 - (1 - args.density) ** p))  # expected union of one range
+    piece = torch.zeros(k * pair // p, dtype=torch.uint8)
+    split_in, split_out = piece.repeat(p), torch.empty(p * piece.numel(), dtype=torch.uint8)
+    mine = torch.zeros(reduced * pair, dtype=torch.uint8)
+    gathered = torch.empty(p * mine.numel(), dtype=torch.uint8)
+    timeit(
+        f"gloo all_to_all_single, {piece.numel() * (p - 1) / 1e6:.2f} MB out",
+        lambda: dist.all_to_all_single(split_out, split_in),
+    )
+    timeit(
+        f"gloo all_gather_into_tensor, {mine.numel() / 1e6:.2f} MB per rank",
+        lambda: dist.all_gather_into_tensor(gathered, mine),
+    )
+    timeit(
+        "sparse_allreduce(algorithm='ssar_split_allgather')",
+        lambda: sparse_allreduce(stream, comm, "ssar_split_allgather"),
+    )
+    timeit(f"gloo all_reduce in place ({4 * n / 1e6:.1f} MB), again", lambda: dist.all_reduce(x))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
