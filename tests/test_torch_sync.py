@@ -279,6 +279,53 @@ def test_quantized_methods_agree_on_nan_inside_their_collective(method: str) -> 
         assert step == bare > 0
 
 
+@pytest.mark.parametrize("method", ["topk", "randomk", "topk+natural"])
+@pytest.mark.parametrize("algorithm", ["ssar_recursive_double", "ssar_split_allgather"])
+def test_selector_methods_agree_on_nan_inside_their_collective(method: str, algorithm: str) -> None:
+    """nan_policy="propagate" costs a selector method no round of its own either: the
+    accumulator's NaN/Inf flag rides in the collective's consistency header. A clean
+    step sends exactly the bare sparse allreduce's messages; a step with NaN on one
+    rank is refused in the header exchange and goes dense on every rank, NaN where
+    dense has it, the residuals untouched."""
+    from sparcml import SparseStream, sparse_allreduce
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        g = _grads(comm.rank, 0)
+        state = SparcmlState(method, density=0.1, comm=comm, algorithm=algorithm)
+        comm.stats.reset()
+        reduce_bucket(state, Bucket(_names(), SIZES, g, 0))
+        step = comm.stats.messages_sent
+        residuals = {k: v.clone() for k, v in state.residuals.items()}
+        comm.stats.reset()
+        picked = SparseStream(torch.arange(5), torch.ones(5), g.numel())
+        q = "natural" if "+" in method else None
+        sparse_allreduce(picked, comm, algorithm=algorithm, quantizer=q,
+                         quantize="contributions")  # fmt: skip
+        bare = comm.stats.messages_sent
+        bad = _grads(comm.rank, 1)
+        if comm.rank == 1:
+            bad[3] = float("nan")
+        comm.stats.reset()
+        out = reduce_bucket(state, Bucket(_names(), SIZES, bad, 1))
+        nan_step = comm.stats.messages_sent
+        comm.stats.reset()
+        comm.allreduce(bad)
+        dense = comm.stats.messages_sent
+        kept = all(torch.equal(v, residuals[k]) for k, v in state.residuals.items())
+        return step, bare, nan_step, dense, out, kept
+
+    res = run_ranks(4, fn)
+    want = sum(_grads(r, 1) for r in range(4)) / 4
+    for step, bare, nan_step, dense, out, kept in res:
+        assert step == bare > 0
+        # the refused call's header exchange (at most the bare call's messages), then dense
+        assert dense < nan_step <= bare + dense
+        assert torch.isnan(out[3]) and kept
+        others = torch.arange(out.numel()) != 3
+        assert torch.allclose(out[others], want[others])
+        assert torch.equal(out.nan_to_num(), res[0][4].nan_to_num())
+
+
 @pytest.mark.parametrize("method", ["qsgd", "natural", "natural_dithering"])
 @pytest.mark.parametrize("world", [1, 3])  # more ranks: test_quantization_independence
 def test_unbiased_quantizers_are_identical_unbiased_and_bounded(method: str, world: int) -> None:

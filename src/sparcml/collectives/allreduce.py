@@ -114,10 +114,12 @@ def consistency_header(
     sequence: int,
     call_id: int | None = None,
     lossy: bool = False,
+    nonfinite: bool = False,
 ) -> tuple[torch.Tensor, bool]:
-    """This rank's 24-byte header for :func:`check_consistent` and whether its values
-    hold NaN/Inf that a quantizer must refuse (``lossy``)."""
-    bad = lossy and not all_finite(stream.values)
+    """This rank's 24-byte header for :func:`check_consistent` and whether the call must
+    be refused for NaN/Inf: values a quantizer cannot encode (``lossy``), or the
+    caller's own verdict on the data behind the stream (``nonfinite``)."""
+    bad = nonfinite or (lossy and not all_finite(stream.values))
     # three words: size, (NaN flag << 56 | dtype << 48 | nnz), (call_id << 32 | call
     # number), the last two modulo 2^32 (no call_id: all ones)
     packed = (int(bad) << 56) | (dtype_code(stream.dtype) << 48) | stream.nnz
@@ -167,8 +169,9 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
     flagged = [i for i, r in enumerate(rows) if r[5]]
     if flagged:
         raise NonFiniteError(
-            f"NaN/Inf values on rank(s) {flagged}: a quantizer cannot encode them "
-            "(raised on every rank; sparcml.torch's nan_policy handles them for gradients)"
+            f"NaN/Inf values on rank(s) {flagged}: refused on every rank (a quantizer cannot "
+            "encode them, a selection would hide them; sparcml.torch's nan_policy handles "
+            "them for gradients)"
         )
     return [r[2] for r in rows]
 
@@ -180,6 +183,7 @@ def check_consistent(
     sequence: int | None = None,
     call_id: int | None = None,
     lossy: bool = False,
+    nonfinite: bool = False,
 ) -> list[int]:
     """Check that every rank passes the same size and dtype; return every rank's nnz.
 
@@ -199,14 +203,17 @@ def check_consistent(
             rank that skipped one call and made an extra one later keeps the same
             count, but not the same ``call_id``.
         lossy: values will be quantized: NaN/Inf on any rank is refused on every rank.
+        nonfinite: this rank's data holds NaN/Inf (the caller's verdict, see
+            :func:`sparse_allreduce`): refused on every rank.
 
     Raises:
         RankMismatchError: on every rank, naming the ranks that differ.
-        NonFiniteError: ``lossy`` and a rank holds NaN/Inf values (on every rank).
+        NonFiniteError: a rank flagged NaN/Inf (``lossy`` values or ``nonfinite``), on
+            every rank.
         CommTimeoutError / PeerFailedError: naming a rank that did not answer.
     """
     seq = comm.next_sequence() if sequence is None else sequence
-    payload, _ = consistency_header(stream, seq, call_id, lossy)
+    payload, _ = consistency_header(stream, seq, call_id, lossy, nonfinite)
     with comm.control():
         if comm.agrees_on_failures:
             got = gather_headers(payload, comm)
@@ -248,6 +255,7 @@ def _run(
     codec: StreamCodec,
     options: dict[str, Any],
     call_id: int | None = None,
+    nonfinite: bool = False,
 ) -> SparseStream:
     codec = codec.with_call(comm.next_sequence(), comm.rank)
     if algorithm != "auto":
@@ -255,14 +263,20 @@ def _run(
         if info.header_in_first_round and comm.world_size > 1:
             # the header travels in the algorithm's first round, a message to every
             # peer, and is checked before anything received is used: no rounds of its own
-            header, refuse = consistency_header(stream, codec.sequence, call_id, codec.lossy)
+            header, refuse = consistency_header(
+                stream, codec.sequence, call_id, codec.lossy, nonfinite
+            )
             codec.first_round = FirstRound(header, refuse, check_headers)
         else:
             check_consistent(
-                stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy
-            )
+                stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy,
+                nonfinite=nonfinite,
+            )  # fmt: skip
         return info.fn(stream, comm, codec, **options)
-    ks = check_consistent(stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy)
+    ks = check_consistent(
+        stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy,
+        nonfinite=nonfinite,
+    )  # fmt: skip
 
     def run(name: str) -> SparseStream:
         return get_algorithm(name)(stream, comm, codec)
@@ -284,6 +298,7 @@ def sparse_allreduce(
     index_coding: str = ...,
     cost_model: CostModel | None = ...,
     call_id: int | None = ...,
+    nonfinite: bool = ...,
     **options: Any,
 ) -> SparseStream: ...
 
@@ -300,6 +315,7 @@ def sparse_allreduce(
     index_coding: str = ...,
     cost_model: CostModel | None = ...,
     call_id: int | None = ...,
+    nonfinite: bool = ...,
     **options: Any,
 ) -> Work: ...
 
@@ -315,6 +331,7 @@ def sparse_allreduce(
     index_coding: str = "fixed",
     cost_model: CostModel | None = None,
     call_id: int | None = None,
+    nonfinite: bool = False,
     **options: Any,
 ) -> SparseStream | Work:
     """Sum of every rank's sparse stream, bitwise identical on every rank.
@@ -341,7 +358,7 @@ def sparse_allreduce(
             depend on the algorithm) or ``"all"`` (every message, partial sums
             re-quantized at each stage). See :mod:`sparcml.collectives.codec`.
         index_coding: ``"delta"`` sends the indices of quantized sparse messages as
-            varints of their gaps (about 1.3 bytes each at 1% density instead of 4);
+            varints of their gaps (about 1.3 bytes each at 1% density instead of 2-4);
             lossless, so results are unchanged.
         cost_model: the model ``auto`` decides with (default: the stored calibration;
             without one, ``auto`` measures the candidates on first use).
@@ -349,6 +366,12 @@ def sparse_allreduce(
             across ranks: a rank that skipped a call and made an extra one later
             fails on every rank instead of mixing two calls' data (the call counts
             alone are equal then).
+        nonfinite: ``True`` when the data this rank's ``stream`` stands for holds
+            NaN/Inf (say the gradient a top-k selection was taken from, which the
+            selection may drop): carried in the call's consistency header, so that
+            every rank raises :class:`~sparcml.errors.NonFiniteError`, naming the
+            flagged ranks, before any received data is used, at no extra message
+            (beyond the papers, like the whole check).
         **options: algorithm-specific options, e.g. ``k=`` and ``state=`` for
             ``oktopk`` and ``k=`` for ``gaussiank`` (whose input is the accumulator).
 
@@ -359,8 +382,8 @@ def sparse_allreduce(
         ValueError: unknown algorithm.
         RankMismatchError: ranks passed different sizes or dtypes, or are in
             different calls (call numbers or ``call_id`` differ); raised on all ranks.
-        NonFiniteError: a quantizer is set and some rank's values hold NaN/Inf
-            (raised on all ranks, naming them).
+        NonFiniteError: a quantizer is set and some rank's values hold NaN/Inf, or
+            some rank passed ``nonfinite=True`` (raised on all ranks, naming them).
         CommTimeoutError / PeerFailedError: a peer did not answer or died (names it).
 
     Example:
@@ -390,5 +413,6 @@ def sparse_allreduce(
         )
 
     return comm.run_ordered(
-        lambda: _run(stream, comm, algorithm, cost_model, codec, options, call_id), async_op
+        lambda: _run(stream, comm, algorithm, cost_model, codec, options, call_id, nonfinite),
+        async_op,
     )

@@ -20,7 +20,7 @@ import torch
 from ...collectives import algorithms, sparse_allreduce
 from ...collectives.codec import QUANTIZE_MODES
 from ...collectives.registry import algorithm_info
-from ...compress.base import Composed, Selector
+from ...compress.base import Composed, Selector, all_finite
 from ...stream import SparseStream
 from .base import MethodConfig, MethodSpec, register_method
 
@@ -101,7 +101,15 @@ def run_sparse(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type:
     selector: Selector = op.selector if isinstance(op, Composed) else op
     quantizer = op.quantizer if isinstance(op, Composed) else None
     t0 = time.perf_counter()
-    selected = selector.select(acc)
+    # nan_policy="propagate": NaN/Inf in the accumulator are flagged in the
+    # collective's own header (checks_nonfinite), not agreed in a round of their
+    # own; a flagged rank selects nothing (its selector never sees them), and every
+    # rank raises NonFiniteError, on which the bucket goes dense for this step
+    nonfinite = state.nan_policy == "propagate" and not all_finite(acc)
+    if nonfinite:
+        selected = SparseStream.empty(acc.numel(), acc.dtype, acc.device)
+    else:
+        selected = selector.select(acc)
     state.select_s += time.perf_counter() - t0  # (statistics: compress vs communicate)
     cfg = state.config
     total = sparse_allreduce(
@@ -112,6 +120,7 @@ def run_sparse(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type:
         quantize=cfg.quantize if quantizer is not None else "dense",
         index_coding=cfg.index_coding,
         call_id=bucket.step,
+        nonfinite=nonfinite,
     )
     return selected, total.to_dense()
 
@@ -123,6 +132,7 @@ SPARSE = register_method(
         run_sparse,
         config=SparseConfig,
         operator=True,
+        checks_nonfinite=True,
     )
 )
 
