@@ -49,6 +49,9 @@ def main() -> None:
         same = all(torch.equal(p, gathered[0]) for p in gathered)
         print(f"{args.method}: final loss {loss.item():.4f}; sent {state.bytes_sent:,} bytes; "
               f"models identical on every rank: {same}")  # fmt: skip
+    # tear the process group down before the interpreter does: gloo's threads must
+    # not outlive it into finalization (an abort at exit, now and then, otherwise)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
