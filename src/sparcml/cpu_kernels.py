@@ -23,7 +23,6 @@ __all__ = [
     "natural9_decode",
     "natural9_encode",
     "widen_increasing",
-    "widen_increasing_bytes",
 ]
 
 _ONE = np.uint64(1)
@@ -123,26 +122,6 @@ def merge_bitmap(  # pragma: no cover - compiled
     return n
 
 
-@numba.njit(cache=True, nogil=True)
-def widen_increasing(  # pragma: no cover - compiled
-    words: Any, mask: int, out: Any, offset: int, size: int
-) -> int:
-    # out[i] = (words[i] & mask) + offset, checking in the same pass that the
-    # words strictly increase and stay below size; -1 when they do, else where
-    # they stop: i > 0 not increasing at i, 0 negative first, n out of range
-    n = words.shape[0]
-    prev = np.int64(-1)
-    for i in range(n):
-        x = np.int64(words[i]) & mask
-        if x <= prev:
-            return i
-        out[i] = x + offset
-        prev = x
-    if n and prev >= size:
-        return n
-    return -1
-
-
 @numba.njit(cache=True, nogil=True, inline="always")
 def _field(raw: Any, base: int, c: int) -> int:  # pragma: no cover - compiled
     # the little-endian c-byte field at raw[base:base + c]; 3 bytes (the common
@@ -156,15 +135,18 @@ def _field(raw: Any, base: int, c: int) -> int:  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def widen_increasing_bytes(  # pragma: no cover - compiled
-    raw: Any, c: int, out: Any, offset: int, size: int
+def widen_increasing(  # pragma: no cover - compiled
+    words: Any, c: int, assembled: bool, mask: int, out: Any, offset: int, size: int
 ) -> int:
-    # widen_increasing for fields of c bytes that are not a machine word (3, 5,
-    # 6, 7): each little-endian field assembled from its bytes
-    n = raw.shape[0] // c
+    # out[i] = field i + offset, checking in the same pass that the fields
+    # strictly increase and stay below size; -1 when they do, else where they
+    # stop: i > 0 not increasing at i, 0 negative first, n out of range. The
+    # fields are machine words (words[i] & mask) or, assembled, c bytes each of
+    # the uint8 words (a width that is not a word: 3, 5, 6, 7)
+    n = words.shape[0] // c if assembled else words.shape[0]
     prev = np.int64(-1)
     for i in range(n):
-        x = _field(raw, i * c, c)
+        x = _field(words, i * c, c) if assembled else np.int64(words[i]) & mask
         if x <= prev:
             return i
         out[i] = x + offset

@@ -148,19 +148,18 @@ def widen_increasing(
     """
     if not words.numel():
         return -1
-    if c not in _SIGNED:
-        # 3, 5, 6 or 7 bytes: no machine word of that width; the fields are assembled
-        if words.device.type == "cpu":
-            return int(
-                _compiled().widen_increasing_bytes(words.numpy(), c, out.numpy(), offset, size)
+    assembled = c not in _SIGNED  # 3, 5, 6 or 7 bytes: no machine word of that width
+    if not assembled:
+        words = words.view(_SIGNED[c])
+    if words.device.type == "cpu":
+        return int(
+            _compiled().widen_increasing(
+                words.numpy(), c, assembled, _MASKS.get(c, -1), out.numpy(), offset, size
             )
+        )
+    if assembled:
         wide = indices_from_low_bytes(words, c)
     else:
-        words = words.view(_SIGNED[c])
-        if words.device.type == "cpu":
-            return int(
-                _compiled().widen_increasing(words.numpy(), _MASKS[c], out.numpy(), offset, size)
-            )
         wide = words.to(torch.int64)
         if c < 8:
             wide &= _MASKS[c]
