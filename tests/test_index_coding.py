@@ -103,3 +103,34 @@ def test_allreduce_results_do_not_depend_on_the_index_coding(world: int) -> None
 def test_state_checks_the_index_coding() -> None:
     with pytest.raises(ValueError, match="index_coding"):
         SparcmlState("topk+natural", density=0.01, index_coding="zigzag")
+
+
+@pytest.mark.parametrize("coding", ["fixed", "delta"])
+def test_a_quantized_stream_goes_dense_where_that_is_smaller(coding: str) -> None:
+    """sec. 5.1's switch with the quantized value size: 9-bit natural values beside
+    2-byte indices (N = 10,000) are cheaper dense above 1.125 / 3.125 = 36% density
+    (fixed), above 1.125 / 2.125 = 53% with delta-coded indices counted at a byte."""
+    from sparcml.compress.base import HEADER_BYTES as QHEADER
+
+    n = 10_000
+    q = get("natural")
+    g = torch.Generator().manual_seed(3)
+    for density, dense in ((0.05, False), (0.30, False), (0.45, coding == "fixed"), (0.8, True)):
+        idx = torch.randperm(n, generator=g)[: int(n * density)].sort().values
+        s = SparseStream(idx, torch.randn(idx.numel(), generator=g), n)
+        msg = encode_quantized_stream(s, q, torch.Generator().manual_seed(0), coding)
+        back = decode_quantized_stream(msg, q, torch.float32, torch.device("cpu"))
+        assert back.is_dense == dense, density
+        if dense:
+            assert msg.numel() == QHEADER + q.expected_nbytes(n)
+        else:
+            assert msg.numel() < QHEADER + q.expected_nbytes(n)
+        # the same vector either way: zeros stay zeros, the values are natural's powers of two
+        got = back.to_dense()
+        off = torch.ones(n, dtype=torch.bool)
+        off[idx] = False
+        assert (got[off] == 0).all()
+        v, w = got[idx], s.to_dense()[idx]
+        assert (torch.sign(v) == torch.sign(w)).all()
+        ratio = v / w
+        assert ((ratio >= 0.5 - 1e-6) & (ratio <= 2 + 1e-6)).all()

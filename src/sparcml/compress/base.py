@@ -300,12 +300,22 @@ def encode_quantized_stream(
     Indices are ``c`` bytes each (``index_coding="fixed"``) or LEB128 varints of
     their gaps (``"delta"``, header flag 2: about 1.3 bytes at 1% density; see
     :func:`~sparcml.compress.packing.encode_index_deltas`). A dense stream is sent
-    as the header (flag 1) and the quantized vector.
+    as the header (flag 1) and the quantized vector; so is a sparse one whose
+    quantized dense form is no larger than its pairs would be (sec. 5.1's
+    ``delta`` with the quantized value size in place of ``isize``: at 9-bit
+    natural compression and 3-byte indices, above 27% density; with delta-coded
+    indices counted at their least, a byte each). Zeros quantize to zeros, so the
+    dense form holds the same vector.
     """
     if index_coding not in ("fixed", "delta"):
         raise ValueError(f"index_coding must be 'fixed' or 'delta', got {index_coding!r}")
     device = stream.device
     n = stream.size
+    if not stream.is_dense and stream.nnz:
+        per_index = index_bytes(n) if index_coding == "fixed" else 1
+        sparse = stream.nnz * per_index + quantizer.expected_nbytes(stream.nnz)
+        if quantizer.expected_nbytes(n) <= sparse:
+            stream = SparseStream.dense(stream.to_dense())
     if stream.is_dense:
         parts = [make_header(QUANTIZED_STREAM_CODE, n, flags=1, device=device)]
     else:
