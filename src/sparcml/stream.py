@@ -78,7 +78,7 @@ def index_bytes(size: int) -> int:
     """
     if size < 0:
         raise ValueError(f"size must be non-negative, got {size}")
-    return max(1, ((size - 1).bit_length() + 7) // 8) if size else 1
+    return max(1, ((size - 1).bit_length() + 7) // 8)  # size 0 or 1: one byte
 
 
 def dense_threshold(size: int, dtype: torch.dtype) -> int:
