@@ -52,6 +52,9 @@ def mismatched_size(comm):  # type: ignore[no-untyped-def]
 
 
 def dead_rank(comm, victim):  # type: ignore[no-untyped-def]
+    # every rank past its connection set-up first: a victim that exits while a peer
+    # is still inside init_process_group fails that peer's init, not the collective
+    comm.barrier()
     if comm.rank == victim:
         os._exit(3)
     try:
@@ -226,6 +229,9 @@ def allgather_sizes(comm):  # type: ignore[no-untyped-def]
 
 
 def dead_rank_in_allgather(comm, victim):  # type: ignore[no-untyped-def]
+    # every rank past its connection set-up first: a victim that exits while a peer
+    # is still inside init_process_group fails that peer's init, not the collective
+    comm.barrier()
     if comm.rank == victim:
         os._exit(3)
     try:
