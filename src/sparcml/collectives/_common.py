@@ -108,7 +108,9 @@ def split_and_reduce(
     first, codec.first_round = codec.first_round, None
     if bounds is None:
         bounds = partition_boundaries(stream.size, p)
-    pieces = stream.split(bounds)
+    # pieces quantized whatever their form leave that choice to the quantized
+    # encoder, which counts by the quantized sizes (no float-sized sparsify first)
+    pieces = stream.split(bounds, sparsify=not codec.quantizes_every_piece)
     empty = torch.empty(0, dtype=torch.uint8, device=stream.device)
     payloads = [
         empty if j == me or (first is not None and first.refuse) else encode_or_empty(piece, codec)

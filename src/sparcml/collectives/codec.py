@@ -137,6 +137,12 @@ class StreamCodec:
         """Whether messages carrying partial sums may be quantized (not under Alg. 1)."""
         return self.quantizer is not None and self.quantize != "contributions"
 
+    @property
+    def quantizes_every_piece(self) -> bool:
+        """Whether this rank's own contribution is quantized whatever its form
+        (``"contributions"`` and ``"all"``), so its encoder picks sparse or dense."""
+        return self.quantizer is not None and self.quantize != "dense"
+
     def _quantizes(self, stream: SparseStream, partial: bool) -> bool:
         if self.quantizer is None:
             return False

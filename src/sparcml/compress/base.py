@@ -299,23 +299,31 @@ def encode_quantized_stream(
 
     Indices are ``c`` bytes each (``index_coding="fixed"``) or LEB128 varints of
     their gaps (``"delta"``, header flag 2: about 1.3 bytes at 1% density; see
-    :func:`~sparcml.compress.packing.encode_index_deltas`). A dense stream is sent
-    as the header (flag 1) and the quantized vector; so is a sparse one whose
-    quantized dense form is no larger than its pairs would be (sec. 5.1's
-    ``delta`` with the quantized value size in place of ``isize``: at 9-bit
-    natural compression and 3-byte indices, above 27% density; with delta-coded
-    indices counted at their least, a byte each). Zeros quantize to zeros, so the
-    dense form holds the same vector.
+    :func:`~sparcml.compress.packing.encode_index_deltas`). The smaller form is
+    sent (sec. 5.1's ``delta`` with the quantized value size in place of
+    ``isize``: at 9-bit natural compression and 3-byte indices, pairs below 27%
+    density; delta-coded indices counted at their least, a byte each): the dense
+    form is the header (flag 1) and the quantized vector, and a dense stream with
+    enough zeros goes as pairs (one counting pass decides). Zeros quantize to
+    zeros, so either form holds the same vector.
     """
     if index_coding not in ("fixed", "delta"):
         raise ValueError(f"index_coding must be 'fixed' or 'delta', got {index_coding!r}")
     device = stream.device
     n = stream.size
-    if not stream.is_dense and stream.nnz:
-        per_index = index_bytes(n) if index_coding == "fixed" else 1
-        sparse = stream.nnz * per_index + quantizer.expected_nbytes(stream.nnz)
-        if quantizer.expected_nbytes(n) <= sparse:
-            stream = SparseStream.dense(stream.to_dense())
+    per_index = index_bytes(n) if index_coding == "fixed" else 1
+
+    def sparse_is_smaller(nnz: int) -> bool:
+        return nnz * per_index + quantizer.expected_nbytes(nnz) < quantizer.expected_nbytes(n)
+
+    if stream.is_dense:
+        # a dense stream (a split piece of a dense gradient, say) with enough zeros
+        # goes as pairs: one counting pass decides
+        if sparse_is_smaller(int(torch.count_nonzero(stream.values))):
+            idx = torch.nonzero(stream.values).flatten()
+            stream = SparseStream.from_sorted(idx, stream.values[idx], n)
+    elif stream.nnz and not sparse_is_smaller(stream.nnz):
+        stream = SparseStream.dense(stream.to_dense())
     if stream.is_dense:
         parts = [make_header(QUANTIZED_STREAM_CODE, n, flags=1, device=device)]
     else:
