@@ -121,6 +121,12 @@ def test_a_quantized_stream_goes_dense_where_that_is_smaller(coding: str) -> Non
         msg = encode_quantized_stream(s, q, torch.Generator().manual_seed(0), coding)
         back = decode_quantized_stream(msg, q, torch.float32, torch.device("cpu"))
         assert back.is_dense == dense, density
+        # the same vector held dense takes the same form, byte for byte (a split
+        # piece of a dense gradient reaches the encoder so)
+        held_dense = SparseStream.dense(s.to_dense())
+        assert torch.equal(
+            encode_quantized_stream(held_dense, q, torch.Generator().manual_seed(0), coding), msg
+        )
         if dense:
             assert msg.numel() == QHEADER + q.expected_nbytes(n)
         else:

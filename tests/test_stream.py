@@ -146,6 +146,15 @@ def test_split_and_concat_are_inverse() -> None:
     assert back.equal(s)
     dense_parts = SparseStream.dense(s.to_dense()).split(bounds)
     assert torch.equal(SparseStream.concat(dense_parts).to_dense(), s.to_dense())
+    # a dense stream's parts: sparse where their non-zeros are few (20 of 97 here),
+    # or, with sparsify=False, dense views of its storage (no copy)
+    assert not any(p.is_dense for p in dense_parts if p.size)
+    whole = SparseStream.dense(s.to_dense())
+    views = whole.split(bounds, sparsify=False)
+    assert all(p.is_dense for p in views) and [p.size for p in views] == [10, 0, 40, 47]
+    assert views[2].values.data_ptr() == whole.values[10:].data_ptr()
+    full = SparseStream.dense(torch.arange(1.0, 98.0)).split(bounds)
+    assert all(p.is_dense for p in full if p.size)
     with pytest.raises(ValueError, match="start at 0"):
         s.split([1, 97])
     with pytest.raises(ValueError, match="non-decreasing"):
