@@ -172,16 +172,26 @@ def test_check_takes_log_p_messages_and_names_an_absent_rank_beyond_the_partners
     assert run_ranks(4, _named_when_absent(3), timeout=0.3) == [3, 3, 3, None]
 
 
-FIRST_ROUND = [a for a in ALGORITHMS if a != "auto" and algorithm_info(a).header_in_first_round]
+CARRIED = [
+    a
+    for a in ALGORITHMS
+    if a != "auto"
+    and (algorithm_info(a).header_in_first_round or algorithm_info(a).header_in_rounds)
+]
 
 
-@pytest.mark.parametrize("algorithm", FIRST_ROUND)
-@pytest.mark.parametrize("world", [2, 3, 5])
-def test_an_explicit_split_call_checks_in_its_first_round(algorithm: str, world: int) -> None:
-    """Called by name, a split-phase algorithm sends no message beyond its own (the
-    header rides on the split), returns the same bits as the bare algorithm, and
-    every rank still raises the same error for mismatched dtypes, call_ids and
-    NaN under a quantizer, or names a rank that never calls."""
+def test_the_algorithms_that_carry_the_header() -> None:
+    assert set(CARRIED) >= {"ssar_split_allgather", "dsar_split_allgather", "ssar_recursive_double"}
+
+
+@pytest.mark.parametrize("algorithm", CARRIED)
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_an_explicit_call_checks_in_its_own_messages(algorithm: str, world: int) -> None:
+    """Called by name, a split-phase algorithm (header in the first round) or
+    recursive doubling (headers in every round, the fold included at P = 3, 5) sends
+    no message beyond its own, returns the same bits as the bare algorithm, and
+    every rank still raises the same error for mismatched sizes, dtypes, call_ids
+    and NaN under a quantizer, or names a rank that never calls."""
     from sparcml.collectives import get_algorithm
     from sparcml.errors import NonFiniteError
     from sparcml.wire import encode
@@ -197,6 +207,7 @@ def test_an_explicit_split_call_checks_in_its_first_round(algorithm: str, world:
         errors = []
         cases = [
             (SparseStream.empty(10, torch.float64 if comm.rank == 1 else torch.float32), {}),
+            (SparseStream.empty(11 if comm.rank == world - 2 else 10), {}),
             (SparseStream.empty(10), {"call_id": 7 if comm.rank == world - 1 else 6}),
             (
                 SparseStream.dense(torch.full((12,), math.nan if comm.rank == 0 else 1.0)),
@@ -218,8 +229,9 @@ def test_an_explicit_split_call_checks_in_its_first_round(algorithm: str, world:
         assert errors == out[0][4]  # the same error on every rank
     errors = out[0][4]
     assert errors[0].startswith("RankMismatchError") and "rank 1: torch.float64" in errors[0]
-    assert errors[1].startswith("RankMismatchError") and f"rank {world - 1}: call_id 7" in errors[1]
-    assert errors[2].startswith("NonFiniteError") and "rank(s) [0]" in errors[2]
+    assert errors[1].startswith("RankMismatchError") and f"rank {world - 2}: N=11" in errors[1]
+    assert errors[2].startswith("RankMismatchError") and f"rank {world - 1}: call_id 7" in errors[2]
+    assert errors[3].startswith("NonFiniteError") and "rank(s) [0]" in errors[3]
     absent = world - 1
     named = run_ranks(world, _named_when_absent(absent, algorithm), timeout=0.3)
     assert named == [absent] * (world - 1) + [None]
@@ -236,3 +248,82 @@ def test_world_of_one_needs_no_process_group() -> None:
     s = SparseStream(torch.tensor([2]), torch.tensor([5.0]), 4)
     for algorithm in ALGORITHMS:
         assert torch.equal(sparse_allreduce(s, algorithm=algorithm).to_dense(), s.to_dense())
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
+def test_auto_carries_the_headers_once_it_settled_on_recursive_doubling(world: int) -> None:
+    """``auto`` exchanges headers first while it has no choice for a call's (N, value
+    size, codec); once a call settled on recursive doubling, the next such call
+    runs it with the headers in its rounds: the bare algorithm's messages and bits.
+    Calls that do not match still fail alike on every rank, whether a rank runs
+    the carried form and another exchanges first (new N on one rank only), a rank
+    flags NaN under a quantizer, or one rank names the algorithm and the others
+    ask for ``auto``; an absent rank is still named."""
+    from sparcml.collectives import get_algorithm
+    from sparcml.costmodel import CostModel
+    from sparcml.errors import NonFiniteError
+    from sparcml.wire import encode
+
+    model = CostModel(alpha=1e-3, beta=1e-9, gamma=1e-9)  # latency-bound: recursive doubling
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = make_stream("overlap", comm.rank, comm.world_size, 300)
+        comm.stats.reset()
+        bare = get_algorithm("ssar_recursive_double")(s, comm)
+        bare_msgs = comm.stats.messages_sent
+        msgs, bits = [], []
+        for n in (300, 300, 300, 301):
+            t = s if n == 300 else make_stream("overlap", comm.rank, comm.world_size, n)
+            comm.stats.reset()
+            bits.append(encode(sparse_allreduce(t, comm, cost_model=model)))
+            msgs.append(comm.stats.messages_sent)
+        errors = []
+        nan = torch.full((12,), math.nan if comm.rank == 0 else 1.0)
+        cases = [
+            (SparseStream.empty(999 if comm.rank == world - 1 else 300), {}),
+            (SparseStream.dense(torch.ones(12)), {"quantizer": "natural", "quantize": "all"}),
+            (SparseStream.dense(nan), {"quantizer": "natural", "quantize": "all"}),
+            (
+                SparseStream.empty(40),
+                {"algorithm": "ssar_recursive_double" if comm.rank else "auto"},
+            ),
+        ]
+        for case, kw in cases:
+            try:
+                sparse_allreduce(case, comm, cost_model=model, **kw)
+                errors.append("no error")
+            except (RankMismatchError, NonFiniteError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        return bare_msgs, encode(bare), msgs, bits, errors
+
+    out = run_ranks(world, fn)
+    for bare_msgs, bare, msgs, bits, errors in out:
+        assert msgs[1] == msgs[2] == bare_msgs  # carried: the algorithm's messages only
+        assert msgs[0] > bare_msgs and msgs[3] > bare_msgs  # N new: exchanged first
+        assert all(torch.equal(b, bare) for b in bits[:3])
+        assert torch.equal(bits[3], out[0][3][3])
+        assert errors == out[0][4]  # the same error on every rank
+    errors = out[0][4]
+    assert errors[0].startswith("RankMismatchError") and f"rank {world - 1}: N=999" in errors[0]
+    assert errors[1] == "no error"  # settles the quantized calls of N = 12
+    assert errors[2].startswith("NonFiniteError") and "rank(s) [0]" in errors[2]
+    assert errors[3].startswith("RankMismatchError") and "rank 0: exchanged first" in errors[3]
+
+
+def test_auto_names_an_absent_rank_when_carrying_the_headers() -> None:
+    from sparcml.costmodel import CostModel
+
+    model = CostModel(alpha=1e-3, beta=1e-9, gamma=1e-9)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        sparse_allreduce(SparseStream.empty(10), comm, cost_model=model)  # settles
+        if comm.rank == 3:
+            return None
+        try:
+            sparse_allreduce(SparseStream.empty(10), comm, cost_model=model)
+        except CommTimeoutError as e:
+            return e.peer
+        return "no error"
+
+    assert run_ranks(4, fn, timeout=0.3) == [3, 3, 3, None]
+    assert run_ranks(5, fn, timeout=0.3) == [3, 3, 3, None, 3]

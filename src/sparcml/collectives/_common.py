@@ -18,6 +18,7 @@ __all__ = [
     "decode_or_empty",
     "encode_or_empty",
     "fold_messages",
+    "held_ranks",
     "largest_power_of_two",
     "log2_ceil",
     "partition_boundaries",
@@ -29,6 +30,15 @@ __all__ = [
 def largest_power_of_two(p: int) -> int:
     """The largest power of two ``<= p`` (``p >= 1``)."""
     return 1 << (p.bit_length() - 1)
+
+
+def held_ranks(rank: int, mask: int, p: int, p2: int) -> list[int]:
+    """The ranks whose contributions rank ``rank`` (< ``P'``) holds before the
+    recursive-doubling round with ``mask`` (``P'`` = ``p2``): its group of ``mask``
+    ranks and the extra ranks folded into them (Appendix A), ascending."""
+    base = rank & ~(mask - 1)
+    group = list(range(base, base + mask))
+    return group + [r + p2 for r in group if r < p - p2]
 
 
 def fold_messages(p: int) -> int:
@@ -123,7 +133,9 @@ def split_and_reduce(
     received = comm.alltoallv(payloads)
     if first is not None:
         # every rank checks every header before using anything: the same error everywhere
-        first.check([first.header if j == me else r[:HEADER_BYTES] for j, r in enumerate(received)])
+        first.ks = first.check(
+            [first.header if j == me else r[:HEADER_BYTES] for j, r in enumerate(received)]
+        )
         received = [r[HEADER_BYTES:] for r in received]
     width = bounds[me + 1] - bounds[me]
     mine = [

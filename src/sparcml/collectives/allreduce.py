@@ -14,8 +14,14 @@ An explicit ``algorithm=`` whose first round is a message to every peer (the
 split phase: registered with ``header_in_first_round``) carries the header in
 that round instead (:class:`~sparcml.collectives.codec.FirstRound`): every rank
 checks every header before it uses anything received, so the errors are the
-same, and the call costs no rounds beyond the algorithm's own. (This goes
-beyond the papers, which assume matching calls.)
+same, and the call costs no rounds beyond the algorithm's own. Recursive
+doubling (``header_in_rounds``) carries the headers in every round, which are
+the exchange's own messages (:class:`~sparcml.collectives.codec.CarriedHeaders`);
+``auto`` runs it so, without the exchange, when the previous call of the same
+``N``, value size and codec settled on it (every rank holds the same history, and
+a rank that exchanges first instead sends the same messages: a mismatch is
+refused on every rank, never hung). (This goes beyond the papers, which assume
+matching calls.)
 """
 
 from __future__ import annotations
@@ -33,8 +39,16 @@ from ..errors import NonFiniteError, RankMismatchError
 from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import code_dtype, dtype_code
-from ._common import largest_power_of_two
-from .autotune import AutoClass, auto_choices, auto_mode, run_auto
+from ._common import held_ranks, largest_power_of_two
+from .autotune import (
+    AutoClass,
+    auto_choices,
+    auto_mode,
+    previous_choice,
+    remember,
+    run_auto,
+    settled_choice,
+)
 from .codec import HEADER_BYTES, FirstRound, StreamCodec
 from .registry import algorithm_info, algorithms, check_options, choose, get_algorithm
 
@@ -50,14 +64,6 @@ __all__ = [
 log = logging.getLogger("sparcml")
 
 _MASK32 = (1 << 32) - 1
-
-
-def _held(rank: int, mask: int, p: int, p2: int) -> list[int]:
-    """The ranks whose headers ``rank`` (< ``P'``) holds before the round with ``mask``:
-    its group of ``mask`` ranks and the extra ranks folded into them, ascending."""
-    base = rank & ~(mask - 1)
-    group = list(range(base, base + mask))
-    return group + [r + p2 for r in group if r < p - p2]
 
 
 def gather_headers(header: torch.Tensor, comm: Communicator) -> list[torch.Tensor]:
@@ -83,7 +89,10 @@ def gather_headers(header: torch.Tensor, comm: Communicator) -> list[torch.Tenso
     p2 = largest_power_of_two(p)
 
     def take(buf: torch.Tensor, src: int, ranks: list[int]) -> None:
-        if buf.numel() != width * len(ranks):
+        # (bytes beyond the headers: a partner that carries them in recursive
+        # doubling's data messages, ``header_in_rounds``; its header says so and
+        # check_headers refuses the mix on every rank)
+        if buf.numel() < width * len(ranks):
             raise RankMismatchError(
                 f"rank {src} sent a malformed header ({buf.numel()} bytes, expected "
                 f"{width * len(ranks)}): is it running the same collective and sparcml version?"
@@ -100,9 +109,9 @@ def gather_headers(header: torch.Tensor, comm: Communicator) -> list[torch.Tenso
     mask = 1
     while mask < p2:
         partner = me ^ mask
-        mine = _held(me, mask, p, p2)
+        mine = held_ranks(me, mask, p, p2)
         sent = torch.cat([out[r] for r in mine])  # type: ignore[misc]
-        take(comm.sendrecv(sent, partner), partner, _held(partner, mask, p, p2))
+        take(comm.sendrecv(sent, partner), partner, held_ranks(partner, mask, p, p2))
         mask <<= 1
     if me < p - p2:  # unfold
         comm.send(torch.cat([out[r] for r in range(p) if r != me + p2]), me + p2)  # type: ignore[misc]
@@ -115,14 +124,18 @@ def consistency_header(
     call_id: int | None = None,
     lossy: bool = False,
     nonfinite: bool = False,
+    carried: bool = False,
 ) -> tuple[torch.Tensor, bool]:
     """This rank's 24-byte header for :func:`check_consistent` and whether the call must
     be refused for NaN/Inf: values a quantizer cannot encode (``lossy``), or the
-    caller's own verdict on the data behind the stream (``nonfinite``)."""
+    caller's own verdict on the data behind the stream (``nonfinite``). ``carried``:
+    the header travels in the algorithm's own messages (:class:`FirstRound`), not
+    in the separate exchange; ranks that differ in this are refused alike."""
     bad = nonfinite or (lossy and not all_finite(stream.values))
-    # three words: size, (NaN flag << 56 | dtype << 48 | nnz), (call_id << 32 | call
-    # number), the last two modulo 2^32 (no call_id: all ones)
-    packed = (int(bad) << 56) | (dtype_code(stream.dtype) << 48) | stream.nnz
+    # three words: size, (flags << 56 | dtype << 48 | nnz), (call_id << 32 | call
+    # number), the last two modulo 2^32 (no call_id: all ones); flags: 1 = NaN/Inf,
+    # 2 = carried
+    packed = ((int(bad) | 2 * int(carried)) << 56) | (dtype_code(stream.dtype) << 48) | stream.nnz
     cid = _MASK32 if call_id is None else call_id & _MASK32
     calls = (cid << 32) | (sequence & _MASK32)
     meta = torch.tensor(
@@ -166,7 +179,18 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
                 f"ranks are in different collective calls ({detail}): a rank skipped a call "
                 "or made an extra one; every rank must make the same calls in the same order"
             )
-    flagged = [i for i, r in enumerate(rows) if r[5]]
+    carried = [r[5] >> 1 for r in rows]
+    if len(set(carried)) > 1:
+        detail = ", ".join(
+            f"rank {i}: {'in the algorithm' if c else 'exchanged first'}"
+            for i, c in enumerate(carried)
+        )
+        raise RankMismatchError(
+            f"ranks sent their consistency headers differently ({detail}): they are not "
+            "running the same algorithm (an explicit algorithm= on some ranks only, or "
+            "auto's choices differ)"
+        )
+    flagged = [i for i, r in enumerate(rows) if r[5] & 1]
     if flagged:
         raise NonFiniteError(
             f"NaN/Inf values on rank(s) {flagged}: refused on every rank (a quantizer cannot "
@@ -258,21 +282,41 @@ def _run(
     nonfinite: bool = False,
 ) -> SparseStream:
     codec = codec.with_call(comm.next_sequence(), comm.rank)
+    p = comm.world_size
+
+    def carry() -> FirstRound:
+        header, refuse = consistency_header(
+            stream, codec.sequence, call_id, codec.lossy, nonfinite, carried=True
+        )
+        codec.first_round = FirstRound(header, refuse, check_headers)
+        return codec.first_round
+
     if algorithm != "auto":
         info = algorithm_info(algorithm)
-        if info.header_in_first_round and comm.world_size > 1:
-            # the header travels in the algorithm's first round, a message to every
-            # peer, and is checked before anything received is used: no rounds of its own
-            header, refuse = consistency_header(
-                stream, codec.sequence, call_id, codec.lossy, nonfinite
-            )
-            codec.first_round = FirstRound(header, refuse, check_headers)
+        if (info.header_in_first_round or info.header_in_rounds) and p > 1:
+            # the header travels in the algorithm's own messages and is checked
+            # before anything received is used: no rounds of its own
+            carry()
         else:
             check_consistent(
                 stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy,
                 nonfinite=nonfinite,
             )  # fmt: skip
         return info.fn(stream, comm, codec, **options)
+    isize = stream.values.element_size()
+    key = (stream.size, isize, codec.lossy)
+    settled = previous_choice(comm, key) if p > 1 and comm.agrees_on_failures else None
+    if settled is not None and algorithm_info(settled).header_in_rounds:
+        # the last call like this one settled on an algorithm whose rounds carry the
+        # headers: run it with them (every rank holds the same history; one that
+        # exchanges first instead is refused alike), and settle the next call on
+        # the nnz they bring
+        first = carry()
+        log.debug("sparse_allreduce auto: %s, headers in its rounds", settled)
+        out = get_algorithm(settled)(stream, comm, codec)
+        assert first.ks is not None
+        remember(comm, key, settled_choice(comm, stream.size, first.ks, isize, codec.lossy, model))
+        return out
     ks = check_consistent(
         stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy,
         nonfinite=nonfinite,
@@ -281,8 +325,9 @@ def _run(
     def run(name: str) -> SparseStream:
         return get_algorithm(name)(stream, comm, codec)
 
-    out = run_auto(comm, stream.size, ks, stream.values.element_size(), codec.lossy, model, run)
+    out = run_auto(comm, stream.size, ks, isize, codec.lossy, model, run)
     assert isinstance(out, SparseStream)
+    remember(comm, key, settled_choice(comm, stream.size, ks, isize, codec.lossy, model))
     return out
 
 

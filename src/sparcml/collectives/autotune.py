@@ -58,7 +58,10 @@ __all__ = [
     "auto_choices",
     "auto_mode",
     "measuring",
+    "previous_choice",
+    "remember",
     "run_auto",
+    "settled_choice",
 ]
 
 log = logging.getLogger("sparcml")
@@ -136,6 +139,12 @@ _CHOICES: weakref.WeakKeyDictionary[Communicator, dict[AutoClass, AutoChoice]] =
 )
 
 
+# per communicator: (N, value size, lossy) -> what the last such call settled on
+_SETTLED: weakref.WeakKeyDictionary[Communicator, dict[tuple[int, int, bool], str | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def auto_choices(comm: Communicator) -> list[AutoChoice]:
     """What ``auto`` measured and decided on ``comm`` so far (per class, in order)."""
     return list(_CHOICES.get(comm, {}).values())
@@ -154,6 +163,46 @@ def _candidates(
     best = min(pred.values())
     keep = [a for a in names if pred[a] <= PRUNE_FACTOR * best]
     return sorted(keep, key=lambda a: pred[a]), best
+
+
+def settled_choice(
+    comm: Communicator,
+    size: int,
+    ks: Sequence[int],
+    isize: int,
+    lossy: bool,
+    cost_model: CostModel | None,
+) -> str | None:
+    """What ``auto`` will run for a call like this one without measuring: the
+    model's choice, or the class's measured winner; None while the class is new or
+    still being measured. The same on every rank (computed from agreed numbers)."""
+    p = comm.world_size
+    names = [a for a in algorithms(auto=True) if not (lossy and a == "dense")]
+    model = cost_model if cost_model is not None else CostModel.load()
+    if auto_mode(cost_model) == "model" or p == 1:
+        return choose(model, p, size, ks, isize, names)
+    entry = _CHOICES.get(comm, {}).get(AutoClass.of(p, size, ks, isize, lossy))
+    if entry is None:
+        cands, best = _candidates(model, p, size, ks, isize, names)
+        return cands[0] if best < MEASURE_ABOVE_S or len(cands) == 1 else None
+    return entry.winner
+
+
+def remember(comm: Communicator, key: tuple[int, int, bool], name: str | None) -> None:
+    """Note what ``auto`` settled on for the calls of ``key`` = (N, value size, lossy)
+    (:func:`settled_choice` of the last call, or None)."""
+    _SETTLED.setdefault(comm, {})[key] = name
+
+
+def previous_choice(comm: Communicator, key: tuple[int, int, bool]) -> str | None:
+    """What ``auto`` settled on in the last call of ``key`` on ``comm`` (or None).
+
+    Every rank that made the same calls holds the same answer, so ``auto`` may run
+    that algorithm before it has every rank's nnz when the algorithm carries the
+    headers in its own rounds (registered ``header_in_rounds``), and take the nnz
+    from there for the next call's choice.
+    """
+    return _SETTLED.get(comm, {}).get(key)
 
 
 def run_auto(

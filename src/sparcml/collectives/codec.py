@@ -45,7 +45,7 @@ from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import decode, decode_concat, encode
 
-__all__ = ["EXACT", "HEADER_BYTES", "QUANTIZE_MODES", "FirstRound", "StreamCodec"]
+__all__ = ["EXACT", "HEADER_BYTES", "QUANTIZE_MODES", "CarriedHeaders", "FirstRound", "StreamCodec"]
 
 HEADER_BYTES = 24
 """Size of a rank's consistency header (:func:`~sparcml.collectives.check_consistent`)."""
@@ -59,22 +59,104 @@ _PROCESS_SEED = int.from_bytes(os.urandom(8), "little") >> 1
 
 @dataclasses.dataclass
 class FirstRound:
-    """The consistency header carried by an algorithm's first round.
+    """The consistency header carried by an algorithm's own messages.
 
     ``sparse_allreduce`` hands this to algorithms registered with
     ``header_in_first_round`` (their first round is a message to every peer: the
-    split phase). :func:`~sparcml.collectives._common.split_and_reduce` then puts
-    ``header`` in front of each message, and ``check`` runs on every rank's header
-    before anything received is used, so every rank raises the same error for
-    mismatched calls, as the separate exchange would, without its ``log2 P``
-    rounds. With ``refuse`` (this rank holds NaN/Inf and a quantizer is set) the
-    messages carry the header alone, and ``check`` raises
-    :class:`~sparcml.errors.NonFiniteError` on every rank.
+    split phase) or ``header_in_rounds`` (recursive doubling, whose rounds are the
+    header exchange's own: :class:`CarriedHeaders`).
+    :func:`~sparcml.collectives._common.split_and_reduce` puts ``header`` in front
+    of each message, and ``check`` runs on every rank's header before anything
+    received is used, so every rank raises the same error for mismatched calls,
+    as the separate exchange would, without its ``log2 P`` rounds. With
+    ``refuse`` (this rank holds NaN/Inf and a quantizer is set) the messages carry
+    the header alone, and ``check`` raises :class:`~sparcml.errors.NonFiniteError`
+    on every rank. ``ks``: every rank's nnz, once checked.
     """
 
     header: torch.Tensor
     refuse: bool
     check: Callable[[list[torch.Tensor]], list[int]]
+    ks: list[int] | None = None
+
+
+def _header_words(header: torch.Tensor) -> tuple[int, int, int]:
+    size, packed, calls = bytes_as(header.cpu(), torch.int64).tolist()
+    return size, packed, calls
+
+
+class CarriedHeaders:
+    """Consistency headers riding in recursive doubling's messages (``header_in_rounds``).
+
+    Recursive doubling (with Appendix A's fold) sends exactly the messages of the
+    header exchange (:func:`~sparcml.collectives.gather_headers`): rank ``r``'s
+    round-``t`` message goes to ``r XOR 2^(t-1)`` and can carry the headers of the
+    ranks whose partial sum it holds. So every message starts with those headers
+    (:meth:`wrap`), and after the last round (the unfold) every rank holds all
+    ``P`` of them and checks them (:meth:`finish`): the errors of the separate
+    exchange, in no rounds of its own.
+
+    A header that differs from this rank's own in size, dtype, call number or
+    ``call_id``, or that flags NaN/Inf, makes the rank *refuse*: from then on its
+    messages carry the headers alone and it decodes nothing, but it still sends
+    every message of the pattern, so its partners learn the headers too; the
+    refusal spreads with the headers, and every rank raises the same error in
+    :meth:`finish`. A rank that runs the separate exchange instead (``auto``
+    before its choice is settled) sends the same messages without data: its
+    header's "carried" bit differs, so this is refused alike instead of hanging.
+
+    With ``first`` None (no header to carry) the messages are the payloads alone.
+    """
+
+    def __init__(self, first: FirstRound | None, me: int, device: torch.device) -> None:
+        self.first = first
+        self.device = device
+        self.held: dict[int, torch.Tensor] = {}
+        self.refuse = False
+        if first is not None:
+            self.held[me] = first.header
+            self.refuse = first.refuse
+            size, packed, calls = _header_words(first.header)
+            self._mine = (size, packed >> 48, calls)
+
+    def wrap(self, ranks: Sequence[int], payload: torch.Tensor | None) -> torch.Tensor:
+        """The message: the headers of ``ranks`` (held), then ``payload`` unless refusing."""
+        if self.first is None:
+            assert payload is not None
+            return payload
+        head = torch.cat([self.held[r] for r in ranks]).to(self.device)
+        if self.refuse or payload is None:
+            return head
+        return torch.cat([head, payload])
+
+    def unwrap(self, buf: torch.Tensor, src: int, ranks: Sequence[int]) -> torch.Tensor | None:
+        """Take the headers of ``ranks`` from ``src``'s message; its payload, or None
+        when this rank refuses (now or before)."""
+        if self.first is None:
+            return buf
+        n = HEADER_BYTES * len(ranks)
+        if buf.numel() < n:
+            raise WireFormatError(
+                f"rank {src} sent {buf.numel()} bytes where {len(ranks)} consistency "
+                "headers were due: is it running the same collective and sparcml version?"
+            )
+        for i, r in enumerate(ranks):
+            h = buf[i * HEADER_BYTES : (i + 1) * HEADER_BYTES].cpu()
+            self.held[r] = h
+            if not self.refuse:
+                size, packed, calls = _header_words(h)
+                self.refuse = (size, packed >> 48, calls) != self._mine
+        return None if self.refuse else buf[n:]
+
+    def finish(self, p: int) -> None:
+        """Check all ``P`` headers (the same error on every rank); sets ``first.ks``."""
+        if self.first is None:
+            return
+        if len(self.held) != p:
+            raise WireFormatError(f"consistency headers of {sorted(self.held)} only, of {p} ranks")
+        self.first.ks = self.first.check([self.held[r] for r in range(p)])
+        if self.refuse:  # check() raises whenever a header differs: defensive
+            raise WireFormatError("a rank refused the call but every header agrees")
 
 
 class StreamCodec:

@@ -37,6 +37,12 @@ Facts (:class:`AlgorithmInfo`):
   which then carries the call's consistency header; an explicit
   ``algorithm=`` call skips the header's own exchange (``log2 P`` rounds).
   ``auto`` still exchanges headers first: its choice needs every rank's nnz;
+* ``header_in_rounds``: its rounds are the header exchange's own messages
+  (recursive doubling with Appendix A's fold), each carrying the headers its
+  sender holds (:class:`~sparcml.collectives.codec.CarriedHeaders`): an explicit
+  call skips the exchange, and so does ``auto`` when the previous call of the
+  same size, value size and codec settled on it (a rank that exchanges first
+  instead sends the same messages, so a mix is refused on every rank, not hung);
 * ``options``: the keyword options it takes (``k``, ``state``), from its signature.
 """
 
@@ -88,6 +94,7 @@ class AlgorithmInfo:
     alias_of: str | None = None
     auto_priority: int = 0
     header_in_first_round: bool = False
+    header_in_rounds: bool = False
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -115,13 +122,15 @@ def register(
     family: Sequence[str] = ("sparcml",),
     auto_priority: int = 0,
     header_in_first_round: bool = False,
+    header_in_rounds: bool = False,
 ) -> Callable[[F], F]:
     """Decorator adding an allreduce algorithm to the registry under ``name``.
 
     Args:
         name: the ``algorithm=`` name.
         exact, input, auto, cost, quadratic, family, auto_priority,
-            header_in_first_round: the facts of :class:`AlgorithmInfo` (module docstring).
+            header_in_first_round, header_in_rounds: the facts of
+            :class:`AlgorithmInfo` (module docstring).
 
     Raises:
         ValueError: the name is taken by another function, or a fact is invalid.
@@ -131,6 +140,8 @@ def register(
     unknown = sorted(set(family) - set(FAMILIES))
     if unknown:
         raise ValueError(f"unknown algorithm family {unknown}; known: {', '.join(FAMILIES)}")
+    if header_in_first_round and header_in_rounds:
+        raise ValueError(f"{name}: the header rides in the first round or in every round")
     if auto and (not exact or cost is None or input != "stream"):
         raise ValueError(f"{name}: 'auto' candidates must be exact, take a stream, have a cost")
 
@@ -141,7 +152,7 @@ def register(
         alias = next((i.name for i in _REGISTRY.values() if i.fn is fn and i.name != name), None)
         _REGISTRY[name] = AlgorithmInfo(
             name, fn, exact, input, auto, cost, quadratic, frozenset(family), alias,
-            auto_priority, header_in_first_round,
+            auto_priority, header_in_first_round, header_in_rounds,
         )  # fmt: skip
         return fn
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..comm import Communicator, resolve
 from ..stream import SparseStream
-from ._common import fold_messages, largest_power_of_two
-from .codec import EXACT, StreamCodec
+from ._common import fold_messages, held_ranks, largest_power_of_two
+from .codec import EXACT, CarriedHeaders, StreamCodec
 from .registry import register
 
 if TYPE_CHECKING:
@@ -49,7 +51,7 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
     return t
 
 
-@register("ssar_recursive_double", auto=True, cost=cost, auto_priority=0)
+@register("ssar_recursive_double", auto=True, cost=cost, auto_priority=0, header_in_rounds=True)
 def ssar_recursive_double(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:
@@ -60,6 +62,10 @@ def ssar_recursive_double(
         comm: the communicator (default: the default process group, or a world of one).
         codec: how messages are encoded (exact by default). With a lossy codec each
             partner adds the decoded copy of its own message, so both hold the same bits.
+            With ``codec.first_round`` (a call through ``sparse_allreduce``) every
+            message also carries the consistency headers its sender holds
+            (:class:`~sparcml.collectives.codec.CarriedHeaders`): the check costs
+            no rounds of its own, ``24 * 2^(t-1)`` bytes more in stage ``t``.
 
     Returns:
         The sum, on ``stream``'s device.
@@ -69,17 +75,26 @@ def ssar_recursive_double(
     if p == 1:
         return stream.clone()
     p2 = largest_power_of_two(p)
+    first, codec.first_round = codec.first_round, None
+    headers = CarriedHeaders(first, me, stream.device)
+    others = [r for r in range(p) if r != me]
 
-    def receive(src: int) -> SparseStream:
-        return codec.decode(comm.recv(src), stream.size, stream.dtype, stream.device)
+    def decode(buf: torch.Tensor) -> SparseStream:
+        return codec.decode(buf, stream.size, stream.dtype, stream.device)
 
     # Step 0: fold.
     if me >= p2:
-        comm.send(codec.encode(stream), me - p2)
-        return receive(me - p2)
+        out = None if headers.refuse else codec.encode(stream)
+        comm.send(headers.wrap([me], out), me - p2)
+        got = headers.unwrap(comm.recv(me - p2), me - p2, others)
+        headers.finish(p)
+        assert got is not None
+        return decode(got)
     acc = stream
     if me < p - p2:
-        acc = codec.quantize_own(acc) + receive(me + p2)
+        got = headers.unwrap(comm.recv(me + p2), me + p2, [me + p2])
+        if got is not None:
+            acc = codec.quantize_own(acc) + decode(got)
     # Step 1: log2(P') exchange-and-add stages.
     mask = 1
     while mask < p2:
@@ -90,12 +105,21 @@ def ssar_recursive_double(
         # own contribution, under quantize="contributions", uses its own generator)
         shared = codec.quantizes_sums and codec.lossy
         seed = codec.shared_seed(mask, me // mask) if shared else None
-        buf = codec.encode(acc, seed, partial=partial)
-        other = codec.decode(comm.sendrecv(buf, partner), stream.size, stream.dtype, stream.device)
-        acc = codec.roundtrip(acc, buf, partial=partial)
-        acc = other + acc if partner < me else acc + other
+        buf = None if headers.refuse else codec.encode(acc, seed, partial=partial)
+        got = headers.unwrap(
+            comm.sendrecv(headers.wrap(held_ranks(me, mask, p, p2), buf), partner),
+            partner,
+            held_ranks(partner, mask, p, p2),
+        )
+        if got is not None:
+            assert buf is not None
+            other = decode(got)
+            acc = codec.roundtrip(acc, buf, partial=partial)
+            acc = other + acc if partner < me else acc + other
         mask <<= 1
     # Step 2: unfold (the final result travels exactly).
     if me < p - p2:
-        comm.send(codec.encode_exact(acc), me + p2)
+        final = None if headers.refuse else codec.encode_exact(acc)
+        comm.send(headers.wrap([r for r in range(p) if r != me + p2], final), me + p2)
+    headers.finish(p)
     return acc if acc is not stream else stream.clone()
