@@ -251,63 +251,85 @@ def test_world_of_one_needs_no_process_group() -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
-def test_auto_carries_the_headers_once_it_settled_on_recursive_doubling(world: int) -> None:
-    """``auto`` exchanges headers first while it has no choice for a call's (N, value
-    size, codec); once a call settled on recursive doubling, the next such call
-    runs it with the headers in its rounds: the bare algorithm's messages and bits.
-    Calls that do not match still fail alike on every rank, whether a rank runs
-    the carried form and another exchanges first (new N on one rank only), a rank
-    flags NaN under a quantizer, or one rank names the algorithm and the others
-    ask for ``auto``; an absent rank is still named."""
+def test_auto_carries_the_headers_once_it_settled(world: int) -> None:
+    """``auto`` exchanges headers first while it has no choice for a call; once
+    its calls settled, the next call runs the settled algorithm with the headers
+    in its own messages: the bare algorithm's messages and bits. That happens when
+    every call so far settled on one algorithm (whatever this call's N), or when
+    this call's (N, value size, codec) settled on recursive doubling, whose rounds
+    are the exchange's own. Calls that do not match fail alike on every rank in
+    every case: a mismatch inside the common algorithm, recursive doubling on some
+    ranks and the exchange on another, a rank naming the algorithm while another
+    asks ``auto`` (before any history), NaN under a quantizer."""
     from sparcml.collectives import get_algorithm
+    from sparcml.collectives.autotune import _SETTLED, common_choice, remember
     from sparcml.costmodel import CostModel
     from sparcml.errors import NonFiniteError
     from sparcml.wire import encode
 
     model = CostModel(alpha=1e-3, beta=1e-9, gamma=1e-9)  # latency-bound: recursive doubling
+    rd, split = "ssar_recursive_double", "ssar_split_allgather"
 
     def fn(comm):  # type: ignore[no-untyped-def]
+        errors = []
+
+        def attempt(stream, **kw):  # type: ignore[no-untyped-def]
+            try:
+                sparse_allreduce(stream, comm, cost_model=model, **kw)
+                errors.append("no error")
+            except (RankMismatchError, NonFiniteError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+
+        # no history yet: rank 0's auto exchanges first, the others name the algorithm
+        attempt(SparseStream.empty(40), algorithm=rd if comm.rank else "auto")
         s = make_stream("overlap", comm.rank, comm.world_size, 300)
-        comm.stats.reset()
-        bare = get_algorithm("ssar_recursive_double")(s, comm)
-        bare_msgs = comm.stats.messages_sent
+        bare = {}
+        for name in (rd, split):
+            comm.stats.reset()
+            bare[name] = (encode(get_algorithm(name)(s, comm)), comm.stats.messages_sent)
         msgs, bits = [], []
-        for n in (300, 300, 300, 301):
+        for n in (300, 300, 301, 302):
             t = s if n == 300 else make_stream("overlap", comm.rank, comm.world_size, n)
             comm.stats.reset()
             bits.append(encode(sparse_allreduce(t, comm, cost_model=model)))
             msgs.append(comm.stats.messages_sent)
-        errors = []
+        assert common_choice(comm) == rd
+        # every call settled on recursive doubling: it runs whatever a rank's N
+        attempt(SparseStream.empty(999 if comm.rank == world - 1 else 300))
+        # two algorithms in the history: N = 300 (settled: recursive doubling) carries,
+        # a new N exchanges first; mixed, every rank refuses
+        remember(comm, (77, 4, False), split)
+        comm.stats.reset()
+        again = encode(sparse_allreduce(s, comm, cost_model=model))
+        carried_msgs = comm.stats.messages_sent
+        attempt(SparseStream.empty(998 if comm.rank == world - 1 else 300))
+        # NaN under a quantizer, in recursive doubling's rounds
+        attempt(SparseStream.dense(torch.ones(12)), quantizer="natural", quantize="all")
         nan = torch.full((12,), math.nan if comm.rank == 0 else 1.0)
-        cases = [
-            (SparseStream.empty(999 if comm.rank == world - 1 else 300), {}),
-            (SparseStream.dense(torch.ones(12)), {"quantizer": "natural", "quantize": "all"}),
-            (SparseStream.dense(nan), {"quantizer": "natural", "quantize": "all"}),
-            (
-                SparseStream.empty(40),
-                {"algorithm": "ssar_recursive_double" if comm.rank else "auto"},
-            ),
-        ]
-        for case, kw in cases:
-            try:
-                sparse_allreduce(case, comm, cost_model=model, **kw)
-                errors.append("no error")
-            except (RankMismatchError, NonFiniteError) as e:
-                errors.append(f"{type(e).__name__}: {e}")
-        return bare_msgs, encode(bare), msgs, bits, errors
+        attempt(SparseStream.dense(nan), quantizer="natural", quantize="all")
+        # a history of the split allgather alone: auto runs it with the header
+        _SETTLED[comm] = {}
+        remember(comm, (5, 4, False), split)
+        comm.stats.reset()
+        split_bits = encode(sparse_allreduce(s, comm, cost_model=model))
+        split_msgs = comm.stats.messages_sent
+        return bare, msgs, bits, again, carried_msgs, split_bits, split_msgs, errors
 
     out = run_ranks(world, fn)
-    for bare_msgs, bare, msgs, bits, errors in out:
-        assert msgs[1] == msgs[2] == bare_msgs  # carried: the algorithm's messages only
-        assert msgs[0] > bare_msgs and msgs[3] > bare_msgs  # N new: exchanged first
-        assert all(torch.equal(b, bare) for b in bits[:3])
-        assert torch.equal(bits[3], out[0][3][3])
-        assert errors == out[0][4]  # the same error on every rank
-    errors = out[0][4]
-    assert errors[0].startswith("RankMismatchError") and f"rank {world - 1}: N=999" in errors[0]
-    assert errors[1] == "no error"  # settles the quantized calls of N = 12
-    assert errors[2].startswith("NonFiniteError") and "rank(s) [0]" in errors[2]
-    assert errors[3].startswith("RankMismatchError") and "rank 0: exchanged first" in errors[3]
+    for bare, msgs, bits, again, carried_msgs, split_bits, split_msgs, errors in out:
+        assert msgs[0] > bare[rd][1]  # no history: the exchange first
+        assert msgs[1] == msgs[2] == msgs[3] == bare[rd][1]  # carried, new N included
+        assert torch.equal(bits[0], bare[rd][0]) and torch.equal(bits[1], bare[rd][0])
+        assert carried_msgs == bare[rd][1] and torch.equal(again, bare[rd][0])
+        assert split_msgs == bare[split][1] and torch.equal(split_bits, bare[split][0])
+        assert torch.equal(bits[3], out[0][2][3])
+        assert errors == out[0][7]  # the same errors on every rank
+    errors = out[0][7]
+    assert errors[0].startswith("RankMismatchError") and "rank 0: exchanged first" in errors[0]
+    assert errors[1].startswith("RankMismatchError") and f"rank {world - 1}: N=999" in errors[1]
+    assert errors[2].startswith("RankMismatchError") and f"rank {world - 1}: N=998" in errors[2]
+    assert errors[3] == "no error"
+    assert errors[4].startswith("NonFiniteError") and "rank(s) [0]" in errors[4]
 
 
 def test_auto_names_an_absent_rank_when_carrying_the_headers() -> None:

@@ -44,6 +44,7 @@ from .autotune import (
     AutoClass,
     auto_choices,
     auto_mode,
+    common_choice,
     previous_choice,
     remember,
     run_auto,
@@ -271,6 +272,33 @@ def choose_algorithm(
     return choose(model, comm.world_size, stream.size, ks, isize, candidates)
 
 
+def _carrying_choice(comm: Communicator, key: tuple[int, int, bool]) -> str | None:
+    """The algorithm ``auto`` may run with the headers in its own messages, skipping
+    their exchange (None: exchange first).
+
+    Every rank must then run the same messages, also when the call's arguments
+    differ between ranks (the error must be the same everywhere, never a hang):
+
+    * every ``auto`` call on ``comm`` so far settled on one algorithm that carries
+      headers (:func:`~.autotune.common_choice`): chosen from the shared history
+      alone, so the same on every rank whatever its arguments;
+    * else the previous call of this ``key`` settled on recursive doubling
+      (``header_in_rounds``): a rank whose key says otherwise exchanges first,
+      which sends the same messages as recursive doubling, and its header's
+      "carried" bit makes every rank refuse the mix (on a communicator whose
+      exchange is recursive doubling: one that agrees on failures).
+    """
+    common = common_choice(comm)
+    if common is not None:
+        info = algorithm_info(common)
+        if info.header_in_first_round or info.header_in_rounds:
+            return common
+    settled = previous_choice(comm, key)
+    if settled is not None and comm.agrees_on_failures and algorithm_info(settled).header_in_rounds:
+        return settled
+    return None
+
+
 def _run(
     stream: SparseStream,
     comm: Communicator,
@@ -305,14 +333,12 @@ def _run(
         return info.fn(stream, comm, codec, **options)
     isize = stream.values.element_size()
     key = (stream.size, isize, codec.lossy)
-    settled = previous_choice(comm, key) if p > 1 and comm.agrees_on_failures else None
-    if settled is not None and algorithm_info(settled).header_in_rounds:
-        # the last call like this one settled on an algorithm whose rounds carry the
-        # headers: run it with them (every rank holds the same history; one that
-        # exchanges first instead is refused alike), and settle the next call on
-        # the nnz they bring
+    settled = _carrying_choice(comm, key) if p > 1 else None
+    if settled is not None:
+        # run the settled algorithm with the headers in its own messages, and settle
+        # the next call on the nnz they bring
         first = carry()
-        log.debug("sparse_allreduce auto: %s, headers in its rounds", settled)
+        log.debug("sparse_allreduce auto: %s, headers in its own messages", settled)
         out = get_algorithm(settled)(stream, comm, codec)
         assert first.ks is not None
         remember(comm, key, settled_choice(comm, stream.size, first.ks, isize, codec.lossy, model))

@@ -57,6 +57,7 @@ __all__ = [
     "AutoClass",
     "auto_choices",
     "auto_mode",
+    "common_choice",
     "measuring",
     "previous_choice",
     "remember",
@@ -203,6 +204,20 @@ def previous_choice(comm: Communicator, key: tuple[int, int, bool]) -> str | Non
     from there for the next call's choice.
     """
     return _SETTLED.get(comm, {}).get(key)
+
+
+def common_choice(comm: Communicator) -> str | None:
+    """The one algorithm every call of ``auto`` on ``comm`` settled on so far, whatever
+    its N, value size and codec (None: none yet, several, or one still measured).
+
+    Depends on the shared history alone, not on this call's arguments, so every
+    rank gets the same answer even for a call whose arguments differ between
+    ranks: ``auto`` may then run that algorithm with the header in its own
+    messages (any registered ``header_in_first_round`` or ``header_in_rounds``),
+    and a mismatched call is refused inside it on every rank.
+    """
+    seen = set(_SETTLED.get(comm, {}).values())
+    return seen.pop() if len(seen) == 1 else None
 
 
 def run_auto(
