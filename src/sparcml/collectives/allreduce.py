@@ -16,11 +16,12 @@ that round instead (:class:`~sparcml.collectives.codec.FirstRound`): every rank
 checks every header before it uses anything received, so the errors are the
 same, and the call costs no rounds beyond the algorithm's own. Recursive
 doubling (``header_in_rounds``) carries the headers in every round, which are
-the exchange's own messages (:class:`~sparcml.collectives.codec.CarriedHeaders`);
-``auto`` runs it so, without the exchange, when the previous call of the same
-``N``, value size and codec settled on it (every rank holds the same history, and
-a rank that exchanges first instead sends the same messages: a mismatch is
-refused on every rank, never hung). (This goes beyond the papers, which assume
+the exchange's own messages (:class:`~sparcml.collectives.codec.CarriedHeaders`).
+``auto`` skips the exchange too once its choice is settled
+(:func:`_carrying_choice`): when every call so far settled on one such algorithm,
+or when the previous call of the same ``N``, value size and codec settled on
+recursive doubling; every rank holds the same history, so a mismatched call is
+refused on every rank, never hung. (This goes beyond the papers, which assume
 matching calls.)
 """
 

@@ -35,8 +35,9 @@ Facts (:class:`AlgorithmInfo`):
 * ``header_in_first_round``: its first round (at ``P > 1``) is
   :func:`~sparcml.collectives._common.split_and_reduce`, a message to every peer,
   which then carries the call's consistency header; an explicit
-  ``algorithm=`` call skips the header's own exchange (``log2 P`` rounds).
-  ``auto`` still exchanges headers first: its choice needs every rank's nnz;
+  ``algorithm=`` call skips the header's own exchange (``log2 P`` rounds), and
+  so does ``auto`` once every call it made on the communicator settled on this
+  algorithm (its choice otherwise needs every rank's nnz first);
 * ``header_in_rounds``: its rounds are the header exchange's own messages
   (recursive doubling with Appendix A's fold), each carrying the headers its
   sender holds (:class:`~sparcml.collectives.codec.CarriedHeaders`): an explicit
