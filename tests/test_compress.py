@@ -490,6 +490,33 @@ def test_kth_largest_is_exact(kind: str, n: int) -> None:
     for k in (1, 7, n // 1000, n // 100, n // 10, n // 4, n // 2, n):
         k = max(k, 1)
         assert kth_largest(x, k) == float(torch.topk(x, k).values.min()), (kind, n, k)
+    for dtype in (torch.float64, torch.float16):  # the compiled scan; torch's masks
+        y = x.to(dtype)
+        for k in (7, n // 100):
+            assert kth_largest(y, k) == float(torch.topk(y, k).values.min()), (dtype, kind, k)
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "sparse"])
+def test_top_k_positions_are_the_top_k_with_ties_broken_by_position(kind: str) -> None:
+    """Given the k-th largest ``t``: every entry above ``t``, then the entries equal
+    to ``t`` in index order, k in all (k-th largest tied or not), sorted."""
+    from sparcml.compress.threshold_reuse import kth_largest, top_k_positions
+
+    n = 100_003
+    g = torch.Generator().manual_seed(5)
+    mag = {
+        "randn": lambda: torch.randn(n, generator=g).abs(),
+        "ties": lambda: torch.randint(0, 50, (n,), generator=g).float(),
+        "sparse": lambda: torch.zeros(n).index_fill_(0, torch.arange(0, n, 97), 1.0),
+    }[kind]()
+    for k in (1, 50, 1000, 2000, 30_000):
+        t = kth_largest(mag, k)
+        got = top_k_positions(mag, t, k)
+        above = (mag > t).nonzero().flatten()
+        tied = (mag == t).nonzero().flatten()
+        want = above if t == 0 else torch.cat([above, tied[: k - above.numel()]]).sort().values
+        assert torch.equal(got, want), (kind, k)
+        assert t == 0 or got.numel() == k
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])

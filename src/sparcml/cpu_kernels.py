@@ -188,6 +188,24 @@ def above_positions(  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def bracket_band(  # pragma: no cover - compiled
+    mag: Any, t_lo: float, t_hi: float, band: Any
+) -> tuple[int, int]:
+    # one pass over magnitudes (no NaN): how many lie above t_hi, and those in
+    # [t_lo, t_hi] copied into band; returns (above, band count)
+    above = 0
+    n = 0
+    for i in range(mag.shape[0]):
+        v = mag[i]
+        if v > t_hi:
+            above += 1
+        elif v >= t_lo:
+            band[n] = v
+            n += 1
+    return above, n
+
+
+@numba.njit(cache=True, nogil=True)
 def natural9_encode(  # pragma: no cover - compiled
     bits: Any, rand: Any, deterministic: bool, exps: Any, plane: Any
 ) -> tuple[int, int]:

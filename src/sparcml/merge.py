@@ -36,6 +36,7 @@ from .reinterpret import index_low_bytes, indices_from_low_bytes, write_low_byte
 
 __all__ = [
     "above_positions",
+    "bracket_band",
     "merge_positions",
     "merge_sum",
     "natural9_decode",
@@ -75,6 +76,9 @@ def warm_kernels() -> None:
     write_index_field(torch.empty(6, dtype=torch.uint8), torch.tensor([1, 2]), 3)
     for dtype in (torch.int16, torch.int32, torch.int64):
         above_positions(torch.tensor([1, 3], dtype=dtype), -1, 2, 0, out)
+    for dtype in (torch.float32, torch.float64):
+        mags = torch.tensor([0.5, 1.0, 2.0], dtype=dtype)
+        bracket_band(mags, 0.75, 1.5, torch.empty_like(mags))
     codes = torch.empty(4, dtype=torch.uint8)
     for deterministic in (False, True):
         bits = torch.tensor([1.5, -3.0], dtype=torch.float32).view(torch.int32)
@@ -193,6 +197,17 @@ def above_positions(words: torch.Tensor, mask: int, tb: int, offset: int, out: t
     how many. The threshold scan of :func:`sparcml.compress.selection.select_above`
     on IEEE bit patterns (``mask`` drops the sign bit)."""
     return int(_compiled().above_positions(words.numpy(), mask, tb, offset, out.numpy()))
+
+
+def bracket_band(
+    mag: torch.Tensor, t_lo: float, t_hi: float, band: torch.Tensor
+) -> tuple[int, int]:
+    """CPU only, float32/float64 magnitudes without NaN: how many exceed ``t_hi``, and
+    the values in ``[t_lo, t_hi]`` written into ``band`` (as long as ``mag``, same
+    dtype), in one compiled pass; returns (above, band count). The counting pass of
+    :func:`sparcml.compress.threshold_reuse.kth_largest`."""
+    above, n = _compiled().bracket_band(mag.numpy(), t_lo, t_hi, band.numpy())
+    return int(above), int(n)
 
 
 def natural9_encode(

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from ..merge import bracket_band
+from ..reinterpret import dense_1d
 from ..stream import SparseStream
+from ._kernels import scratch
 from .base import Selector, check_input, register
 from .selection import KSpec, magnitude, select_above
 
@@ -37,9 +40,9 @@ def kth_largest(mag: torch.Tensor, k: int) -> float:
     ask for the exact value; issue 13): a strided sample of ``2^14`` entries
     brackets the value, ``t_lo <= t <= t_hi``, with a margin of four standard
     deviations of the sample's count on each side; one pass counts the entries
-    above ``t_hi``, one more gathers those in ``[t_lo, t_hi]`` (about
-    ``8 sqrt(k s / N) N / s`` of them), and the answer is an exact top-k of that
-    small set. A bracket that misses (adversarial data) falls back to the full
+    above ``t_hi`` and gathers those in ``[t_lo, t_hi]`` (about
+    ``8 sqrt(k s / N) N / s`` of them; a compiled scan on CPU, torch's masks on
+    other devices), and the answer is an exact top-k of that small set. A bracket that misses (adversarial data) falls back to the full
     ``torch.topk``; the result is exact either way. ``torch.topk`` over 4M floats
     takes about 100 ms on one core of this machine, the bracketed search about 10.
     """
@@ -55,12 +58,17 @@ def kth_largest(mag: torch.Tensor, k: int) -> float:
     hi_rank = int(expect) - margin  # sample rank (0-based) of t_hi
     t_hi = float(top[hi_rank]) if hi_rank >= 0 else float("inf")
     t_lo = float(top[-1])
-    above = int(torch.count_nonzero(mag > t_hi)) if t_hi != float("inf") else 0
-    if above < k:
-        band = mag[(mag >= t_lo) & (mag <= t_hi)]
-        need = k - above
-        if band.numel() >= need:
-            return float(torch.topk(band, need, sorted=False).values.min())
+    if mag.device.type == "cpu" and mag.dtype in (torch.float32, torch.float64):
+        # both passes in one compiled scan (0.55 -> 0.15 ms at 180K floats)
+        buf = scratch("kth_band", n, mag.dtype, mag.device)
+        above, nb = bracket_band(dense_1d(mag), t_lo, t_hi, buf)
+        band = buf[:nb]
+    else:
+        above = int(torch.count_nonzero(mag > t_hi)) if t_hi != float("inf") else 0
+        band = mag[(mag >= t_lo) & (mag <= t_hi)] if above < k else mag[:0]
+    need = k - above
+    if need > 0 and band.numel() >= need:
+        return float(torch.topk(band, need, sorted=False).values.min())
     return float(torch.topk(mag, k, sorted=False).values.min())
 
 
@@ -70,14 +78,19 @@ def top_k_positions(mag: torch.Tensor, t: float, k: int) -> torch.Tensor:
     Every entry above ``t``, then the first entries equal to ``t`` in index order
     up to ``k`` in all (deterministic ties); with ``t = 0`` only the non-zeros.
     """
-    above = select_above(mag, t, nan=False)
     if t == 0:
-        return above
-    need = k - above.numel()
-    if need <= 0:
-        return above
-    tied = (mag == t).nonzero().flatten()[:need]
-    return torch.sort(torch.cat([above, tied])).values
+        return select_above(mag, t, nan=False)
+    # one scan for |x| >= t (k or more entries: t is the k-th largest); only when
+    # entries tie at t are the tied ones past the first k - (entries above t) dropped,
+    # from the selection alone
+    at_least = select_above(mag, t, strict=False, nan=False)
+    if at_least.numel() <= k:
+        return at_least
+    tied = mag[at_least] == t
+    keep = ~tied
+    first = tied.nonzero().flatten()[: k - int(keep.sum())]
+    keep[first] = True
+    return at_least[keep]
 
 
 @register("threshold_reuse")
