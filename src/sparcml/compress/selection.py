@@ -43,9 +43,17 @@ class KSpec:
         return 0 if n == 0 else min(n, max(1, round(self.density * n)))
 
 
-def magnitude(x: torch.Tensor) -> torch.Tensor:
-    """``|x|`` with NaN mapped to +inf: NaN entries are selected first, never dropped."""
-    return torch.nan_to_num(x.abs(), nan=float("inf"))
+def magnitude(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``|x|`` with NaN mapped to +inf: NaN entries are selected first, never dropped.
+
+    ``out``: write into this tensor (``x``'s shape and dtype), e.g. a reused scratch
+    buffer, instead of two fresh ones (a fresh 64 MB tensor costs more in page
+    faults than the pass that fills it).
+    """
+    if out is None:
+        return torch.nan_to_num(x.abs(), nan=float("inf"))
+    torch.abs(x, out=out)
+    return out.nan_to_num_(nan=float("inf"))
 
 
 def stream_of(x: torch.Tensor, idx: torch.Tensor) -> SparseStream:

@@ -42,8 +42,9 @@ def kth_largest(mag: torch.Tensor, k: int) -> float:
     deviations of the sample's count on each side; one pass counts the entries
     above ``t_hi`` and gathers those in ``[t_lo, t_hi]`` (about
     ``8 sqrt(k s / N) N / s`` of them; a compiled scan on CPU, torch's masks on
-    other devices), and the answer is an exact top-k of that small set. A bracket that misses (adversarial data) falls back to the full
-    ``torch.topk``; the result is exact either way. ``torch.topk`` over 4M floats
+    other devices), and the answer is an exact top-k of that small set. A
+    bracket that misses (adversarial data) falls back to the full ``torch.topk``;
+    the result is exact either way. ``torch.topk`` over 4M floats
     takes about 100 ms on one core of this machine, the bracketed search about 10.
     """
     n = mag.numel()

@@ -35,6 +35,7 @@ from ...collectives import sparse_allreduce
 from ...comm import Communicator, run_ranks
 from ...compress.base import all_finite
 from ...compress.natural import NaturalCompression
+from ...compress.topk import TopK
 from ...merge import widen_increasing
 from ...reinterpret import index_low_bytes
 from ...stream import SparseStream, index_bytes
@@ -93,7 +94,22 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
     nat_payload = nat.quantize(dense_range, torch.Generator().manual_seed(301))
     draws = torch.empty(width, dtype=torch.int32)
     nat_gen = torch.Generator().manual_seed(302)
+    acc = torch.randn(n, generator=torch.Generator().manual_seed(304))
+    topk = TopK(k=k)
     cases: list[tuple[str, int, int, Callable[[], Any]]] = [
+        # the selection a training step makes before the collective (exact top-k)
+        (
+            "top-k of one rank's accumulator (TopK.select)",
+            n,
+            n * isize + k * pair,  # one read of the accumulator, the pairs written
+            lambda: topk.select(acc),
+        ),
+        (
+            "  torch.topk of its magnitudes (reference)",
+            n,
+            n * isize + k * pair,
+            lambda: torch.topk(acc.abs(), k, sorted=False),
+        ),
         (
             f"merge-sum of {p} sorted pieces of one range",
             k,
