@@ -137,15 +137,19 @@ def test_mismatched_dtype_fails_on_every_rank() -> None:
     assert all("rank 1: torch.float64" in m for m in run_ranks(3, fn))
 
 
-def _named_when_absent(absent: int, algorithm: str = "auto"):  # type: ignore[no-untyped-def]
+def _named_when_absent(absent: int, algorithm: str = "auto", **kw):  # type: ignore[no-untyped-def]
     """A rank function: rank ``absent`` never calls; the others return the peer
-    their timeout names."""
+    their timeout names. With ``settle``: every rank first makes one call, so that
+    ``auto``'s choice is settled."""
+    settle = kw.pop("settle", False)
 
     def fn(comm):  # type: ignore[no-untyped-def]
+        if settle:
+            sparse_allreduce(SparseStream.empty(10), comm, algorithm=algorithm, **kw)
         if comm.rank == absent:
             return None
         try:
-            sparse_allreduce(SparseStream.empty(10), comm, algorithm=algorithm)
+            sparse_allreduce(SparseStream.empty(10), comm, algorithm=algorithm, **kw)
         except CommTimeoutError as e:
             return e.peer
         return "no error"
@@ -335,17 +339,7 @@ def test_auto_carries_the_headers_once_it_settled(world: int) -> None:
 def test_auto_names_an_absent_rank_when_carrying_the_headers() -> None:
     from sparcml.costmodel import CostModel
 
-    model = CostModel(alpha=1e-3, beta=1e-9, gamma=1e-9)
-
-    def fn(comm):  # type: ignore[no-untyped-def]
-        sparse_allreduce(SparseStream.empty(10), comm, cost_model=model)  # settles
-        if comm.rank == 3:
-            return None
-        try:
-            sparse_allreduce(SparseStream.empty(10), comm, cost_model=model)
-        except CommTimeoutError as e:
-            return e.peer
-        return "no error"
-
-    assert run_ranks(4, fn, timeout=0.3) == [3, 3, 3, None]
-    assert run_ranks(5, fn, timeout=0.3) == [3, 3, 3, None, 3]
+    model = CostModel(alpha=1e-3, beta=1e-9, gamma=1e-9)  # settles on recursive doubling
+    for world in (4, 5):
+        named = run_ranks(world, _named_when_absent(3, settle=True, cost_model=model), timeout=0.3)
+        assert named == [3, 3, 3, None, 3][:world]

@@ -46,10 +46,10 @@ from .autotune import (
     auto_choices,
     auto_mode,
     common_choice,
+    plan,
     previous_choice,
     remember,
     run_auto,
-    settled_choice,
 )
 from .codec import HEADER_BYTES, FirstRound, StreamCodec
 from .registry import algorithm_info, algorithms, check_options, choose, get_algorithm
@@ -342,19 +342,21 @@ def _run(
         log.debug("sparse_allreduce auto: %s, headers in its own messages", settled)
         out = get_algorithm(settled)(stream, comm, codec)
         assert first.ks is not None
-        remember(comm, key, settled_choice(comm, stream.size, first.ks, isize, codec.lossy, model))
-        return out
-    ks = check_consistent(
-        stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy,
-        nonfinite=nonfinite,
-    )  # fmt: skip
+        ks = first.ks
+    else:
+        ks = check_consistent(
+            stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy,
+            nonfinite=nonfinite,
+        )  # fmt: skip
 
-    def run(name: str) -> SparseStream:
-        return get_algorithm(name)(stream, comm, codec)
+        def run(name: str) -> SparseStream:
+            return get_algorithm(name)(stream, comm, codec)
 
-    out = run_auto(comm, stream.size, ks, isize, codec.lossy, model, run)
+        planned = plan(comm, stream.size, ks, isize, codec.lossy, model, create=True)
+        out = run_auto(comm, planned, run)
+    # what the next call like this one will run without measuring (None: not settled)
+    remember(comm, key, plan(comm, stream.size, ks, isize, codec.lossy, model, create=False)[0])
     assert isinstance(out, SparseStream)
-    remember(comm, key, settled_choice(comm, stream.size, ks, isize, codec.lossy, model))
     return out
 
 

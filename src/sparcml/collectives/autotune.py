@@ -59,10 +59,10 @@ __all__ = [
     "auto_mode",
     "common_choice",
     "measuring",
+    "plan",
     "previous_choice",
     "remember",
     "run_auto",
-    "settled_choice",
 ]
 
 log = logging.getLogger("sparcml")
@@ -166,32 +166,42 @@ def _candidates(
     return sorted(keep, key=lambda a: pred[a]), best
 
 
-def settled_choice(
+def plan(
     comm: Communicator,
     size: int,
     ks: Sequence[int],
     isize: int,
     lossy: bool,
     cost_model: CostModel | None,
-) -> str | None:
-    """What ``auto`` will run for a call like this one without measuring: the
-    model's choice, or the class's measured winner; None while the class is new or
-    still being measured. The same on every rank (computed from agreed numbers)."""
+    create: bool,
+) -> tuple[str | None, AutoChoice | None]:
+    """``auto``'s plan for a call. ``(name, None)``: run ``name`` without measuring
+    (the model's choice, a small call, or the class's winner); ``(None, entry)``:
+    the class is being measured (its entry created here if new and ``create``);
+    ``(None, None)``: a new class that needs measuring, not created. The same on
+    every rank (computed from agreed numbers)."""
     p = comm.world_size
     names = [a for a in algorithms(auto=True) if not (lossy and a == "dense")]
     model = cost_model if cost_model is not None else CostModel.load()
     if auto_mode(cost_model) == "model" or p == 1:
-        return choose(model, p, size, ks, isize, names)
-    entry = _CHOICES.get(comm, {}).get(AutoClass.of(p, size, ks, isize, lossy))
+        return choose(model, p, size, ks, isize, names), None
+    table = _CHOICES.setdefault(comm, {})
+    cls = AutoClass.of(p, size, ks, isize, lossy)
+    entry = table.get(cls)
     if entry is None:
         cands, best = _candidates(model, p, size, ks, isize, names)
-        return cands[0] if best < MEASURE_ABOVE_S or len(cands) == 1 else None
-    return entry.winner
+        if best < MEASURE_ABOVE_S or len(cands) == 1:
+            return cands[0], None
+        if not create:
+            return None, None
+        entry = table[cls] = AutoChoice(cls, cands)
+        log.info("sparse_allreduce auto: measuring %s for %s", ", ".join(cands), cls)
+    return (entry.winner, None) if entry.winner is not None else (None, entry)
 
 
 def remember(comm: Communicator, key: tuple[int, int, bool], name: str | None) -> None:
     """Note what ``auto`` settled on for the calls of ``key`` = (N, value size, lossy)
-    (:func:`settled_choice` of the last call, or None)."""
+    (what :func:`plan` would run for the last call without measuring, or None)."""
     _SETTLED.setdefault(comm, {})[key] = name
 
 
@@ -222,39 +232,22 @@ def common_choice(comm: Communicator) -> str | None:
 
 def run_auto(
     comm: Communicator,
-    size: int,
-    ks: Sequence[int],
-    isize: int,
-    lossy: bool,
-    cost_model: CostModel | None,
+    planned: tuple[str | None, AutoChoice | None],
     run: Callable[[str], object],
 ) -> object:
-    """Pick ``auto``'s algorithm for this call and return ``run(name)``.
+    """Run ``auto``'s algorithm for this call, ``run(name)``, as :func:`plan` (with
+    ``create=True``) planned it: the settled algorithm, or the class's next
+    candidate while it is measured (deciding the winner after the last round).
 
-    ``ks`` are every rank's nnz from the consistency check (the same list on every
-    rank), so every rank computes the same class, candidates and winner.
+    The plan comes from every rank's nnz (the consistency check's, the same on
+    every rank), so every rank runs the same candidate and picks the same winner.
     """
-    p = comm.world_size
-    names = [a for a in algorithms(auto=True) if not (lossy and a == "dense")]
-    mode = auto_mode(cost_model)
-    model = cost_model if cost_model is not None else CostModel.load()
-    if mode == "model" or p == 1:
-        name = choose(model, p, size, ks, isize, names)
-        log.debug("sparse_allreduce auto (model %s) chose %s", model.source, name)
-        return run(name)
-    table = _CHOICES.setdefault(comm, {})
-    cls = AutoClass.of(p, size, ks, isize, lossy)
-    entry = table.get(cls)
-    if entry is None:
-        cands, best = _candidates(model, p, size, ks, isize, names)
-        if best < MEASURE_ABOVE_S or len(cands) == 1:
-            name = cands[0]
-            log.debug("sparse_allreduce auto (small call, model) chose %s", name)
-            return run(name)
-        entry = table[cls] = AutoChoice(cls, cands)
-        log.info("sparse_allreduce auto: measuring %s for %s", ", ".join(cands), cls)
-    if entry.winner is not None:
-        return run(entry.winner)
+    settled, entry = planned
+    if settled is not None:
+        log.debug("sparse_allreduce auto chose %s", settled)
+        return run(settled)
+    assert entry is not None
+    cls = entry.cls
     name = entry.candidates[len(entry.times) % len(entry.candidates)]
     t0 = comm.now()
     out = run(name)
