@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..comm import Communicator, resolve
-from ..compress.selection import select_above
+from ..compress.selection import scratch_magnitude, select_above
 from ..compress.threshold_reuse import kth_largest
 from ..errors import RankMismatchError
 from ..merge import merge_positions
@@ -234,7 +234,7 @@ def oktopk_allreduce(
     refresh = state.calls % state.tau_prime == 0 or state.local_threshold is None
     # Step 1: local top-k by a (reused) threshold
     if refresh:
-        state.local_threshold = kth_largest(torch.nan_to_num(x.abs(), nan=float("inf")), k)
+        state.local_threshold = kth_largest(scratch_magnitude(x), k)
     idx = select_above(x, state.local_threshold, strict=state.local_threshold == 0)
     if not refresh and not _near_k(idx.numel(), k):
         # count guard (the authors' code nudges the threshold when the count leaves
@@ -304,7 +304,7 @@ def _exact_again(x: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[float, tor
         sel = x[idx]
         t = kth_largest(torch.nan_to_num(sel.abs(), nan=float("inf")), k)
         return t, idx[_at_least(sel, t)]
-    t = kth_largest(torch.nan_to_num(x.abs(), nan=float("inf")), k)
+    t = kth_largest(scratch_magnitude(x), k)
     return t, select_above(x, t, strict=t == 0)
 
 

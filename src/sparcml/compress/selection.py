@@ -11,7 +11,15 @@ from ..reinterpret import dense_1d
 from ..stream import SparseStream
 from ._kernels import chunks, scratch
 
-__all__ = ["KSpec", "count_above", "magnitude", "max_magnitude", "select_above", "stream_of"]
+__all__ = [
+    "KSpec",
+    "count_above",
+    "magnitude",
+    "max_magnitude",
+    "scratch_magnitude",
+    "select_above",
+    "stream_of",
+]
 
 
 class KSpec:
@@ -54,6 +62,12 @@ def magnitude(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return torch.nan_to_num(x.abs(), nan=float("inf"))
     torch.abs(x, out=out)
     return out.nan_to_num_(nan=float("inf"))
+
+
+def scratch_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """:func:`magnitude` of a 1-D ``x`` in this thread's reused buffer (CPU): valid
+    until the next call on this thread, for a selection that drops it before then."""
+    return magnitude(x, scratch("magnitude", x.numel(), x.dtype, x.device))
 
 
 def stream_of(x: torch.Tensor, idx: torch.Tensor) -> SparseStream:

@@ -22,7 +22,7 @@ from ..reinterpret import dense_1d
 from ..stream import SparseStream
 from ._kernels import scratch
 from .base import Selector, check_input, register
-from .selection import KSpec, magnitude, select_above
+from .selection import KSpec, scratch_magnitude, select_above
 
 __all__ = ["BRACKET_MIN", "ThresholdReuse", "kth_largest", "top_k_positions"]
 
@@ -127,7 +127,7 @@ class ThresholdReuse(Selector):
             ):
                 idx = None  # out of the band: refresh now
         if idx is None:
-            mag = magnitude(x)
+            mag = scratch_magnitude(x)  # (dropped before this call returns)
             self.threshold = kth_largest(mag, k)
             self.refreshes += 1
             idx = top_k_positions(mag, self.threshold, k)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..stream import SparseStream
-from ._kernels import scratch
 from .base import Selector, check_input, register
-from .selection import KSpec, magnitude, stream_of
+from .selection import KSpec, scratch_magnitude, stream_of
 from .threshold_reuse import BRACKET_MIN, kth_largest, top_k_positions
 
 __all__ = ["TopK"]
@@ -39,8 +38,7 @@ class TopK(Selector):
     def select(self, tensor: torch.Tensor) -> SparseStream:
         x = check_input(tensor, self.name)
         k = self.spec.of(x.numel())
-        # (the magnitudes live only inside this call: a reused buffer on CPU)
-        mag = magnitude(x, scratch("magnitude", x.numel(), x.dtype, x.device))
+        mag = scratch_magnitude(x)  # (dropped before this call returns)
         if k and mag.numel() >= BRACKET_MIN:
             t = kth_largest(mag, k)
             if t > 0:  # (t = 0: the top-k includes zeros, which positions above t omit)
