@@ -187,15 +187,37 @@ def above_positions(  # pragma: no cover - compiled
     return n
 
 
+#: entries per block of bracket_band's counting loop
+BAND_BLOCK = 64
+
+
 @numba.njit(cache=True, nogil=True)
 def bracket_band(  # pragma: no cover - compiled
     mag: Any, t_lo: float, t_hi: float, band: Any
 ) -> tuple[int, int]:
     # one pass over magnitudes (no NaN): how many lie above t_hi, and those in
-    # [t_lo, t_hi] copied into band; returns (above, band count)
+    # [t_lo, t_hi] copied into band; returns (above, band count). Blocks of
+    # BAND_BLOCK: a branch-free count (vectorises), then the copy only in blocks
+    # that hold band entries (a narrow band: few blocks; 29 -> 7.5 ms at 16M)
+    m = mag.shape[0]
+    full = m - m % BAND_BLOCK
     above = 0
     n = 0
-    for i in range(mag.shape[0]):
+    for b0 in range(0, full, BAND_BLOCK):
+        ca = 0
+        cb = 0
+        for i in range(b0, b0 + BAND_BLOCK):
+            v = mag[i]
+            ca += v > t_hi
+            cb += (v >= t_lo) & (v <= t_hi)
+        above += ca
+        if cb:
+            for i in range(b0, b0 + BAND_BLOCK):
+                v = mag[i]
+                if (v >= t_lo) & (v <= t_hi):
+                    band[n] = v
+                    n += 1
+    for i in range(full, m):
         v = mag[i]
         if v > t_hi:
             above += 1
