@@ -342,7 +342,9 @@ def _run(
         log.debug("sparse_allreduce auto: %s, headers in its own messages", settled)
         out = get_algorithm(settled)(stream, comm, codec)
         assert first.ks is not None
-        ks = first.ks
+        # what the next call like this one runs without measuring (None: not settled)
+        planned = plan(comm, stream.size, first.ks, isize, codec.lossy, model, create=False)
+        remember(comm, key, planned[0])
     else:
         ks = check_consistent(
             stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy,
@@ -354,8 +356,8 @@ def _run(
 
         planned = plan(comm, stream.size, ks, isize, codec.lossy, model, create=True)
         out = run_auto(comm, planned, run)
-    # what the next call like this one will run without measuring (None: not settled)
-    remember(comm, key, plan(comm, stream.size, ks, isize, codec.lossy, model, create=False)[0])
+        # the plan's algorithm, or the class's winner once its last round decided it
+        remember(comm, key, planned[0] or (planned[1].winner if planned[1] else None))
     assert isinstance(out, SparseStream)
     return out
 
