@@ -123,3 +123,23 @@ def test_bench_peers_and_a_density_sweep_plot(capsys, tmp_path) -> None:  # type
     out = capsys.readouterr().out
     assert "| density | dense |" in out and "fastest" in out and png.stat().st_size > 1000
     assert main(["bench-plot", files[0], "--over", "P"]) == 2
+
+
+def test_bench_rows_print_their_compared_error_or_a_dash() -> None:
+    """A row with an error prints it with ok/WRONG; a row that compared nothing
+    prints "-" in both columns, never "0.0e+00 ok"."""
+    from sparcml.tools.bench.allreduce import BenchConfig, check_label, format_table
+
+    base = {"p25": 1e-3, "p50": 1e-3, "p75": 1e-3, "bytes_sent": 8.0, "result_nnz": 2,
+            "result_dense": False, "speedup_vs_dense": None}  # fmt: skip
+    rows = [
+        {**base, "algorithm": "checked", "max_rel_error": 3e-8, "correct": True},
+        {**base, "algorithm": "wrong", "max_rel_error": 0.5, "correct": False},
+        {**base, "algorithm": "unchecked", "max_rel_error": None, "correct": None},
+    ]
+    assert [check_label(r) for r in rows] == ["ok", "WRONG", "-"]
+    table = format_table(rows, BenchConfig(world_size=2, size=8))
+    line = {ln.split()[0]: ln for ln in table.splitlines() if ln.split()}
+    assert "3.0e-08" in line["checked"] and " ok " in line["checked"]
+    assert "e+00" not in line["unchecked"] and " ok " not in line["unchecked"]
+    assert line["unchecked"].split()[-6:-4] == ["-", "-"]  # max rel err, check

@@ -265,11 +265,33 @@ def test_bench_period_times_every_call_and_keeps_the_volume_bound() -> None:
 
     def fn(comm):  # type: ignore[no-untyped-def]
         acc = torch.randn(n, generator=torch.Generator().manual_seed(comm.rank))
-        return oktopk_period(comm, acc, k, seed=0, tau_prime=4)
+        return [oktopk_period(comm, acc, k, seed=0, tau_prime=4, algorithm=a)
+                for a in ("oktopk", "topkdsa")]  # fmt: skip
 
-    for times, sent, cpu in run_ranks(p, fn):
-        assert len(times) == len(sent) == len(cpu) == 4
-        assert max(sent) <= 6 * k * (p - 1) / p * (index_bytes(n) + 4)
+    for ok, dsa in run_ranks(p, fn):
+        for period in (ok, dsa):
+            assert len(period.times) == len(period.sent) == len(period.cpu) == 4
+            assert period.err <= 1e-5  # each call's result checked against float64 sums
+            assert k // 2 <= period.nnz <= p * k
+        assert max(ok.sent) <= 6 * k * (p - 1) / p * (index_bytes(n) + 4)
+
+
+def test_bench_period_error_sees_a_wrong_result() -> None:
+    """The period's error is a real comparison: a result off by one entry shows."""
+    from sparcml.tools.bench.topk import oktopk_error
+
+    n = 64
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        x = torch.randn(n, generator=torch.Generator().manual_seed(comm.rank))
+        t = float(x.abs().kthvalue(n - 8).values)
+        right = SparseStream.dense(comm.allreduce((x.abs() >= t).float() * x))
+        wrong = SparseStream.dense(right.to_dense().clone())
+        wrong.values[int(right.to_dense().abs().argmax())] += 1.0
+        return oktopk_error(comm, x, right, t), oktopk_error(comm, x, wrong, t)
+
+    for right, wrong in run_ranks(2, fn):
+        assert right <= 1e-6 and wrong > 1e-3
 
 
 @pytest.mark.parametrize("scale", [3.0, 0.3])

@@ -369,8 +369,11 @@ def run_benchmark(cfg: BenchConfig) -> list[dict[str, Any]]:
 
 
 def check_label(row: dict[str, Any]) -> str:
-    """``ok``, ``inexact`` (a lossy method whose error is reported, not bounded) or ``WRONG``."""
-    err = float(row.get("max_rel_error", 0.0))
+    """``ok``, ``inexact`` (a lossy method whose error is reported, not bounded),
+    ``WRONG``, or ``-`` for a row that compared nothing (no error recorded)."""
+    if row.get("max_rel_error") is None or row.get("correct") is None:
+        return "-"
+    err = float(row["max_rel_error"])
     if not row["correct"] or math.isnan(err):
         return "WRONG"
     return "inexact" if row.get("inexact") else "ok"
@@ -398,11 +401,13 @@ def format_table(rows: Sequence[dict[str, Any]], cfg: BenchConfig) -> str:
         nnz = f"{r['result_nnz']:,}" + (" D" if r["result_dense"] else "")
         pred = r.get("predicted")
         model = f"{pred * 1e3:9.2f} {r['p50'] / pred:10.2f}" if pred else f"{'-':>9} {'-':>10}"
+        err = r.get("max_rel_error")
+        err_s = f"{err:11.1e}" if err is not None else f"{'-':>11}"
         lines.append(
             f"{name:<32.32} {r['p50'] * 1e3:9.2f} "
             f"{r['p25'] * 1e3:8.2f}-{r['p75'] * 1e3:<8.2f} {cpu_ms:8.1f} "
             f"{r['bytes_sent'] / 1e6:13.3f} {r.get('algbw_gbps', 0.0):7.2f} "
-            f"{r.get('busbw_gbps', 0.0):7.2f} {nnz:>11} {r['max_rel_error']:11.1e} "
+            f"{r.get('busbw_gbps', 0.0):7.2f} {nnz:>11} {err_s} "
             f"{check_label(r):>7} {speed:>9} {speed16:>8} {model}"
         )
     tuned = next((r for r in rows if r.get("tuning_calls")), None)

@@ -34,7 +34,7 @@ import math
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -95,6 +95,16 @@ def _rel_err(got: SparseStream, ref: torch.Tensor, scale: torch.Tensor) -> float
     return float((err / scale.clamp_min(1e-30)).max()) if err.numel() else 0.0
 
 
+class Period(NamedTuple):
+    """What :func:`oktopk_period` measured."""
+
+    times: list[float]
+    sent: list[int]
+    cpu: list[float]
+    err: float
+    nnz: int
+
+
 def oktopk_period(
     comm: Communicator,
     acc: torch.Tensor,
@@ -102,7 +112,7 @@ def oktopk_period(
     seed: int,
     tau_prime: int | None = None,
     algorithm: str = "oktopk",
-) -> tuple[list[float], list[int], list[float]]:
+) -> Period:
     """One threshold period (``tau_prime`` calls, default the state's) from a fresh
     state, the accumulator drifting: ``acc * (1 + 0.05 t) + noise`` at call ``t``.
 
@@ -112,7 +122,9 @@ def oktopk_period(
     as a training step would.
 
     Returns the slowest rank's seconds, this rank's bytes sent and the busiest rank's
-    CPU seconds, per call.
+    CPU seconds, per call, the largest relative error of any call's result against
+    its float64 reference (checked after the timed call, outside it) and the last
+    result's number of nonzeros.
     """
     state = OkTopkState() if tau_prime is None else OkTopkState(tau_prime=tau_prime)
     g = torch.Generator().manual_seed(seed * 7919 + 104_729 + comm.rank)
@@ -120,21 +132,43 @@ def oktopk_period(
     times: list[float] = []
     sent: list[int] = []
     cpu: list[float] = []
+    err = 0.0
     for t in range(state.tau_prime):
         x = acc * (1 + 0.05 * t) + torch.randn(acc.numel(), generator=g)
         comm.barrier()
         before = comm.stats.bytes_sent
         c, t0 = time.process_time(), time.perf_counter()
         if algorithm == "oktopk":
-            sparse_allreduce(SparseStream.dense(x), comm, algorithm="oktopk", k=k, state=state)
+            r = sparse_allreduce(SparseStream.dense(x), comm, algorithm="oktopk", k=k, state=state)
         else:
-            sparse_allreduce(select.select(x), comm, algorithm=algorithm)
+            r = sparse_allreduce(select.select(x), comm, algorithm=algorithm)
         el, used = time.perf_counter() - t0, time.process_time() - c
         sent.append(comm.stats.bytes_sent - before)
         worst = comm.allreduce(torch.tensor([el, used], dtype=torch.float64), op="max")
         times.append(float(worst[0]))
         cpu.append(float(worst[1]))
-    return times, sent, cpu
+        if algorithm == "oktopk":
+            assert state.local_threshold is not None
+            err = max(err, oktopk_error(comm, x, r, state.local_threshold))
+        else:  # an exact algorithm: the sum of every rank's local top-k
+            mine = select.select(x).to_dense().double()
+            err = max(err, _rel_err(r, comm.allreduce(mine), comm.allreduce(mine.abs())))
+    return Period(times, sent, cpu, err, r.count_nonzero())
+
+
+def oktopk_error(
+    comm: Communicator, x: torch.Tensor, result: SparseStream, t_local: float
+) -> float:
+    """Ok-Topk's result against the float64 sum of every rank's entries at or above
+    its local threshold, on the result's support (the global threshold picks the
+    support; what it keeps must be that sum)."""
+    mine = (x.abs() >= t_local).double() * x.double()
+    ref, scale = comm.allreduce(mine), comm.allreduce(mine.abs())
+    support = result.indices if not result.is_dense else torch.arange(x.numel())
+    if not support.numel():
+        return 0.0
+    diff = (result.to_dense().double() - ref).abs()[support]
+    return float((diff / scale[support].clamp_min(1e-30)).max())
 
 
 def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] | None:
@@ -154,6 +188,15 @@ def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] 
         TopK(k=k).select(acc)
         times.append(time.perf_counter() - t0)
     select_s = float(comm.allreduce(torch.tensor([sorted(times)[1]]), op="max"))
+    # the selection's magnitudes against torch.topk's (ties may pick other positions)
+    want = torch.topk(acc.abs(), k, sorted=True).values
+    got = torch.sort(local.values.abs(), descending=True).values
+    select_err = (
+        float((got - want).abs().max() / want[0].clamp_min(1e-30))
+        if got.shape == want.shape and k
+        else math.inf
+    )
+    select_err = float(comm.allreduce(torch.tensor([select_err]), op="max"))
     gauss_local = GaussianK(k=k).select(acc)
     dense_ref = comm.allreduce(acc.double())
     scale_all = comm.allreduce(acc.double().abs())
@@ -199,20 +242,7 @@ def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] 
         elif name == "oktopk":
             t_local = states[name].local_threshold
             assert t_local is not None
-            mine = (acc.abs() >= t_local).float() * acc
-            sel_ref = comm.allreduce(mine.double())
-            sel_scale = comm.allreduce(mine.double().abs())
-            support = result.indices if not result.is_dense else torch.arange(n)
-            err = (
-                float(
-                    (
-                        (result.to_dense().double() - sel_ref).abs()[support]
-                        / sel_scale[support].clamp_min(1e-30)
-                    ).max()
-                )
-                if support.numel()
-                else 0.0
-            )
+            err = oktopk_error(comm, acc, result, t_local)
             ok = err <= 1e-5 and k / 2 <= result.count_nonzero() <= 2 * k
         elif name == "gtopk":  # lossy by design (at most k entries): its error in norm
             ref_norm = float(topk_ref.double().norm())
@@ -248,11 +278,13 @@ def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] 
                 flush=True,
             )
     if "oktopk" in names:
-        times, sent, cpu = oktopk_period(comm, acc, k, cfg.seed)
+        period = oktopk_period(comm, acc, k, cfg.seed)
+        times, sent, cpu, ok_err = period.times, period.sent, period.cpu, period.err
         most = int(comm.allreduce(torch.tensor([max(sent)]), op="max"))
         bound = 6 * k * (p - 1) / p * (index_bytes(n) + 4)  # pairs: index + float32
         # TopkDSA on the same drifting vectors, its exact local top-k in every call
-        d_times, d_sent, d_cpu = oktopk_period(comm, acc, k, cfg.seed, algorithm="topkdsa")
+        dsa = oktopk_period(comm, acc, k, cfg.seed, algorithm="topkdsa")
+        d_times, d_sent, d_cpu, d_err = dsa.times, dsa.sent, dsa.cpu, dsa.err
         d_most = int(comm.allreduce(torch.tensor([max(d_sent)]), op="max"))
         rows[f"topkdsa period ({len(d_times)} calls)"] = {
             "algorithm": f"topkdsa period ({len(d_times)} calls)",
@@ -260,10 +292,10 @@ def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] 
             "p50": statistics.fmean(d_times),
             "p75": statistics.fmean(d_times),
             "bytes_sent": float(d_most),
-            "result_nnz": 0,
+            "result_nnz": dsa.nnz,
             "result_dense": False,
-            "max_rel_error": 0.0,
-            "correct": True,
+            "max_rel_error": d_err,
+            "correct": d_err <= 1e-5,
             "chose": None,
             "cpu_p50": statistics.fmean(d_cpu),
             "period_times": d_times,
@@ -280,10 +312,10 @@ def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] 
                 "bytes_sent": float(most),
                 "bytes_sent_max": most,
                 "bound_bytes": bound,
-                "result_nnz": 0,
+                "result_nnz": period.nnz,
                 "result_dense": False,
-                "max_rel_error": 0.0,
-                "correct": most <= bound,
+                "max_rel_error": ok_err,
+                "correct": ok_err <= 1e-5 and most <= bound,
                 "chose": None,
                 "cpu_p50": statistics.fmean(cs),
                 "period_times": ts,
@@ -318,8 +350,8 @@ def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] 
             "bytes_sent": 0.0,
             "result_nnz": local.nnz,
             "result_dense": False,
-            "max_rel_error": 0.0,
-            "correct": True,
+            "max_rel_error": select_err,
+            "correct": select_err <= 1e-6 and local.nnz == k,
             "chose": None,
             "speedup_vs_dense": None,
         }

@@ -77,7 +77,7 @@ def run_bench(args: argparse.Namespace, title: str) -> int:
     print(format_table(rows, cfg), flush=True)
     print(f"total {time.monotonic() - t0:.1f} s")
     write_outputs(rows, cfg, getattr(args, "json", None), getattr(args, "csv", None))
-    return 0 if all(r["correct"] for r in rows) else 1
+    return 0 if all(r["correct"] is not False for r in rows) else 1
 
 
 def bench_compress(args: argparse.Namespace) -> int:
@@ -148,7 +148,7 @@ def bench_topk(args: argparse.Namespace) -> int:
         from ..bench.harness import write_json
 
         write_json(args.json, "bench-topk", rows, dataclasses.asdict(cfg))
-    return 0 if all(r["correct"] for r in rows) else 1
+    return 0 if all(r["correct"] is not False for r in rows) else 1
 
 
 def bench_faults(args: argparse.Namespace) -> int:
