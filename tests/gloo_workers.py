@@ -239,3 +239,7 @@ def dead_rank_in_allgather(comm, victim):  # type: ignore[no-untyped-def]
     except CommError as e:
         return type(e).__name__, e.peer, str(e)
     return "no error"
+
+
+def rank_and_size(comm):  # type: ignore[no-untyped-def]
+    return comm.rank, comm.world_size

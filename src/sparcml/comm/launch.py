@@ -37,8 +37,13 @@ class ProcessFailedError(RuntimeError):
         self.rank = rank
 
 
+#: a launch whose port another process took between probing and binding is retried
+PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (another process may take
+    it before it is bound again: :func:`run_processes` retries on another port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -66,13 +71,19 @@ def _worker(
 
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        except Exception as e:  # rank 0 could not bind the port: the launch is retried
+            if rank == 0 and "address already in use" in str(e).lower():
+                results.put((rank, None, b""))
+                return
+            raise
         comm = TorchDistCommunicator(timeout=timeout)
         try:
             out = fn(comm, *args)
@@ -113,6 +124,31 @@ def run_processes(
         ProcessFailedError: a rank raised (its traceback is in the message), died
             without a result, or the deadline passed.
     """
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _launch(world_size, fn, args, timeout, deadline, threads, allow_missing, only)
+        except _PortTaken:
+            if attempt == PORT_ATTEMPTS - 1:
+                raise ProcessFailedError(
+                    f"rank 0 found its port taken {PORT_ATTEMPTS} times in a row", rank=0
+                ) from None
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not bind the probed port (taken since the probe)."""
+
+
+def _launch(
+    world_size: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    timeout: float,
+    deadline: float | None,
+    threads: int,
+    allow_missing: bool,
+    only: list[int] | None,
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
@@ -138,6 +174,8 @@ def run_processes(
                 break
             if not results.empty():
                 rank, ok, blob = results.get()
+                if ok is None:
+                    raise _PortTaken()
                 got[rank] = (ok, blob)
                 continue
             dead = [
