@@ -56,16 +56,19 @@ def test_error_is_raised_by_wait_and_future() -> None:
 
 
 def test_wait_timeout_leaves_operation_running() -> None:
+    import threading
+
+    timed_out = threading.Event()  # rank 1 joins only after rank 0's wait gave up
+
     def fn(comm):  # type: ignore[no-untyped-def]
         if comm.rank == 1:
-            import time
-
-            time.sleep(0.5)
+            assert timed_out.wait(timeout=60)
         work = sparse_allreduce(SparseStream.empty(4), comm, async_op=True)
         if comm.rank == 0:
             with pytest.raises(TimeoutError):
                 work.wait(timeout=0.05)
-        return work.wait(timeout=10).nnz
+            timed_out.set()
+        return work.wait(timeout=30).nnz
 
     assert run_ranks(2, fn) == [0, 0]
 

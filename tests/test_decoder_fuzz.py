@@ -1,6 +1,7 @@
 """Every decoder rejects malformed bytes with WireFormatError, and only with it.
 
-100,000 mutated inputs in all, round-robin over the decoders a receiver runs on
+40,000 mutated inputs in the default suite (100,000 with
+``SPARCML_FUZZ_INPUTS=100000``), round-robin over the decoders a receiver runs on
 untrusted bytes: the sparse-stream wire format, bundles, quantized streams (each
 quantizer, fixed and delta index coding, sparse and dense), ASQ payloads and the
 selectors' payloads. Mutations: random byte flips, truncation, trailing bytes,

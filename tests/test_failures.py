@@ -114,8 +114,8 @@ def test_nan_policy_is_the_same_for_every_method(method: str) -> None:
 def test_nan_with_a_quantizer_fails_on_every_rank_at_once() -> None:
     out = run_ranks(3, fw.quantizer_nan)
     for o in out:
+        # NonFiniteError from the header exchange, not CommTimeoutError: no rank waits
         assert o["type"] == "NonFiniteError" and "rank(s) [2]" in o["message"], o
-        assert o["seconds"] < 5
 
 
 def test_a_call_number_mismatch_fails_on_every_rank() -> None:
@@ -178,21 +178,26 @@ def test_ranks_configured_differently_fail_registration_on_every_rank() -> None:
         assert o["type"] == "RankMismatchError", o
         assert "ranks [1, 2]" in o["message"] and "'oktopk'" in o["message"]
         assert "density (rank 0: 0.01, rank 2: 0.05)" in o["message"]
-        assert o["seconds"] < 10
 
 
 @pytest.mark.spawn
-@pytest.mark.parametrize("use_call_id", [True, False])
-def test_a_rank_that_skips_a_step_fails_on_every_rank(use_call_id: bool) -> None:
-    out = run_processes(3, fw.skip_a_step, use_call_id, timeout=20)
-    if use_call_id:
-        for o in out:
-            err = o[-1]
-            assert isinstance(err, dict) and err["type"] == "RankMismatchError", o
-            assert "rank 1: call_id 2" in err["message"] and "rank 0: call_id 1" in err["message"]
-    else:
-        # the call counts agree (a skip plus an extra call): only call_id can tell
-        assert all(len(o) == 3 for o in out)
+def test_a_rank_that_skips_a_step_fails_on_every_rank_with_call_ids() -> None:
+    out = run_processes(3, fw.skip_a_step, True, timeout=20)
+    for o in out:
+        err = o[-1]
+        assert isinstance(err, dict) and err["type"] == "RankMismatchError", o
+        assert "rank 1: call_id 2" in err["message"] and "rank 0: call_id 1" in err["message"]
+
+
+@pytest.mark.spawn
+def test_without_call_ids_a_skipped_step_goes_unseen_and_mixes_steps() -> None:
+    """What call_id is for: the call counts agree (a skip plus an extra call), so
+    without it the calls pair up by position and the sums mix steps (documented)."""
+    out = run_processes(3, fw.skip_a_step, False, timeout=20)
+    # call c sums step c of ranks 0 and 2 with step [0, 2, 3][c] of rank 1
+    mixed = [[float(a + b + a)] * 4 for a, b in zip([0, 1, 2], [0, 2, 3], strict=True)]
+    for o in out:
+        assert o == mixed, o
 
 
 @pytest.mark.spawn

@@ -49,7 +49,7 @@ def mpirun(n: int, tmp: Path, *extra: str) -> list[dict]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("n", [3])  # not a power of two (P = 2 and 4 add ~40 s each)
+@pytest.mark.parametrize("n", [3, 4])  # P = 2 runs in the example and bench-mpi tests
 def test_mpirun_collectives_and_training_match_gloo(n: int, tmp_path: Path) -> None:
     out = mpirun(n, tmp_path)
     for r, o in enumerate(out):

@@ -52,10 +52,10 @@ def _free_cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) 
 
 @pytest.fixture
 def throwaway() -> Iterator[str]:
-    name = "test_allgather_sum"
+    name = "throwaway_allgather_sum"
 
     @register(name, auto=True, cost=_free_cost, quadratic=True)
-    def test_allgather_sum(
+    def throwaway_allgather_sum(
         stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
     ) -> SparseStream:
         """TopkA's allgather, registered again under another name."""
