@@ -2,21 +2,20 @@
 
 Every collective returns fresh tensors (results, received messages, decoded
 streams), and a fresh CPU buffer of more than a few MB is ``mmap``-ed memory that
-the kernel zero-fills one 4 KiB page fault at a time on first touch. That costs
-more than the work done in it: allocating and filling 64 MB takes 57 ms against
-9 ms for refilling a buffer already mapped (this 2-core machine), and
-:class:`~sparcml.comm.MPICommunicator`'s dense allreduce was 1.7x mpi4py's
-``Allreduce`` into a preallocated buffer for that reason alone.
+the kernel zero-fills one 4 KiB page fault at a time on first touch: allocating
+and filling a large buffer costs several times refilling one already mapped,
+often more than the work done in it.
 
 PyTorch's CPU allocator aligns allocations of 2 MB and more to 2 MB and asks the
 kernel for transparent huge pages (``madvise(MADV_HUGEPAGE)``) when the
 environment variable ``THP_MEM_ALLOC_ENABLE=1`` is set (read once, at the
-process's first such allocation): the same 64 MB then takes 8-13 ms. Memory cost:
-large buffers round up to 2 MB.
+process's first such allocation): 512 times fewer page faults. Memory cost:
+large buffers round up to 2 MB. The measured effect on the dense path over MPI,
+with the variable on and off, is in docs/benchmarks.md ("The dense path over MPI").
 
 The ``sparcml`` command and the processes it starts set it (unless the
 environment already says otherwise); a training script started by ``torchrun`` or
-``mpirun`` should export it too (docs/performance.md) or call
+``mpirun`` should export it too (README, "THP_MEM_ALLOC_ENABLE") or call
 :func:`enable_huge_pages` before it creates its model.
 """
 
