@@ -60,7 +60,7 @@ def _pkt(token: int, worker: int, workers: int, chunk: int, values: list[int],
 
 def _sum_of(srv: AggregatorServer, token: int, chunk: int) -> list[int]:
     """The result the aggregator sent for ``chunk`` (its shadow copy)."""
-    p = parse(srv.sessions[token].shadows[chunk])
+    p = parse(srv.sessions[token].shadows[chunk].out)
     return np.frombuffer(p.payload, dtype=">i8").tolist()
 
 
@@ -547,3 +547,72 @@ def test_keyed_sessions_are_exact_under_loss_and_in_training() -> None:
                 assert torch.equal(got, ref)
         counters = srv.snapshot()
     assert counters.get("rejected", 0) == 0
+
+
+# --------------------------------------------------------------- stale answers
+def test_a_reused_call_number_is_refused_on_every_worker_never_answered_with_an_old_sum() -> None:
+    """Issue 34: a session's call numbers used again (new data) got the earlier call's
+    sums from the aggregator's shadow copies; now every worker raises instead."""
+    from sparcml.ina import AggregatorRefusedError, InaSession, ina_allreduce
+
+    world = 3
+    with AggregatorServer() as srv:
+        session = InaSession.create(world, "fixed")
+
+        def call(xs: list[torch.Tensor], number: int) -> list[object]:
+            out: list[object] = [None] * world
+
+            def body(r: int) -> None:
+                try:
+                    out[r] = ina_allreduce(xs[r], srv.address, session, r, world, "fixed",
+                                           call=number, chunk=64, timeout=20)  # fmt: skip
+                except Exception as e:
+                    out[r] = e
+
+            threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            return out
+
+        first = _ints(world, 500, 1)
+        for got in call(first, 0):
+            assert torch.equal(got, _exact(first))  # type: ignore[arg-type]
+        later = _ints(world, 500, 2)
+        for got in call(later, 1):
+            assert torch.equal(got, _exact(later))  # type: ignore[arg-type]
+        for number in (1, 0):  # the current call again, and an earlier one
+            for got in call(_ints(world, 500, 3 + number), number):
+                assert isinstance(got, AggregatorRefusedError), got
+                # the call's shadows held: "replayed"; an earlier call dropped: "stale"
+                assert "replayed" in str(got) or "stale" in str(got), got
+        assert srv.snapshot()["rejected_replayed"] > 0
+
+
+def test_load_state_dict_opens_a_new_aggregator_session() -> None:
+    """Issue 34: state_dict, two more steps, load_state_dict, then new gradients: the
+    aggregator answered 6 of 6 rank-steps with the earlier steps' sums."""
+    world, n = 3, sum(SIZES)
+    names = tuple(f"p{i}" for i in range(len(SIZES)))
+    with AggregatorServer() as srv:
+        server = f"{srv.address[0]}:{srv.address[1]}"
+
+        def fn(comm):  # type: ignore[no-untyped-def]
+            state = SparcmlState("natural_ina", comm=comm, ina_server=server, ina_mode="fixed")
+
+            def step(seed: int, t: int) -> torch.Tensor:
+                g = _ints(world, n, seed)[comm.rank]
+                return reduce_bucket(state, Bucket(names, SIZES, g, t))
+
+            step(1, 0)
+            saved = state.state_dict()
+            step(2, 1)
+            step(3, 2)
+            state.load_state_dict(saved)
+            return [step(10 + t, 1 + t) for t in range(2)]
+
+        for rank_out in run_ranks(world, fn):
+            for t, got in enumerate(rank_out):
+                assert torch.equal(got, _exact(_ints(world, n, 10 + t)) / world)
+        assert srv.snapshot()["sessions_created"] == 2

@@ -15,9 +15,10 @@ from .packet import PacketError, build, parse
 from .relay import LossyRelay
 from .server import AggregatorServer, natural_compress_integers
 from .session import InaSession, agree_session
-from .worker import AggregatorRestartedError, InaStats, ina_allreduce
+from .worker import AggregatorRefusedError, AggregatorRestartedError, InaStats, ina_allreduce
 
 __all__ = [
+    "AggregatorRefusedError",
     "AggregatorRestartedError",
     "AggregatorServer",
     "InaSession",

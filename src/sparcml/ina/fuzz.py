@@ -105,7 +105,7 @@ def fuzz(count: int = 100_000, seed: int = 0, server_every: int = 5) -> dict[str
             key = session_key(_SECRET, token, 2, FIXED) if srv.secret else None
             srv.handle(build(Packet(DATA, token, 0, 0, 2, 0, FIXED, 1, a), key), sink)
             srv.handle(build(Packet(DATA, token, 0, 1, 2, 0, FIXED, 1, b), key), sink)
-            shadow = srv.sessions[token].shadows[0]
+            shadow = srv.sessions[token].shadows[0].out
             assert parse(shadow).payload == (12).to_bytes(8, "big"), "aggregation broken"
             out["sessions_created"] = out.get("sessions_created", 0) + snap.get(
                 "sessions_created", 0

@@ -16,6 +16,15 @@ sessions a 16-byte tag::
 * ``RESULT`` (aggregator -> workers): the chunk's aggregate: ``NATURAL``: the
   8-bit codes of the re-compressed sum (master-side compression); ``FIXED``:
   ``count`` big-endian int64 sums. ``epoch`` is the aggregator's incarnation.
+  In ``DATA``, ``epoch`` carries the worker's *call nonce* instead: a random
+  number drawn per :func:`~sparcml.ina.worker.ina_allreduce` call, the same in
+  its retransmissions, so the aggregator tells a retransmission (answered from
+  its shadow copy) from a second call that reuses the chunk ids (refused).
+* ``REFUSED`` (aggregator -> worker): chunk ``chunk`` of this worker's call was
+  refused; the payload is the reason (``count`` bytes of UTF-8), tagged in a
+  keyed session like a result. Sent for a call number reused in a live session
+  (a replay: its results would be an earlier call's) and for a chunk of a call
+  the session is past.
 * ``STATS`` / ``STATS_REPLY``: a request (any payload: padding) and its answer,
   JSON, never longer than the request (see :mod:`~sparcml.ina.server`).
 
@@ -44,6 +53,7 @@ __all__ = [
     "HEADER",
     "MAX_COUNT",
     "NATURAL",
+    "REFUSED",
     "RESULT",
     "STATS",
     "STATS_REPLY",
@@ -62,7 +72,7 @@ MAGIC = b"SI"
 VERSION = 2
 HEADER = struct.Struct("!2sBBBBHHHIQQ")
 assert HEADER.size == 32
-DATA, RESULT, STATS, STATS_REPLY = 1, 2, 3, 4
+DATA, RESULT, STATS, STATS_REPLY, REFUSED = 1, 2, 3, 4, 5
 NATURAL, FIXED = 1, 2
 FLAG_MAC = 0x01
 TAG_BYTES = 16
@@ -94,6 +104,8 @@ class Packet:
 
 
 def _value_bytes(kind: int, mode: int) -> int:
+    if kind == REFUSED:  # the reason, as text
+        return 1
     if kind == DATA:
         return 1 if mode == NATURAL else 4
     return 1 if mode == NATURAL else 8
@@ -156,7 +168,7 @@ def parse(buf: bytes) -> Packet:
         raise PacketError("bad_magic", f"magic {magic!r}")
     if version != VERSION:
         raise PacketError("bad_version", f"version {version}, this is {VERSION}")
-    if kind not in (DATA, RESULT, STATS, STATS_REPLY):
+    if kind not in (DATA, RESULT, STATS, STATS_REPLY, REFUSED):
         raise PacketError("bad_kind", f"kind {kind}")
     if flags & ~FLAG_MAC:
         raise PacketError("bad_flags", f"flags {flags:#x}")

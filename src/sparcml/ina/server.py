@@ -19,10 +19,16 @@ members already counted. For each ``DATA`` packet:
    of a known session must match that membership and, in a keyed session, carry
    a valid tag (``not_member``, ``bad_mac``, ``mac_required``, ``no_key``);
 3. if the chunk is complete already, answer from the slot's **shadow copy** of
-   the result (the worker lost the result and retransmitted: SwitchML's
-   recovery); a chunk of an earlier call with no shadow is ``stale`` (a replay:
-   every member is past it) — a duplicate is never counted twice;
-4. if this member was counted for the chunk already, drop it (duplicate);
+   the result when the packet is a retransmission (the worker lost the result:
+   SwitchML's recovery; its call nonce is the one counted); the same chunk sent
+   by another call (a new nonce: the call number was used twice, say after a
+   checkpoint rewound the counter) is ``replayed``, and a chunk of an earlier
+   call with no shadow is ``stale``: both are refused with a ``REFUSED`` packet
+   naming the reason, so the worker raises at once, and never get an earlier
+   call's sum (sparcml's addition: a result is bound to its session, call and
+   the calls that made it, as SwitchML's and ATP's slots are bound to a round);
+4. if this member was counted for the chunk already, drop it (duplicate), or
+   refuse it when it comes from another call (``replayed``);
 5. restore integers: natural codes become ``±2^offset`` (units of ``2^e_min``) by
    a shift, fixed-point values are already integers; add them (int64);
 6. when all members are in: the result — ``FIXED``: the int64 sums; ``NATURAL``:
@@ -73,7 +79,9 @@ from .packet import (
     FLAG_MAC,
     HEADER,
     MAX_COUNT,
+    MAX_WORKERS,
     NATURAL,
+    REFUSED,
     RESULT,
     STATS,
     STATS_REPLY,
@@ -138,7 +146,19 @@ def worker_ranges(workers: list[int]) -> str:
 class _Slot:
     acc: np.ndarray
     touched: float
-    seen: set[int] = field(default_factory=set)
+    seen: dict[int, int] = field(default_factory=dict)  # member -> its call nonce
+
+
+@dataclass
+class _Shadow:
+    """A complete chunk's result, bound to the calls (nonces) that made it."""
+
+    out: bytes
+    nonces: dict[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.out) + 8 * len(self.nonces)
 
 
 @dataclass
@@ -151,7 +171,7 @@ class _Session:
     call: int = -1  # the highest call seen
     completed: int = 0  # chunks completed
     slots: dict[int, _Slot] = field(default_factory=dict)
-    shadows: collections.OrderedDict[int, bytes] = field(default_factory=collections.OrderedDict)
+    shadows: collections.OrderedDict[int, _Shadow] = field(default_factory=collections.OrderedDict)
     addrs: dict[int, Address] = field(default_factory=dict)
 
     @property
@@ -227,7 +247,7 @@ class AggregatorServer:
     @property
     def state_bound(self) -> int:
         """The most bytes of accumulators and shadows this aggregator can hold."""
-        shadow = HEADER.size + MAX_COUNT * 8 + TAG_BYTES
+        shadow = HEADER.size + MAX_COUNT * 8 + TAG_BYTES + 8 * MAX_WORKERS
         return self.max_slots * MAX_COUNT * 8 + self.max_sessions * self.slots * shadow
 
     # ------------------------------------------------------------------ service
@@ -303,7 +323,7 @@ class AggregatorServer:
             _, out = s.shadows.popitem(last=False)
         else:
             out = s.shadows.pop(chunk)
-        self._state_bytes -= len(out)
+        self._state_bytes -= out.nbytes
 
     def _drop_session(self, token: int) -> None:
         s = self.sessions.pop(token)
@@ -405,16 +425,23 @@ class AggregatorServer:
         if s is None:
             return
         s.touched = now
-        # Step 3: a complete chunk answers from its shadow copy; an earlier call's is stale.
+        # Step 3: a complete chunk answers a retransmission (the same call nonce) from
+        # its shadow copy; the same chunk from another call (a call number used twice)
+        # and a chunk of an earlier call are refused, never answered with an old sum.
         shadow = s.shadows.get(p.chunk)
-        if shadow is not None:
-            self.counters["retransmissions"] += 1
-            self._send(shadow, addr)
-            return
         call = p.chunk >> 32
+        if shadow is not None:
+            if shadow.nonces.get(p.worker) == p.epoch:
+                self.counters["retransmissions"] += 1
+                self._send(shadow.out, addr)
+            else:
+                self._refuse(s, p, addr, "replayed", f"call {call} of this session is complete "
+                             "already: a call number used twice (a rewound counter or a "
+                             "restored checkpoint?); open a new session")  # fmt: skip
+            return
         if call < s.call:
-            self._reject("stale", f"chunk {p.chunk:#x} of call {call}, the session is at "
-                         f"call {s.call}", addr)  # fmt: skip
+            self._refuse(s, p, addr, "stale", f"chunk {p.chunk:#x} of call {call}, the session "
+                         f"is at call {s.call}: calls of a session only go forward")  # fmt: skip
             return
         if call > s.call:
             self._advance(s, call)
@@ -425,6 +452,11 @@ class AggregatorServer:
             )
             return
         if slot is not None and p.worker in slot.seen:  # Step 4: never count a member twice
+            if slot.seen[p.worker] != p.epoch:  # the chunk again, from another call
+                self._refuse(s, p, addr, "replayed", f"worker {p.worker} sent chunk "
+                             f"{p.chunk:#x} from two calls: a call number used twice; open a "
+                             "new session")  # fmt: skip
+                return
             self.counters["duplicates"] += 1
             return
         # Step 5: integers by shifts.
@@ -450,7 +482,7 @@ class AggregatorServer:
             self._nslots += 1
             self._state_bytes += slot.acc.nbytes
         slot.acc += vals
-        slot.seen.add(p.worker)
+        slot.seen[p.worker] = p.epoch
         slot.touched = now
         s.addrs[p.worker] = addr  # only a counted (authentic, new) packet moves an address
         self.counters["values"] += p.count
@@ -470,14 +502,22 @@ class AggregatorServer:
             out = build(Packet(RESULT, p.session, self.epoch, 0, s.workers, p.chunk, p.mode,
                                p.count, payload), s.key)  # fmt: skip
             self._drop_slot(s, p.chunk)
-            s.shadows[p.chunk] = out
-            self._state_bytes += len(out)
+            shadow = s.shadows[p.chunk] = _Shadow(out, dict(slot.seen))
+            self._state_bytes += shadow.nbytes
             while len(s.shadows) > self.slots:
                 self._drop_shadow(s)
             s.completed += 1
             self.counters["results"] += 1
             for w in range(s.workers):
                 self._send(out, s.addrs[w])
+
+    def _refuse(self, s: _Session, p: Packet, addr: Address, reason: str, detail: str) -> None:
+        """Reject ``p`` and tell its sender why (a ``REFUSED`` packet, tagged in a keyed
+        session), so that the worker raises at once instead of retransmitting."""
+        self._reject(reason, f"session {p.session:#x}: {detail}", addr)
+        text = f"{reason}: {detail}".encode()[:MAX_COUNT]
+        self._send(build(Packet(REFUSED, p.session, self.epoch, p.worker, s.workers, p.chunk,
+                                p.mode, len(text), text), s.key), addr)  # fmt: skip
 
     # ------------------------------------------------------------------ stats
     def _stats(self, p: Packet, buf: bytes, addr: Address) -> None:
@@ -497,7 +537,7 @@ class AggregatorServer:
             waiting: set[int] = set()
             everyone = set(range(s.workers))
             for slot in list(s.slots.values())[:64]:
-                waiting |= everyone - slot.seen
+                waiting |= everyone - slot.seen.keys()
             body["session"] = {"workers": s.workers, "call": s.call, "incomplete": len(s.slots),
                                "shadows": len(s.shadows),
                                "missing": worker_ranges(sorted(waiting))}  # fmt: skip

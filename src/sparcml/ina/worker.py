@@ -10,7 +10,10 @@ Per call (paper 004 App. A, SwitchML's worker protocol):
    ``window`` chunks outstanding;
 3. retransmit a chunk whose result has not come back after ``retransmit``
    seconds (the aggregator answers a complete chunk from its shadow copy and
-   never counts a worker twice);
+   never counts a worker twice); every packet of the call carries the call's
+   random nonce, so the aggregator refuses a second call that reuses the chunk
+   ids (:class:`AggregatorRefusedError`) instead of answering it with the first
+   call's sums;
 4. accept only results of this session (its token; in a keyed session, a valid
    tag — forgeries are counted in :attr:`InaStats.rejected` and dropped) and check
    every result's epoch against the first one: a restarted aggregator raises
@@ -29,6 +32,7 @@ is sparcml's addition: paper 004's and SwitchML's workers trust the network.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import zlib
@@ -44,6 +48,7 @@ from .packet import (
     DATA,
     FLAG_MAC,
     HEADER,
+    REFUSED,
     RESULT,
     STATS,
     STATS_REPLY,
@@ -57,6 +62,7 @@ from .packet import (
 from .session import InaSession, mode_code
 
 __all__ = [
+    "AggregatorRefusedError",
     "AggregatorRestartedError",
     "InaSession",
     "InaStats",
@@ -68,6 +74,12 @@ __all__ = [
 
 class AggregatorRestartedError(CommError):
     """The aggregator's epoch changed during a job: its state was lost."""
+
+
+class AggregatorRefusedError(CommError):
+    """The aggregator refused this call: its call number was used already in the
+    session (a replay; its results would be an earlier call's sums) or the
+    session is past it. Open a new session (:func:`~sparcml.ina.agree_session`)."""
 
 
 @dataclass
@@ -131,6 +143,8 @@ def ina_allreduce(
     Raises:
         CommTimeoutError: no progress for ``timeout`` s (names the missing workers).
         AggregatorRestartedError: the aggregator restarted during the call.
+        AggregatorRefusedError: ``call`` was used already in this session (or the
+            session is past it): no earlier call's sum is ever returned.
         ValueError: bad arguments.
     """
     code = mode_code(mode)
@@ -155,16 +169,17 @@ def ina_allreduce(
             raise ValueError(f"fixed point: values reach {float(flat.abs().max()):g}, beyond "
                              f"int32 with {fixed_bits} fractional bits")  # fmt: skip
         values = scaled.to(torch.int64).numpy().astype(">i4")
-    # Step 2: one packet per chunk.
+    # Step 2: one packet per chunk, all carrying this call's nonce (in the epoch field)
     nchunks = (n + chunk - 1) // chunk
     base = call << 32
     token, key = session.token, session.key
+    nonce = int.from_bytes(os.urandom(4), "little") or 1
     packets = [
         build(
             Packet(
                 DATA,
                 token,
-                0,
+                nonce,
                 rank,
                 world,
                 base + c,
@@ -204,6 +219,14 @@ def ina_allreduce(
                 p = _result(buf, session, world, code)
                 if p is None:
                     st.rejected += 1
+                elif p.kind == REFUSED:
+                    if p.worker == rank and p.chunk - base in outstanding:
+                        reason = p.payload.decode("utf-8", "replace")
+                        raise AggregatorRefusedError(
+                            f"worker {rank}: the aggregator refused call {call} of {session}: "
+                            f"{reason}"
+                        )
+                    st.rejected += 1  # a refusal of an earlier call's late retransmission
                 else:
                     # Step 4: the aggregator's incarnation must not change.
                     if st.epoch is None:
@@ -272,12 +295,15 @@ def encode_natural(flat: torch.Tensor, e_min: int, world: int, seed: int) -> tup
 
 
 def _result(buf: bytes, session: InaSession, world: int, code: int) -> Packet | None:
-    """The result ``buf`` holds if it is one of this session's (authentic), else None."""
+    """The result (or refusal) ``buf`` holds if it is one of this session's (authentic),
+    else None."""
     try:
         p = parse(buf)
     except PacketError:
         return None
-    if p.kind != RESULT or p.session != session.token or p.mode != code or p.workers != world:
+    if p.kind not in (RESULT, REFUSED) or p.session != session.token:
+        return None
+    if p.mode != code or p.workers != world:
         return None
     if session.key is not None and not (p.flags & FLAG_MAC and verify(buf, session.key)):
         return None
