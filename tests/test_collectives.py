@@ -329,7 +329,9 @@ def test_auto_carries_the_headers_once_it_settled(world: int) -> None:
         assert torch.equal(bits[3], out[0][2][3])
         assert errors == out[0][7]  # the same errors on every rank
     errors = out[0][7]
-    assert errors[0].startswith("RankMismatchError") and "rank 0: exchanged first" in errors[0]
+    # the setting that differs is named (the headers' transport differs too)
+    assert errors[0].startswith("RankMismatchError") and "different algorithm settings" in errors[0]
+    assert "rank 0: 'auto'" in errors[0] and "rank 1: 'ssar_recursive_double'" in errors[0]
     assert errors[1].startswith("RankMismatchError") and f"rank {world - 1}: N=999" in errors[1]
     assert errors[2].startswith("RankMismatchError") and f"rank {world - 1}: N=998" in errors[2]
     assert errors[3] == "no error"

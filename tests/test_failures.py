@@ -244,3 +244,76 @@ def test_fault_statistics(scenario: str, mode: str) -> None:
     results = [run_fault(scenario, mode, 3 + seed % 2, seed, timeout=3.0) for seed in range(10)]
     assert not any(r.hang for r in results)
     assert all(r.all_right for r in results), [r for r in results if not r.all_right]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+@pytest.mark.parametrize("case", sorted(fw.MISMATCHES))
+def test_one_setting_on_one_rank_is_refused_alike_on_every_rank(case: str, world: int) -> None:
+    """Issue 34's mismatch matrix (in-process ranks, the last rank odd): every rank
+    raises RankMismatchError naming the setting, none waits for its timeout (which
+    would raise CommTimeoutError instead), none reports a garbage value."""
+    out = run_ranks(world, fw.mismatch, case, world - 1, timeout=60)
+    for r, o in enumerate(out):
+        assert o["type"] == "RankMismatchError", (r, o)
+        assert fw.MISMATCH_NAMES[case] in o["message"], (r, o)
+    if case == "N":
+        assert all(f"rank {world - 1}: N=49" in o["message"] for o in out)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_an_error_raised_on_one_rank_is_raised_on_every_rank(world: int) -> None:
+    """The odd rank's own code raises (a broken quantizer): it raises its KeyError,
+    every other rank PeerFailedError naming it and quoting the error, at once."""
+    out = run_ranks(world, fw.mismatch, "raises", 1, timeout=60)
+    assert out[1]["type"] == "KeyError"
+    for r, o in enumerate(out):
+        if r != 1:
+            assert o["type"] == "PeerFailedError" and o["peer"] == 1, (r, o)
+            assert "rank 1 raised KeyError" in o["message"] and "corrupt quantizer" in o["message"]
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("case", ["algorithm", "algorithm (dense)", "quantizer (dense)", "raises"])
+def test_over_gloo_one_rank_s_error_is_every_rank_s(case: str) -> None:
+    """The same over gloo processes (3 ranks): the issue's cases that left ranks to
+    wait out the timeout and blame the wrong rank."""
+    out = run_processes(3, fw.mismatch, case, 2, timeout=60)
+    for r, o in enumerate(out):
+        if case != "raises":
+            assert o["type"] == "RankMismatchError", (r, o)
+        elif r == 2:
+            assert o["type"] == "KeyError", o
+        else:
+            assert o["type"] == "PeerFailedError" and o["peer"] == 2, (r, o)
+
+
+def test_a_communicator_that_lost_a_call_refuses_further_calls() -> None:
+    """After a failure that left messages in flight (patterns differed), a further
+    call fails at once with a clear error instead of reading a stale message."""
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = SparseStream(torch.tensor([1]), torch.tensor([1.0]), 50)
+        algorithm = "ssar_split_allgather" if comm.rank == 2 else "ssar_recursive_double"
+        with pytest.raises(RankMismatchError):
+            sparse_allreduce(s, comm, algorithm=algorithm)
+        with pytest.raises(CommError, match="cannot be used after call 1 failed"):
+            sparse_allreduce(s, comm)
+        return True
+
+    assert run_ranks(3, fn, timeout=60) == [True] * 3
+
+
+def test_an_error_every_rank_raises_alike_leaves_the_communicator_usable() -> None:
+    """Invalid arguments passed alike on every rank fail on each, before any data
+    moves, and the next call works (no stale abort note fails it)."""
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = SparseStream(torch.tensor([comm.rank]), torch.tensor([1.0]), 8)
+        with pytest.raises(ValueError, match="cannot quantize"):
+            sparse_allreduce(s, comm, algorithm="dense", quantizer="qsgd")
+        with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+            sparse_allreduce(s, comm, algorithm="nope")
+        return sparse_allreduce(s, comm).to_dense().tolist()
+
+    for got in run_ranks(3, fn, timeout=60):
+        assert got == [1.0, 1.0, 1.0, 0, 0, 0, 0, 0]

@@ -51,11 +51,13 @@ def test_control_traffic_is_not_scaled() -> None:
         check_consistent(SparseStream.empty(1000), comm)
         return comm.charged_bytes
 
-    # 24-byte headers by recursive doubling (P' = 4, rank 4 folded into rank 0):
+    # 40-byte headers by recursive doubling (P' = 4, rank 4 folded into rank 0):
     # rank 0 sends 2, 3, then 4 headers, rank 1 one then 3, ranks 2-3 one then 2,
     # rank 4 its own; not 100x that
+    from sparcml.collectives.codec import HEADER_BYTES
+
     got = simulate_ranks(5, fn, model=M, scale=100).results
-    assert got == [24.0 * h for h in (9, 4, 3, 3, 1)]
+    assert got == [float(HEADER_BYTES * h) for h in (9, 4, 3, 3, 1)]
 
 
 def test_ping_pong_follows_alpha_beta_gamma_exactly() -> None:

@@ -300,3 +300,31 @@ def test_widen_increasing_checks_in_the_same_pass(c: int) -> None:
     if c == 8:
         neg = torch.tensor([-3, 1], dtype=torch.int64)
         assert widen_increasing(index_low_bytes(neg, 8), 8, size, out[:2]) == 0
+
+
+@pytest.mark.parametrize("size", [4.5, 4.0, "4", None])
+def test_a_size_that_is_not_an_integer_is_refused(size: object) -> None:
+    """Issue 34: SparseStream(idx, vals, 4.5) was taken as N = 4."""
+    with pytest.raises(TypeError, match="size must be an integer"):
+        SparseStream(torch.tensor([1]), torch.tensor([1.0]), size)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="size must be an integer"):
+        SparseStream.empty(size)  # type: ignore[arg-type]
+
+
+def test_integer_sizes_of_any_integer_type_are_taken() -> None:
+    import numpy as np
+
+    for size in (5, np.int64(5), torch.tensor(5)):
+        assert SparseStream(torch.tensor([1]), torch.tensor([1.0]), size).size == 5  # type: ignore[arg-type]
+
+
+def test_values_that_require_grad_are_refused_with_the_fix_named() -> None:
+    w = torch.ones(4, requires_grad=True)
+    for build in (
+        lambda: SparseStream(torch.tensor([0, 2]), w[:2], 4),
+        lambda: SparseStream.dense(w),
+        lambda: SparseStream.from_dense(w),
+    ):
+        with pytest.raises(ValueError, match=r"require grad.*detach\(\)"):
+            build()
+    assert SparseStream.dense(w.detach()).size == 4

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import sys
 from collections.abc import Sequence
 
@@ -100,6 +101,27 @@ def _check_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"unsupported value dtype {dtype}; sparse streams hold {names}")
 
 
+def _check_size(size: object) -> int:
+    """``size`` as an int: integers (Python, NumPy, 0-d integer tensors) only; a float
+    such as 4.5 is refused, never truncated."""
+    try:
+        n = operator.index(size)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"size must be an integer, got {size!r} ({type(size).__name__})") from None
+    if n < 0:
+        raise ValueError(f"size must be non-negative, got {n}")
+    return n
+
+
+def _check_values(values: torch.Tensor) -> None:
+    _check_dtype(values.dtype)
+    if values.requires_grad:
+        raise ValueError(
+            "values require grad: sparse collectives are not differentiable (their "
+            "result carries no autograd history); pass tensor.detach()"
+        )
+
+
 def _coalesce(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort by index and sum duplicates, in the order given (deterministic)."""
     order = torch.argsort(indices, stable=True)
@@ -125,8 +147,11 @@ class SparseStream:
         size: the dimension ``N``.
 
     Raises:
-        TypeError: integer/float dtype problems or tensors on different devices.
-        ValueError: shape mismatch, negative size, or an index outside ``[0, size)``.
+        TypeError: integer/float dtype problems, tensors on different devices, or a
+            size that is not an integer (4.5 is refused, not truncated).
+        ValueError: shape mismatch, negative size, an index outside ``[0, size)``, or
+            values that require grad (collectives are not differentiable: pass
+            ``tensor.detach()``).
 
     Example:
         >>> s = SparseStream(torch.tensor([7, 2]), torch.tensor([1.0, 3.0]), size=10)
@@ -139,9 +164,7 @@ class SparseStream:
     __slots__ = ("_dense", "_indices", "_size", "_values")
 
     def __init__(self, indices: torch.Tensor, values: torch.Tensor, size: int) -> None:
-        size = int(size)
-        if size < 0:
-            raise ValueError(f"size must be non-negative, got {size}")
+        size = _check_size(size)
         if not isinstance(indices, torch.Tensor) or not isinstance(values, torch.Tensor):
             raise TypeError("indices and values must be torch tensors")
         if indices.dim() != 1 or values.dim() != 1:
@@ -159,7 +182,7 @@ class SparseStream:
             or indices.dtype == torch.bool
         ):
             raise TypeError(f"indices must be an integer tensor, got {indices.dtype}")
-        _check_dtype(values.dtype)
+        _check_values(values)
         if indices.device != values.device:
             raise TypeError(
                 f"indices on {indices.device} but values on {values.device}; "
@@ -202,7 +225,7 @@ class SparseStream:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
             raise ValueError(f"a dense stream is built from a 1-D tensor, got {shape}")
-        _check_dtype(tensor.dtype)
+        _check_values(tensor)
         s = cls.__new__(cls)
         s._size = tensor.numel()
         s._dense = True
@@ -227,7 +250,7 @@ class SparseStream:
                 f"from_dense expects a 1-D tensor, got shape {tuple(tensor.shape)}; "
                 "flatten it first"
             )
-        _check_dtype(tensor.dtype)
+        _check_values(tensor)
         out = cls._sparsified(tensor)
         return cls.dense(tensor.clone()) if out.is_dense else out
 
@@ -332,6 +355,7 @@ class SparseStream:
     ) -> SparseStream:
         """A stream with no non-zero entries."""
         _check_dtype(dtype)
+        size = _check_size(size)
         return cls.from_sorted(
             torch.empty(0, dtype=torch.int64, device=device),
             torch.empty(0, dtype=dtype, device=device),

@@ -27,13 +27,17 @@ matching calls.)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import zlib
 from typing import Any, Literal, overload
 
 import torch
 
 from ..comm import Communicator, resolve
+from ..comm.abort import mark_uniform
 from ..comm.engine import Work
+from ..comm.hostmem import device_memory_bytes
 from ..compress.base import Quantizer, all_finite
 from ..costmodel import CostModel
 from ..errors import NonFiniteError, RankMismatchError
@@ -51,7 +55,7 @@ from .autotune import (
     remember,
     run_auto,
 )
-from .codec import HEADER_BYTES, FirstRound, StreamCodec
+from .codec import HEADER_BYTES, QUANTIZE_MODES, FirstRound, StreamCodec
 from .registry import algorithm_info, algorithms, check_options, choose, get_algorithm
 
 __all__ = [
@@ -95,10 +99,12 @@ def gather_headers(header: torch.Tensor, comm: Communicator) -> list[torch.Tenso
         # doubling's data messages, ``header_in_rounds``; its header says so and
         # check_headers refuses the mix on every rank)
         if buf.numel() < width * len(ranks):
-            raise RankMismatchError(
-                f"rank {src} sent a malformed header ({buf.numel()} bytes, expected "
-                f"{width * len(ranks)}): is it running the same collective and sparcml version?"
-            )
+            # some ranks may never get this far: tell them (sparcml.comm.abort)
+            raise mark_uniform(RankMismatchError(
+                f"rank {src} sent {buf.numel()} bytes where {len(ranks)} consistency "
+                f"headers ({width * len(ranks)} bytes) were due: it is not in the same "
+                "collective call (another algorithm or collective, or another sparcml "
+                "version)"), False)  # fmt: skip
         for i, r in enumerate(ranks):
             out[r] = buf[i * width : (i + 1) * width]
 
@@ -120,74 +126,194 @@ def gather_headers(header: torch.Tensor, comm: Communicator) -> list[torch.Tenso
     return [h for h in out if h is not None]
 
 
+HEADER_MAGIC = 0x5C4D
+"""The top 16 bits of a header's settings word: a buffer without them is no header."""
+
+
+def _name_id(name: str) -> int:
+    """A 16-bit id of a name (never 0, which stands for "none")."""
+    return (zlib.crc32(name.encode()) & 0xFFFF) or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSettings:
+    """What the ranks of one call must pass alike beyond size and dtype: the
+    algorithm asked for (``"auto"`` or a name), the quantizer (its name, and its
+    parameters but the seed, which may differ per rank), the quantize mode and
+    index coding (only with a quantizer: without one they change nothing), and
+    ``k`` (``oktopk``, ``gaussiank``). Carried in the consistency header, so a
+    difference is refused with :class:`~sparcml.errors.RankMismatchError` naming
+    the setting, before any data is used (beyond the papers, like the whole check).
+    """
+
+    algorithm: str = "auto"
+    quantizer: str | None = None
+    quantizer_params: str = ""
+    quantize: str = "dense"
+    index_coding: str = "fixed"
+    k: int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        algorithm: str,
+        quantizer: Quantizer | str | None,
+        quantize: str,
+        index_coding: str,
+        options: dict[str, Any],
+    ) -> CallSettings:
+        """The settings of a ``sparse_allreduce`` call as given (invalid values too:
+        they are compared first, checked after)."""
+        k = options.get("k")
+        k = int(k) if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else None
+        if quantizer is None:
+            return cls(str(algorithm), k=k)
+        if isinstance(quantizer, str):
+            name, params = quantizer, ""
+        else:
+            name = getattr(quantizer, "name", type(quantizer).__name__)
+            params = repr({k: v for k, v in quantizer.params().items() if k != "seed"})
+        return cls(str(algorithm), name, params, str(quantize), str(index_coding), k)
+
+    def words(self) -> tuple[int, int]:
+        """The header's settings words: (magic, algorithm, quantizer, mode, coding)
+        and (quantizer parameters, k + 1), as signed int64."""
+        q = _name_id(self.quantizer) if self.quantizer is not None else 0
+        mode = QUANTIZE_MODES.index(self.quantize) + 1 if self.quantize in QUANTIZE_MODES else 15
+        coding = ("fixed", "delta").index(self.index_coding) + 1 if self.index_coding in (
+            "fixed", "delta") else 15  # fmt: skip
+        if self.quantizer is None:
+            mode = coding = 0
+        w3 = (HEADER_MAGIC << 48) | (_name_id(self.algorithm) << 32) | (q << 16)
+        w3 |= (mode << 4) | coding
+        qp = zlib.crc32(self.quantizer_params.encode()) & 0xFFFF if self.quantizer else 0
+        kk = 0 if self.k is None else (self.k + 1) & ((1 << 48) - 1)
+        w4 = (qp << 48) | kk
+        return _signed(w3), _signed(w4)
+
+
+def _signed(word: int) -> int:
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def _names(ids: list[int], known: list[str]) -> list[str]:
+    """Readable names of 16-bit ids, looked up among ``known``."""
+    table = {_name_id(n): n for n in known}
+    return [("none" if i == 0 else repr(table[i]) if i in table else f"unknown (id {i:#06x})")
+            for i in ids]  # fmt: skip
+
+
 def consistency_header(
     stream: SparseStream,
     sequence: int,
     call_id: int | None = None,
     lossy: bool = False,
     nonfinite: bool = False,
-    carried: bool = False,
+    carried: bool | str = False,
+    settings: CallSettings | None = None,
+    rank: int = 0,
 ) -> tuple[torch.Tensor, bool]:
-    """This rank's 24-byte header for :func:`check_consistent` and whether the call must
+    """Rank ``rank``'s 48-byte header for :func:`check_consistent` and whether the call must
     be refused for NaN/Inf: values a quantizer cannot encode (``lossy``), or the
     caller's own verdict on the data behind the stream (``nonfinite``). ``carried``:
     the header travels in the algorithm's own messages (:class:`FirstRound`), not
-    in the separate exchange; ranks that differ in this are refused alike."""
+    in the separate exchange (``"first_round"``: in the split phase's messages, a
+    message pattern of its own); ranks that differ in this are refused alike.
+    ``settings``: the call's :class:`CallSettings` (default: ``auto``, no quantizer)."""
     bad = nonfinite or (lossy and not all_finite(stream.values))
-    # three words: size, (flags << 56 | dtype << 48 | nnz), (call_id << 32 | call
-    # number), the last two modulo 2^32 (no call_id: all ones); flags: 1 = NaN/Inf,
-    # 2 = carried
-    packed = ((int(bad) | 2 * int(carried)) << 56) | (dtype_code(stream.dtype) << 48) | stream.nnz
+    # six words: size, (flags << 56 | dtype << 48 | nnz), (call_id << 32 | call
+    # number), the last two modulo 2^32 (no call_id: all ones), the settings' two
+    # (CallSettings.words) and the rank whose header it is; flags: 1 = NaN/Inf,
+    # 2 = carried, 4 = in the first round
+    how = 6 if carried == "first_round" else 2 if carried else 0
+    packed = ((int(bad) | how) << 56) | (dtype_code(stream.dtype) << 48) | stream.nnz
     cid = _MASK32 if call_id is None else call_id & _MASK32
     calls = (cid << 32) | (sequence & _MASK32)
-    meta = torch.tensor(
-        [stream.size, packed, calls - (1 << 64) if calls >= 1 << 63 else calls],
-        dtype=torch.int64,
-    )
+    w3, w4 = (settings or CallSettings()).words()
+    meta = torch.tensor([stream.size, packed, _signed(calls), w3, w4, rank], dtype=torch.int64)
     return as_bytes(meta), bad
+
+
+def _differ(rows: list[list[int]], col: int) -> bool:
+    return len({r[col] for r in rows}) > 1
 
 
 def check_headers(got: list[torch.Tensor]) -> list[int]:
     """Every rank's nnz from every rank's header (rank order), or the error every rank
-    raises alike (they all hold the same headers); see :func:`check_consistent`."""
+    raises alike (they all hold the same headers); see :func:`check_consistent`.
+
+    A difference in the algorithm or in how the header travels means the ranks ran
+    different message patterns, so some may never see these headers: such an error
+    is marked non-uniform, and the ranks that raise it tell the others
+    (:mod:`sparcml.comm.abort`)."""
     rows = []
     for r, buf in enumerate(got):
-        if buf.numel() != HEADER_BYTES:
-            raise RankMismatchError(
-                f"rank {r} sent a malformed header ({buf.numel()} bytes): is it running "
-                "the same collective and sparcml version?"
-            )
-        size, packed, calls = bytes_as(buf.cpu(), torch.int64).tolist()
+        if buf.numel() < HEADER_BYTES:
+            raise mark_uniform(RankMismatchError(
+                f"rank {r} sent {buf.numel()} bytes where its consistency header was due: it "
+                "is not in the same collective call (another algorithm or collective, or "
+                "another sparcml version)"), False)  # fmt: skip
+        size, packed, calls, w3, w4, owner = bytes_as(
+            buf[:HEADER_BYTES].cpu(), torch.int64
+        ).tolist()
+        if (w3 >> 48) & 0xFFFF != HEADER_MAGIC or owner != r:
+            raise mark_uniform(RankMismatchError(
+                f"rank {r} sent something other than its consistency header where that "
+                "was due: it is not in the same collective call (another algorithm or "
+                "collective, or another sparcml version)"), False)  # fmt: skip
         nnz, code, flag = packed & ((1 << 48) - 1), (packed >> 48) & 0xFF, packed >> 56
         cid = (calls >> 32) & _MASK32
-        rows.append([size, code, nnz, calls & _MASK32, -1 if cid == _MASK32 else cid, flag])
-    sizes = [r[0] for r in rows]
-    codes = [r[1] for r in rows]
-    if len(set(sizes)) > 1:
-        detail = ", ".join(f"rank {i}: N={n}" for i, n in enumerate(sizes))
-        raise RankMismatchError(
-            f"sparse_allreduce called with different sizes across ranks ({detail})"
-        )
-    if len(set(codes)) > 1:
-        detail = ", ".join(f"rank {i}: {code_dtype(c)}" for i, c in enumerate(codes))
-        raise RankMismatchError(
-            f"sparse_allreduce called with different dtypes across ranks ({detail})"
-        )
+        rows.append([size, code, nnz, calls & _MASK32, -1 if cid == _MASK32 else cid, flag,
+                     (w3 >> 32) & 0xFFFF, (w3 >> 16) & 0xFFFF, (w4 >> 48) & 0xFFFF,
+                     (w3 >> 4) & 0xF, w3 & 0xF, w4 & ((1 << 48) - 1)])  # fmt: skip
+    # headers in the split phase on some ranks only: different message patterns, and
+    # some ranks may never hold these headers (the separate exchange and recursive
+    # doubling's rounds send the same messages)
+    uniform = len({r[5] >> 2 for r in rows}) == 1
+
+    def refuse(text: str) -> None:
+        raise mark_uniform(RankMismatchError(text), uniform)
+
+    def each(values: list[Any]) -> str:
+        return ", ".join(f"rank {i}: {v}" for i, v in enumerate(values))
+
+    if _differ(rows, 0):
+        refuse(f"sparse_allreduce called with different sizes across ranks "
+               f"({each(['N=' + str(r[0]) for r in rows])})")  # fmt: skip
+    if _differ(rows, 1):
+        refuse(f"sparse_allreduce called with different dtypes across ranks "
+               f"({each([code_dtype(r[1]) for r in rows])})")  # fmt: skip
     for col, what in ((3, "call number"), (4, "call_id")):
-        ids = [r[col] for r in rows]
-        if len(set(ids)) > 1:
-            detail = ", ".join(f"rank {i}: {what} {n}" for i, n in enumerate(ids))
-            raise RankMismatchError(
-                f"ranks are in different collective calls ({detail}): a rank skipped a call "
+        if _differ(rows, col):
+            numbers = each([f"{what} {r[col]}" for r in rows])
+            refuse(
+                f"ranks are in different collective calls ({numbers}): a rank skipped a call "
                 "or made an extra one; every rank must make the same calls in the same order"
             )
+    known_algorithms = ["auto", *algorithms()]
+    from ..compress import available
+
+    quantizers = [n for n, kind in available().items() if kind == "quantizer"]
+    mode_names = ["none", *QUANTIZE_MODES]
+    settings = (
+        (6, "algorithm", lambda ids: _names(ids, known_algorithms)),
+        (7, "quantizer", lambda ids: _names(ids, quantizers)),
+        (8, "quantizer parameters", lambda ids: [f"{i:#06x}" for i in ids]),
+        (9, "quantize mode", lambda ids: [
+            repr(mode_names[i]) if i < 4 else "invalid" for i in ids]),
+        (10, "index coding", lambda ids: [
+            ("none", "'fixed'", "'delta'")[i] if i < 3 else "invalid" for i in ids]),
+        (11, "k", lambda ids: ["none" if i == 0 else str(i - 1) for i in ids]),
+    )  # fmt: skip
+    for col, what, name in settings:
+        if _differ(rows, col):
+            refuse(f"ranks passed different {what} settings to the same call "
+                   f"({each(name([r[col] for r in rows]))})")  # fmt: skip
     carried = [r[5] >> 1 for r in rows]
     if len(set(carried)) > 1:
-        detail = ", ".join(
-            f"rank {i}: {'in the algorithm' if c else 'exchanged first'}"
-            for i, c in enumerate(carried)
-        )
-        raise RankMismatchError(
+        how = {0: "exchanged first", 1: "in recursive doubling's rounds", 3: "in the split phase"}
+        detail = ", ".join(f"rank {i}: {how.get(c, '?')}" for i, c in enumerate(carried))
+        refuse(
             f"ranks sent their consistency headers differently ({detail}): they are not "
             "running the same algorithm (an explicit algorithm= on some ranks only, or "
             "auto's choices differ)"
@@ -210,6 +336,7 @@ def check_consistent(
     call_id: int | None = None,
     lossy: bool = False,
     nonfinite: bool = False,
+    settings: CallSettings | None = None,
 ) -> list[int]:
     """Check that every rank passes the same size and dtype; return every rank's nnz.
 
@@ -231,6 +358,8 @@ def check_consistent(
         lossy: values will be quantized: NaN/Inf on any rank is refused on every rank.
         nonfinite: this rank's data holds NaN/Inf (the caller's verdict, see
             :func:`sparse_allreduce`): refused on every rank.
+        settings: the call's :class:`CallSettings` (algorithm, quantizer, ``k``, ...),
+            compared too.
 
     Raises:
         RankMismatchError: on every rank, naming the ranks that differ.
@@ -239,7 +368,9 @@ def check_consistent(
         CommTimeoutError / PeerFailedError: naming a rank that did not answer.
     """
     seq = comm.next_sequence() if sequence is None else sequence
-    payload, _ = consistency_header(stream, seq, call_id, lossy, nonfinite)
+    payload, _ = consistency_header(
+        stream, seq, call_id, lossy, nonfinite, settings=settings, rank=comm.rank
+    )
     with comm.control():
         if comm.agrees_on_failures:
             got = gather_headers(payload, comm)
@@ -303,20 +434,24 @@ def _carrying_choice(comm: Communicator, key: tuple[int, int, bool]) -> str | No
 def _run(
     stream: SparseStream,
     comm: Communicator,
-    algorithm: str,
+    number: int,
+    settings: CallSettings,
     model: CostModel | None,
     codec: StreamCodec,
     options: dict[str, Any],
     call_id: int | None = None,
     nonfinite: bool = False,
 ) -> SparseStream:
-    codec = codec.with_call(comm.next_sequence(), comm.rank)
+    algorithm = settings.algorithm
+    codec = codec.with_call(number, comm.rank)
     p = comm.world_size
 
-    def carry() -> FirstRound:
+    def carry(running: str) -> FirstRound:
+        how = "first_round" if algorithm_info(running).header_in_first_round else True
         header, refuse = consistency_header(
-            stream, codec.sequence, call_id, codec.lossy, nonfinite, carried=True
-        )
+            stream, codec.sequence, call_id, codec.lossy, nonfinite, carried=how,
+            settings=settings, rank=comm.rank,
+        )  # fmt: skip
         codec.first_round = FirstRound(header, refuse, check_headers)
         return codec.first_round
 
@@ -325,11 +460,11 @@ def _run(
         if (info.header_in_first_round or info.header_in_rounds) and p > 1:
             # the header travels in the algorithm's own messages and is checked
             # before anything received is used: no rounds of its own
-            carry()
+            carry(algorithm)
         else:
             check_consistent(
                 stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy,
-                nonfinite=nonfinite,
+                nonfinite=nonfinite, settings=settings,
             )  # fmt: skip
         return info.fn(stream, comm, codec, **options)
     isize = stream.values.element_size()
@@ -338,7 +473,7 @@ def _run(
     if settled is not None:
         # run the settled algorithm with the headers in its own messages, and settle
         # the next call on the nnz they bring
-        first = carry()
+        first = carry(settled)
         log.debug("sparse_allreduce auto: %s, headers in its own messages", settled)
         out = get_algorithm(settled)(stream, comm, codec)
         assert first.ks is not None
@@ -348,7 +483,7 @@ def _run(
     else:
         ks = check_consistent(
             stream, comm, sequence=codec.sequence, call_id=call_id, lossy=codec.lossy,
-            nonfinite=nonfinite,
+            nonfinite=nonfinite, settings=settings,
         )  # fmt: skip
 
         def run(name: str) -> SparseStream:
@@ -468,13 +603,47 @@ def sparse_allreduce(
         [0.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0]
     """
     comm = resolve(comm)
-    if not isinstance(stream, SparseStream):
-        raise TypeError(
-            f"sparse_allreduce expects a SparseStream, got {type(stream).__name__}; "
-            "wrap a tensor with SparseStream.from_dense(t) or SparseStream(indices, values, N)"
-        )
+    settings = CallSettings.of(algorithm, quantizer, quantize, index_coding, options)
+
+    def call() -> SparseStream:
+        number = comm.next_sequence()
+        with comm.in_call(number):
+            if not isinstance(stream, SparseStream):
+                raise TypeError(
+                    f"sparse_allreduce expects a SparseStream, got {type(stream).__name__}; "
+                    "wrap a tensor with SparseStream.from_dense(t) or "
+                    "SparseStream(indices, values, N)"
+                )
+            try:
+                codec = _checked_codec(algorithm, quantizer, quantize, index_coding, options)
+            except (ValueError, TypeError) as e:
+                # Compare the settings first: one that differs between ranks is refused
+                # alike on every rank (RankMismatchError, naming it); an invalid one
+                # that every rank passed raises this error on each, before any data
+                # moves.
+                if comm.world_size > 1:
+                    check_consistent(stream, comm, sequence=number, call_id=call_id,
+                                     settings=settings)  # fmt: skip
+                raise mark_uniform(e, True) from None
+            if algorithm != "auto" and algorithm_info(algorithm).dense_result:
+                check_dense_result(stream, algorithm)
+            return _run(
+                stream, comm, number, settings, cost_model, codec, options, call_id, nonfinite
+            )
+
+    return comm.run_ordered(call, async_op)
+
+
+def _checked_codec(
+    algorithm: str,
+    quantizer: Quantizer | str | None,
+    quantize: str,
+    index_coding: str,
+    options: dict[str, Any],
+) -> StreamCodec:
+    """The call's codec, once its settings are valid (else ValueError / TypeError)."""
     if algorithm != "auto":
-        check_options(get_algorithm(algorithm), algorithm, options)  # fail before communicating
+        check_options(get_algorithm(algorithm), algorithm, options)
     elif options:
         raise ValueError(f"algorithm='auto' takes no options, got {sorted(options)}")
     if isinstance(quantizer, str):
@@ -487,8 +656,22 @@ def sparse_allreduce(
             "the dense algorithm cannot quantize; use algorithm='dsar_split_allgather' "
             "(SparCML sec. 6 quantizes its dense phase) or no quantizer"
         )
+    return codec
 
-    return comm.run_ordered(
-        lambda: _run(stream, comm, algorithm, cost_model, codec, options, call_id, nonfinite),
-        async_op,
-    )
+
+def check_dense_result(stream: SparseStream, algorithm: str) -> None:
+    """Refuse, before any message, a dense result that cannot exist on this device.
+
+    Raises:
+        ValueError: ``N`` values of the stream's dtype exceed the device's memory
+            (physical memory on the CPU, the GPU's total memory on CUDA).
+    """
+    need = stream.size * stream.values.element_size()
+    have = device_memory_bytes(stream.device)
+    if have is not None and need > have:
+        raise ValueError(
+            f"algorithm {algorithm!r} returns a dense result: N = {stream.size:,} "
+            f"{str(stream.dtype).removeprefix('torch.')} values need {need:,} bytes, more than "
+            f"the {have:,} bytes of memory of {stream.device}; use a sparse algorithm "
+            "('ssar_recursive_double', 'ssar_split_allgather') or 'auto'"
+        )

@@ -39,15 +39,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..comm.abort import mark_uniform
 from ..compress.base import Quantizer, decode_quantized_stream, encode_quantized_stream
-from ..errors import WireFormatError
+from ..errors import RankMismatchError, WireFormatError
 from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import decode, decode_concat, encode
 
 __all__ = ["EXACT", "HEADER_BYTES", "QUANTIZE_MODES", "CarriedHeaders", "FirstRound", "StreamCodec"]
 
-HEADER_BYTES = 24
+HEADER_BYTES = 48
 """Size of a rank's consistency header (:func:`~sparcml.collectives.check_consistent`)."""
 
 QUANTIZE_MODES = ("dense", "contributions", "all")
@@ -80,9 +81,11 @@ class FirstRound:
     ks: list[int] | None = None
 
 
-def _header_words(header: torch.Tensor) -> tuple[int, int, int]:
-    size, packed, calls = bytes_as(header.cpu(), torch.int64).tolist()
-    return size, packed, calls
+def _header_key(header: torch.Tensor) -> tuple[int, ...]:
+    """What two ranks' headers must share: all but the nnz and the NaN flag's
+    neighbours (size, flags and dtype, call numbers, settings)."""
+    size, packed, calls, w3, w4, _ = bytes_as(header.cpu(), torch.int64).tolist()
+    return size, packed >> 48, calls, w3, w4
 
 
 class CarriedHeaders:
@@ -116,8 +119,7 @@ class CarriedHeaders:
         if first is not None:
             self.held[me] = first.header
             self.refuse = first.refuse
-            size, packed, calls = _header_words(first.header)
-            self._mine = (size, packed >> 48, calls)
+            self._mine = _header_key(first.header)
 
     def wrap(self, ranks: Sequence[int], payload: torch.Tensor | None) -> torch.Tensor:
         """The message: the headers of ``ranks`` (held), then ``payload`` unless refusing."""
@@ -136,16 +138,15 @@ class CarriedHeaders:
             return buf
         n = HEADER_BYTES * len(ranks)
         if buf.numel() < n:
-            raise WireFormatError(
+            raise mark_uniform(RankMismatchError(
                 f"rank {src} sent {buf.numel()} bytes where {len(ranks)} consistency "
-                "headers were due: is it running the same collective and sparcml version?"
-            )
+                "headers were due: it is not in the same collective call (another "
+                "algorithm or collective, or another sparcml version)"), False)  # fmt: skip
         for i, r in enumerate(ranks):
             h = buf[i * HEADER_BYTES : (i + 1) * HEADER_BYTES].cpu()
             self.held[r] = h
             if not self.refuse:
-                size, packed, calls = _header_words(h)
-                self.refuse = (size, packed >> 48, calls) != self._mine
+                self.refuse = _header_key(h) != self._mine
         return None if self.refuse else buf[n:]
 
     def finish(self, p: int) -> None:
@@ -153,7 +154,9 @@ class CarriedHeaders:
         if self.first is None:
             return
         if len(self.held) != p:
-            raise WireFormatError(f"consistency headers of {sorted(self.held)} only, of {p} ranks")
+            raise mark_uniform(RankMismatchError(
+                f"consistency headers of ranks {sorted(self.held)} only, of {p}: the ranks "
+                "ran different message patterns (different algorithms?)"), False)  # fmt: skip
         self.first.ks = self.first.check([self.held[r] for r in range(p)])
         if self.refuse:  # check() raises whenever a header differs: defensive
             raise WireFormatError("a rank refused the call but every header agrees")

@@ -60,6 +60,7 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
     quadratic=True,
     auto_priority=2,
     header_in_first_round=True,
+    dense_result=True,
 )
 def dsar_split_allgather(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..comm import Communicator, resolve
+from ..comm.abort import mark_uniform
 from ..compress.selection import scratch_magnitude, select_above
 from ..compress.threshold_reuse import kth_largest
 from ..errors import RankMismatchError
@@ -48,7 +49,7 @@ from ..merge import merge_positions
 from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from ..stream import SparseStream, index_bytes
 from ._common import log2_ceil, split_and_reduce
-from .allreduce import check_consistent
+from .allreduce import CallSettings, check_consistent
 from .codec import EXACT, StreamCodec
 from .registry import register
 from .sparse_allgather import allgather_buffers
@@ -225,11 +226,23 @@ def oktopk_allreduce(
     comm = resolve(comm)
     state = state if state is not None else OkTopkState()
     x = acc.detach().reshape(-1)
+    if not check:  # inside sparse_allreduce, which checked already
+        return _oktopk(x, k, comm, state, codec)
+    number = comm.next_sequence()
+    with comm.in_call(number):
+        # k in the header: a k that differs between ranks is refused on every rank
+        settings = CallSettings("oktopk", k=k if isinstance(k, int) and k >= 0 else None)
+        check_consistent(SparseStream.dense(x), comm, sequence=number, settings=settings)
+        return _oktopk(x, k, comm, state, codec)
+
+
+def _oktopk(
+    x: torch.Tensor, k: int, comm: Communicator, state: OkTopkState, codec: StreamCodec
+) -> OkTopkResult:
+    """Steps 1-5 on the flat accumulator ``x`` (:func:`oktopk_allreduce`)."""
     n = x.numel()
     if not 1 <= k <= max(n, 1):
         raise ValueError(f"oktopk: k must lie in [1, {n}], got {k}")
-    if check:
-        check_consistent(SparseStream.dense(x), comm)
     p, me = comm.world_size, comm.rank
     refresh = state.calls % state.tau_prime == 0 or state.local_threshold is None
     # Step 1: local top-k by a (reused) threshold
@@ -247,7 +260,8 @@ def oktopk_allreduce(
         state.boundaries = _balanced_boundaries(idx, n, comm, state.quantiles)
     bounds = state.boundaries
     if bounds[-1] != n:
-        raise RankMismatchError(f"oktopk: boundaries end at {bounds[-1]}, the vector has {n}")
+        mismatch = RankMismatchError(f"oktopk: boundaries end at {bounds[-1]}, the vector has {n}")
+        raise mark_uniform(mismatch, False)  # seen here only: tell the others
     # Step 3: split and reduce (alltoallv sends to r+1, r+2, ... first)
     region, _, state.last_send_bytes = split_and_reduce(local, comm, codec, bounds)
     # Step 4: global top-k by a (reused) global threshold
@@ -365,7 +379,8 @@ def _balanced_allgather(
     pairs = torch.cat(blocks).to(device)
     indices, values = _unpairs(pairs, kept_val.dtype, size)
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
-        raise RankMismatchError("oktopk: gathered entries out of order (do ranks agree on N?)")
+        mismatch = RankMismatchError("oktopk: gathered entries out of order (do ranks agree on N?)")
+        raise mark_uniform(mismatch, False)  # seen here only: tell the others
     return indices, values
 
 

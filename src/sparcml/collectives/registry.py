@@ -44,6 +44,9 @@ Facts (:class:`AlgorithmInfo`):
   call skips the exchange, and so does ``auto`` when the previous call of the
   same size, value size and codec settled on it (a rank that exchanges first
   instead sends the same messages, so a mix is refused on every rank, not hung);
+* ``dense_result``: its result is always dense (``N`` values whatever the
+  nnz): ``sparse_allreduce`` refuses a size whose dense result cannot fit in
+  the device's memory before any message, naming ``N`` and the bytes;
 * ``options``: the keyword options it takes (``k``, ``state``), from its signature.
 """
 
@@ -96,6 +99,7 @@ class AlgorithmInfo:
     auto_priority: int = 0
     header_in_first_round: bool = False
     header_in_rounds: bool = False
+    dense_result: bool = False
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -124,13 +128,14 @@ def register(
     auto_priority: int = 0,
     header_in_first_round: bool = False,
     header_in_rounds: bool = False,
+    dense_result: bool = False,
 ) -> Callable[[F], F]:
     """Decorator adding an allreduce algorithm to the registry under ``name``.
 
     Args:
         name: the ``algorithm=`` name.
         exact, input, auto, cost, quadratic, family, auto_priority,
-            header_in_first_round, header_in_rounds: the facts of
+            header_in_first_round, header_in_rounds, dense_result: the facts of
             :class:`AlgorithmInfo` (module docstring).
 
     Raises:
@@ -153,7 +158,7 @@ def register(
         alias = next((i.name for i in _REGISTRY.values() if i.fn is fn and i.name != name), None)
         _REGISTRY[name] = AlgorithmInfo(
             name, fn, exact, input, auto, cost, quadratic, frozenset(family), alias,
-            auto_priority, header_in_first_round, header_in_rounds,
+            auto_priority, header_in_first_round, header_in_rounds, dense_result,
         )  # fmt: skip
         return fn
 

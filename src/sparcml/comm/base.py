@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 
+from ..errors import CommError
 from ..reinterpret import as_bytes, bytes_as, dense_1d
+from .abort import AbortNote, is_uniform
 
 __all__ = ["CommStats", "Communicator", "Handle", "SelfCommunicator"]
 
@@ -131,6 +133,10 @@ class Communicator(abc.ABC):
         self._engine_lock = threading.Lock()
         self._sequence = 0
         self._control = 0
+        self._call: int | None = None  # the collective call in progress (its number)
+        self._call_traffic = False  # a message of that call was sent or received
+        self._broken: str | None = None  # why this communicator refuses further use
+        self._notes_sent: list[Handle] = []  # abort notes in flight (kept alive)
 
     @contextlib.contextmanager
     def control(self) -> Iterator[None]:
@@ -163,6 +169,62 @@ class Communicator(abc.ABC):
         self._sequence += 1
         return self._sequence
 
+    # ----------------------------------------------------------- failing alike
+    @contextlib.contextmanager
+    def in_call(self, number: int) -> Iterator[None]:
+        """Run one collective call numbered ``number``: an error raised inside fails
+        the call on every rank (:mod:`sparcml.comm.abort`)."""
+        self.check_usable()
+        outer = (self._call, self._call_traffic)
+        self._call, self._call_traffic = number, False
+        try:
+            yield
+        except BaseException as e:
+            self.fail_call(e)
+            raise
+        finally:
+            self._call, self._call_traffic = outer
+
+    def fail_call(self, exc: BaseException) -> None:
+        """This rank failed a call with ``exc``: unless every rank raises it alike,
+        record it for the failure agreement and send every peer an abort note
+        (once per error; see :mod:`sparcml.comm.abort`). Outside a call, the call the
+        peers wait in is the next one, and this rank counts it as made."""
+        if is_uniform(exc) or getattr(exc, "_sparcml_failed", False):
+            return
+        with contextlib.suppress(AttributeError):
+            exc._sparcml_failed = True  # type: ignore[attr-defined]
+        number = self._call if self._call is not None else self.next_sequence()
+        self.record_failure(exc)
+        note = AbortNote.of(number, self.rank, exc)
+        payload = torch.frombuffer(bytearray(note.encode()), dtype=torch.uint8)
+        for peer in range(self.world_size):
+            if peer != self.rank and peer != note.origin:
+                with contextlib.suppress(Exception):  # a dead peer must not hide exc
+                    self._notes_sent.append(self._send_note(payload, peer))
+        del self._notes_sent[: -4 * self.world_size]  # the older ones are long sent
+        if self._call is None or self._call_traffic or note.origin != self.rank:
+            # messages of the abandoned call may still be in flight on some link
+            self._broken = (
+                f"call {number} failed ({note.error_type} on rank {note.origin}: "
+                f"{note.message[:300]})"
+            )
+
+    def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
+        """Send an abort note to ``dst`` on the links the calls use, so that whatever
+        receive ``dst`` has posted for this rank takes it. Backends without such
+        links (a world of one, the simulator) send nothing."""
+        return Handle.done()
+
+    def check_usable(self) -> None:
+        """Raise if a failed call left this communicator unusable."""
+        if self._broken is not None:
+            raise CommError(
+                f"rank {self.rank}: this communicator cannot be used after {self._broken}: "
+                "messages of that call may still be in flight; create a new communicator "
+                "(a new process group)"
+            )
+
     # ----------------------------------------------------------- backend primitives
     @abc.abstractmethod
     def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
@@ -182,20 +244,36 @@ class Communicator(abc.ABC):
     def isend(self, buf: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         """Non-blocking send of a 1-D uint8 tensor of any length to ``dst``."""
         self._check_peer(dst, "destination")
+        self.check_usable()
         buf = check_payload(buf)
+        self._call_traffic = True
         self.stats.bytes_sent += buf.numel()
         self.stats.messages_sent += 1
         return self._isend(buf, dst, tag)
 
     def irecv(self, src: int, tag: int = 0) -> Handle:
-        """Non-blocking receive of one message of unknown length from ``src``."""
+        """Non-blocking receive of one message of unknown length from ``src``.
+
+        An abort note from ``src`` for the call in progress raises the origin's error
+        (:mod:`sparcml.comm.abort`); a stale one is dropped and the receive posted again.
+        """
         self._check_peer(src, "source")
+        self.check_usable()
+        self._call_traffic = True
         handle = self._irecv(src, tag)
         stats = self.stats
 
         def counted() -> torch.Tensor | None:
-            out = handle.wait()
-            assert out is not None
+            h = handle
+            while True:
+                out = h.wait()
+                assert out is not None
+                if not isinstance(out, AbortNote):
+                    break
+                if out.stale(self._call, self._sequence):
+                    h = self._irecv(src, tag)
+                    continue
+                raise out.error(self.rank)
             stats.bytes_recv += out.numel()
             stats.messages_recv += 1
             return out
@@ -343,7 +421,7 @@ class Communicator(abc.ABC):
         try:
             return fn()
         except BaseException as e:
-            self.record_failure(e)
+            self.fail_call(e)
             raise
 
     def record_failure(self, exc: BaseException) -> None:

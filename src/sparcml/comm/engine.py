@@ -97,9 +97,7 @@ class Engine:
 
     def __init__(self, comm: Any) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._record: Callable[[BaseException], None] = getattr(
-            comm, "record_failure", lambda e: None
-        )
+        self._record: Callable[[BaseException], None] = getattr(comm, "fail_call", lambda e: None)
         self._thread = threading.Thread(
             target=self._loop, name=f"sparcml-engine-rank{comm.rank}", daemon=True
         )

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["VARIABLE", "enable_huge_pages"]
+import torch
+
+__all__ = ["VARIABLE", "device_memory_bytes", "enable_huge_pages"]
 
 VARIABLE = "THP_MEM_ALLOC_ENABLE"
 
@@ -36,3 +38,16 @@ def enable_huge_pages() -> bool:
     """
     os.environ.setdefault(VARIABLE, "1")
     return os.environ[VARIABLE] not in ("", "0")
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The memory a tensor on ``device`` can at most take: the machine's physical
+    memory for the CPU, the GPU's total memory for CUDA; None when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import CommError, CommTimeoutError, RankAbortedError
+from .abort import AbortNote
 from .base import Communicator, Handle
 from .faults import StoreFaults, make_error
 
@@ -156,6 +157,14 @@ class LocalCommunicator(Communicator):
         else:
             record = self.faults.resolve(e, peer, "recv")
         return make_error(record, self.rank, peer, "recv", str(e), self.timeout)
+
+    def record_failure(self, exc: BaseException) -> None:
+        self.faults.record_local(exc)
+
+    def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
+        note = AbortNote.decode(bytes(payload.numpy()))
+        self.world.box(self.rank, dst, 0).put(note)
+        return Handle.done()
 
     def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
         if self.world.aborted.is_set():

@@ -42,6 +42,7 @@ import torch
 
 from ..errors import CommError, CommTimeoutError
 from ..reinterpret import as_bytes
+from .abort import AbortNote
 from .base import Communicator, Handle
 
 __all__ = ["MPICommunicator", "mpi_available"]
@@ -56,6 +57,8 @@ _SPIN = 20_000
 _YIELDS = 200_000
 _POLL_S = 0.0
 _SLEEP_S = 1e-4
+#: the tag of abort notes (sparcml.comm.abort); the calls' own messages use tag 0
+NOTE_TAG = 0x5C4D
 #: dense collectives of at least this many bytes call MPI's blocking collective on a
 #: helper thread (see the module doc)
 BLOCKING_MIN_BYTES = 1 << 20
@@ -194,14 +197,25 @@ class MPICommunicator(Communicator):
 
         return Handle(wait)
 
+    def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
+        # abort notes travel under a tag of their own, probed by every receive
+        return self._isend(payload, dst, NOTE_TAG)
+
     def _irecv(self, src: int, tag: int) -> Handle:
-        def wait() -> torch.Tensor:
+        def wait() -> torch.Tensor | AbortNote:
             deadline = time.monotonic() + self.timeout
             status = self._MPI.Status()
             while True:
                 msg = self.mpi.improbe(source=src, tag=tag, status=status)
                 if msg is not None:
                     break
+                note = self.mpi.improbe(source=src, tag=NOTE_TAG, status=status)
+                if note is not None:
+                    buf = torch.empty(status.Get_count(self._MPI.BYTE), dtype=torch.uint8)
+                    note.Recv([buf.numpy(), self._MPI.BYTE])
+                    got = AbortNote.decode(bytes(buf.numpy()))
+                    if got is not None:
+                        return got
                 if time.monotonic() > deadline:
                     raise CommTimeoutError(
                         f"rank {self.rank}: timed out after {self.timeout:g}s in recv "

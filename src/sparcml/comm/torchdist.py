@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from ..errors import CommError, CommTimeoutError, PeerFailedError
 from ..reinterpret import as_bytes, bytes_as
+from .abort import AbortNote
 from .base import Communicator, Handle
 from .faults import StoreFaults, agent_store, make_error, store_client
 
@@ -221,19 +222,24 @@ class TorchDistCommunicator(Communicator):
         except Exception as e:
             raise self._fail(e, peer, what) from e
 
-    def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
+    def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
+        # an abort note is a message whose length word is negative: -(bytes + 1)
+        return self._isend(payload, dst, 0, note=True)
+
+    def _isend(self, buf: torch.Tensor, dst: int, tag: int, note: bool = False) -> Handle:
         buf = buf.to(self.device)
         gdst = self._global(dst)
         self.stats.control_bytes += 8
         size = buf.numel()
+        word = -(size + 1) if note else size
         if self._eager:
             inline = min(size, EAGER_BYTES - 8)
             first = torch.empty(8 + inline, dtype=torch.uint8, device=self.device)
-            first[:8].view(torch.int64).fill_(size)
+            first[:8].view(torch.int64).fill_(word)
             first[8:].copy_(buf[:inline])
             rest = buf[inline:] if size > inline else None
         else:
-            first = torch.tensor([size], dtype=torch.int64, device=self.device)
+            first = torch.tensor([word], dtype=torch.int64, device=self.device)
             rest = buf if size else None
         try:
             works = [dist.isend(first, gdst, group=self.group, tag=tag)]
@@ -264,22 +270,29 @@ class TorchDistCommunicator(Communicator):
         except Exception as e:
             raise self._fail(e, src, "recv") from e
 
-        def wait() -> torch.Tensor:
+        def wait() -> torch.Tensor | AbortNote:
             self._wait(first, src, "recv")
             size = int((head[:8].view(torch.int64) if eager else head).item())
-            if size < 0:
-                raise CommError(f"rank {self.rank}: rank {src} announced a negative length")
+            note = size < 0  # an abort note of -(size + 1) bytes (sparcml.comm.abort)
+            if note:
+                size = -size - 1
             inline = min(size, EAGER_BYTES - 8) if eager else 0
             if size == inline:
-                return head[8 : 8 + size]
-            out = torch.empty(size, dtype=torch.uint8, device=self.device)
-            out[:inline].copy_(head[8 : 8 + inline])
-            try:
-                work = dist.irecv(out[inline:], gsrc, group=self.group, tag=tag)
-            except Exception as e:
-                raise self._fail(e, src, "recv") from e
-            self._wait(work, src, "recv")
-            return out
+                out = head[8 : 8 + size]
+            else:
+                out = torch.empty(size, dtype=torch.uint8, device=self.device)
+                out[:inline].copy_(head[8 : 8 + inline])
+                try:
+                    work = dist.irecv(out[inline:], gsrc, group=self.group, tag=tag)
+                except Exception as e:
+                    raise self._fail(e, src, "recv") from e
+                self._wait(work, src, "recv")
+            if not note:
+                return out
+            got = AbortNote.decode(bytes(out.cpu().numpy()))
+            if got is None:
+                raise CommError(f"rank {self.rank}: rank {src} sent an unreadable abort note")
+            return got
 
         return Handle(wait)
 
@@ -289,6 +302,7 @@ class TorchDistCommunicator(Communicator):
         out = tensor.detach().to(self.device, copy=True).contiguous()
         p = self.world_size
         if p > 1:
+            self.check_usable()
             nbytes = out.numel() * out.element_size()
             self.stats.bytes_sent += 2 * (p - 1) * nbytes // p
             self.stats.bytes_recv += 2 * (p - 1) * nbytes // p
@@ -302,6 +316,8 @@ class TorchDistCommunicator(Communicator):
     def allgather(self, tensor: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
         src = tensor.detach().to(self.device).contiguous()
         p = self.world_size
+        if p > 1:
+            self.check_usable()
         nbytes = src.numel() * src.element_size()
         if p > 1 and self._eager and 0 < nbytes <= DIRECT_ALLGATHER_BYTES:
             return [o.to(tensor.device) for o in self._allgather_direct(src)]

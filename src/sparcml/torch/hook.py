@@ -78,7 +78,7 @@ def sparcml_hook(
         try:
             out = reduce_ddp_bucket(state, item, last)
         except BaseException as e:
-            state.comm.record_failure(e)
+            state.comm.fail_call(e)
             if state.hook_error is None:
                 state.hook_error = e
             out = flat  # placeholder: backward raises the error before any step

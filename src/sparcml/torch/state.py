@@ -583,6 +583,9 @@ class SparcmlState:
         self.bytes_sent = int(sd["bytes_sent"])
         self.step_bytes = [int(b) for b in sd["step_bytes"]]
         self.ina_calls = int(sd["ina_calls"])
+        # the aggregator binds results to (session, call): a rewound call counter in
+        # the same session would reuse call numbers, so the next call agrees a new one
+        self.ina_session = None
         self.comm.sequence = int(sd["comm_sequence"])
         self.residuals = ck.tensors(sd["residuals"])
         self.momenta = ck.tensors(sd["momenta"])
