@@ -10,6 +10,7 @@ import torch
 import sparcml.torch as st
 from sparcml import SparseStream, sparse_allreduce
 from sparcml.errors import CommError, SparcmlError
+from sparcml.tools.bench import faults as _bench_faults
 
 
 def _caught(e: BaseException) -> dict[str, Any]:
@@ -127,55 +128,7 @@ def raises_inside_collective(comm: Any, victim: int) -> dict[str, Any] | None:
     return {"type": "no error"}
 
 
-#: one setting passed differently on one rank (issue 34's mismatch matrix): the
-#: keyword arguments of sparse_allreduce for (the odd rank, the others)
-MISMATCHES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "algorithm": ({"algorithm": "ssar_split_allgather"}, {"algorithm": "ssar_recursive_double"}),
-    "algorithm (dense)": ({"algorithm": "dense"}, {"algorithm": "ssar_split_allgather"}),
-    "algorithm (auto)": ({"algorithm": "ssar_split_allgather"}, {"algorithm": "auto"}),
-    "quantizer": ({"algorithm": "dsar_split_allgather", "quantizer": "qsgd"},
-                  {"algorithm": "dsar_split_allgather"}),
-    "quantizer (dense)": ({"algorithm": "dense", "quantizer": "qsgd"}, {"algorithm": "dense"}),
-    "quantize mode": ({"algorithm": "dsar_split_allgather", "quantizer": "qsgd", "quantize": "all"},
-                      {"algorithm": "dsar_split_allgather", "quantizer": "qsgd"}),
-    "index coding": ({"quantizer": "natural", "quantize": "all", "index_coding": "delta"},
-                     {"quantizer": "natural", "quantize": "all"}),
-    "k": ({"algorithm": "oktopk", "k": 5}, {"algorithm": "oktopk", "k": 4}),
-    "dtype": ({"dtype": torch.float64}, {}),
-    "N": ({"size": 49}, {}),
-}  # fmt: skip
-#: the words each refusal must carry
-MISMATCH_NAMES = {
-    "algorithm": "algorithm", "algorithm (dense)": "algorithm", "algorithm (auto)": "algorithm",
-    "quantizer": "quantizer", "quantizer (dense)": "quantizer", "quantize mode": "quantize mode",
-    "index coding": "index coding", "k": "k settings", "dtype": "dtypes", "N": "sizes",
-}  # fmt: skip
-
-
-def mismatch(comm: Any, case: str, odd: int) -> dict[str, Any]:
-    """Every rank calls sparse_allreduce once, rank ``odd`` with one setting changed
-    (``case`` of :data:`MISMATCHES`, or ``"raises"``: its quantizer raises KeyError)."""
-    mine = MISMATCHES[case][0 if comm.rank == odd else 1] if case in MISMATCHES else {}
-    kw = dict(mine)
-    size, dtype = kw.pop("size", 50), kw.pop("dtype", torch.float32)
-    g = torch.Generator().manual_seed(comm.rank)
-    stream = SparseStream(torch.tensor([1, 3, 40]), torch.randn(3, generator=g).to(dtype), size)
-    if kw.get("algorithm") == "oktopk":
-        stream = SparseStream.dense(torch.randn(size, generator=g).to(dtype))
-    if case == "raises":
-        from sparcml.compress import get
-
-        q = get("qsgd")
-        if comm.rank == odd:
-
-            def broken(*args: Any, **kwargs: Any) -> Any:
-                raise KeyError("corrupt quantizer table")
-
-            q.quantize = broken  # type: ignore[method-assign]
-        kw = {"algorithm": "ssar_split_allgather", "quantizer": q, "quantize": "all"}
-    t0 = time.monotonic()
-    try:
-        sparse_allreduce(stream, comm, **kw)
-    except Exception as e:
-        return {**_caught(e), "seconds": time.monotonic() - t0}
-    return {"type": "no error", "seconds": time.monotonic() - t0}
+# the mismatch matrix lives with the benchmark that measures it (one place)
+MISMATCHES = _bench_faults.MISMATCHES
+MISMATCH_NAMES = _bench_faults.MISMATCH_NAMES
+mismatch = _bench_faults.mismatch_worker

@@ -217,22 +217,28 @@ def test_a_rank_whose_code_raises_is_named_with_its_error() -> None:
 
 @pytest.mark.spawn
 @pytest.mark.parametrize(
-    ("scenario", "mode", "world", "seed"),
+    ("scenario", "mode", "world", "seed", "victim"),
     [
-        ("collective", "kill", 4, 0),
-        ("collective", "stop", 4, 2),
-        ("ddp", "kill", 3, 1),
-        ("ddp", "stop", 3, 3),
-        ("optimizer", "kill", 3, 4),
+        ("collective", "kill", 4, 0, None),
+        ("collective", "stop", 4, 2, None),
+        ("collective:ssar_split_allgather", "stop", 3, 5, 0),  # rank 0 hosts the store
+        ("collective:dense", "kill", 3, 6, 0),
+        ("ddp", "kill", 3, 1, None),
+        ("ddp", "stop", 3, 3, None),
+        ("optimizer", "kill", 3, 4, None),
     ],
 )
 def test_survivors_name_the_rank_that_failed(
-    scenario: str, mode: str, world: int, seed: int
+    scenario: str, mode: str, world: int, seed: int, victim: int | None
 ) -> None:
-    r = run_fault(scenario, mode, world, seed, timeout=3.0)
-    assert not r.hang, r
+    """Every survivor raises the README's type for the fault (a kill: PeerFailedError,
+    a freeze: CommTimeoutError, rank 0 included) naming the victim."""
+    from sparcml.tools.bench.faults import EXPECTED
+
+    r = run_fault(scenario, mode, world, seed, timeout=3.0, victim=victim)
+    assert not r.hang and r.fault_at is not None, r
     for rank, o in r.survivors.items():
-        assert o["type"] in DOCUMENTED and o["peer"] == r.victim, (rank, r.victim, o)
+        assert o["type"] == EXPECTED[mode] and o["peer"] == r.victim, (rank, r.victim, o)
 
 
 @pytest.mark.faults
@@ -241,9 +247,14 @@ def test_survivors_name_the_rank_that_failed(
 @pytest.mark.parametrize("mode", ["kill", "stop"])
 def test_fault_statistics(scenario: str, mode: str) -> None:
     """Opt-in (``-m faults``): 10 runs each at P = 3 and 4; every survivor right, 0 hangs."""
-    results = [run_fault(scenario, mode, 3 + seed % 2, seed, timeout=3.0) for seed in range(10)]
+    results = [
+        run_fault(scenario, mode, 3 + seed % 2, seed, timeout=3.0, victim=(seed // 2) % 3)
+        for seed in range(10)
+    ]
     assert not any(r.hang for r in results)
-    assert all(r.all_right for r in results), [r for r in results if not r.all_right]
+    assert all(r.all_right and not r.wrong_type for r in results), [
+        r for r in results if not r.all_right or r.wrong_type
+    ]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5])

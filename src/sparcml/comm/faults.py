@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +50,14 @@ from ..errors import (
     RankMismatchError,
 )
 
-__all__ = ["FailureRecord", "StoreFaults", "is_local_failure", "make_error", "store_client"]
+__all__ = [
+    "FailureRecord",
+    "StoreFaults",
+    "is_local_failure",
+    "make_error",
+    "store_address",
+    "store_client",
+]
 
 log = logging.getLogger("sparcml")
 T = TypeVar("T")
@@ -123,6 +131,7 @@ class StoreFaults:
         store_host: int | None,
         linger: float = 0.0,
         op_timeout: float = 3.0,
+        address: tuple[str, int] | None = None,
     ) -> None:
         self._connect = connect
         self.store: Any = None
@@ -134,6 +143,10 @@ class StoreFaults:
         self.linger = linger
         self.op_timeout = op_timeout
         self._store_ok = connect is not None
+        # how the store was lost: "timeout" (its host does not answer: frozen) or
+        # "closed" (its port refuses connections: its host is gone)
+        self._lost_kind = "closed"
+        self.address = address
 
     # ----------------------------------------------------------------- store access
     def _key(self, name: str) -> str:
@@ -179,7 +192,25 @@ class StoreFaults:
 
     def _lost(self, e: BaseException) -> None:
         log.debug("rank %d: store unreachable: %s", self.rank, e)
+        if self._store_ok:
+            self._lost_kind = self._probe(e)
         self._store_ok = False
+
+    def _probe(self, e: BaseException) -> str:
+        """Frozen or gone? The store's client retries a refused connection until its
+        timeout, so its error reads "timed out" either way; a plain connection to the
+        store's port tells: the kernel still accepts one for a frozen process (its
+        listening socket lives), and refuses it once the process is gone."""
+        if self.address is not None:
+            try:
+                with socket.create_connection(self.address, timeout=1.0):
+                    return "timeout"
+            except ConnectionRefusedError:
+                return "closed"
+            except OSError:
+                return "timeout"
+        frozen = isinstance(e, TimeoutError) or _classify(str(e)) == "timeout"
+        return "timeout" if frozen else "closed"
 
     def read(self) -> FailureRecord | None:
         """The published root cause, if any."""
@@ -233,8 +264,15 @@ class StoreFaults:
             time.sleep(_POLL_S)
 
     def _store_host_record(self, what: str) -> FailureRecord | None:
+        """The store's host as the root cause, once the store is lost: frozen (its
+        store does not answer: ``CommTimeoutError``) or dead (it refuses or resets
+        connections: ``PeerFailedError``), as the README's error table says."""
         if self.store_host is None or self.store_host == self.rank:
             return None
+        if self._lost_kind == "timeout":
+            return FailureRecord(self.store_host, "timeout", self.rank,
+                                 f"stopped answering (it hosts the store, which does not answer "
+                                 f"either) during {what}")  # fmt: skip
         return FailureRecord(
             self.store_host, "died", self.rank, f"is unreachable (it hosts the store) during {what}"
         )
@@ -263,12 +301,20 @@ class StoreFaults:
         held = self.read()
         if held is not None:
             return held
-        if kind == "closed" and peer is not None and not self._peer_gave_up(peer):
-            # direct evidence: the peer's connection is gone, and it did not report
-            # giving up itself
-            return self.publish(
-                FailureRecord(peer, "died", self.rank, f"closed its connection during {what}")
-            )
+        if kind == "closed" and peer is not None:
+            gave_up = self._peer_gave_up(peer)
+            if not self._store_ok:
+                # the store is gone too: the peer may only have given up on its host,
+                # which is then the one to name (a frozen or dead rank 0)
+                lost = self._store_host_record(what)
+                if lost is not None:
+                    return lost
+            if not gave_up:
+                # direct evidence: the peer's connection is gone, and it did not report
+                # giving up itself
+                return self.publish(
+                    FailureRecord(peer, "died", self.rank, f"closed its connection during {what}")
+                )
         self._set(f"stuck/{self.rank}", str(-1 if peer is None else peer))
         if not self._store_ok:
             lost = self._store_host_record(what)
@@ -354,6 +400,16 @@ def make_error(
 def agent_store() -> bool:
     """True under torchrun's agent store (the store does not live in rank 0)."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def store_address(store: Any) -> tuple[str, int] | None:
+    """The (host, port) of the TCP store under ``store``, if it is one."""
+    import torch.distributed as dist
+
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    return (inner.host, inner.port) if isinstance(inner, dist.TCPStore) else None
 
 
 def store_client(store: Any, timeout: float) -> Callable[[], Any] | None:

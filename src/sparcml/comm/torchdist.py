@@ -49,7 +49,7 @@ from ..errors import CommError, CommTimeoutError, PeerFailedError
 from ..reinterpret import as_bytes, bytes_as
 from .abort import AbortNote
 from .base import Communicator, Handle
-from .faults import StoreFaults, agent_store, make_error, store_client
+from .faults import StoreFaults, agent_store, make_error, store_address, store_client
 
 __all__ = ["DIRECT_ALLGATHER_BYTES", "EAGER_BYTES", "TorchDistCommunicator"]
 
@@ -138,9 +138,12 @@ class TorchDistCommunicator(Communicator):
             connect = None
             prefix = "sparcml"
             host: int | None = None
+            address = None
             grace = min(max(2.0, 0.25 * self.timeout), 30.0)
             try:
-                connect = store_client(dist.distributed_c10d._get_default_store(), grace)
+                store = dist.distributed_c10d._get_default_store()
+                connect = store_client(store, grace)
+                address = store_address(store)
                 prefix = f"sparcml/{dist.distributed_c10d._get_process_group_name(self.group)}"
                 if not agent_store():
                     ranks = dist.get_process_group_ranks(self.group)
@@ -149,7 +152,7 @@ class TorchDistCommunicator(Communicator):
                 connect = None
             self._faults = StoreFaults(
                 connect, prefix, self.rank, self.world_size, grace, host,
-                linger=self.timeout + 2 * grace,
+                linger=self.timeout + 2 * grace, address=address,
             )  # fmt: skip
         return self._faults
 

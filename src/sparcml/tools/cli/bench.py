@@ -152,27 +152,78 @@ def bench_topk(args: argparse.Namespace) -> int:
 
 
 def bench_faults(args: argparse.Namespace) -> int:
-    from ..bench.faults import run_fault
+    import statistics
 
+    from ..bench.faults import MISMATCHES, SCENARIOS, run_fault, run_mismatch
+
+    scenarios = list(SCENARIOS) if args.scenarios == "all" else args.scenarios.split(",")
+    modes = args.modes.split(",")
+    report: dict[str, Any] = {"faults": [], "mismatches": []}
     bad = 0
-    for scenario in args.scenarios.split(","):
-        for mode in args.modes.split(","):
-            right = hangs = total = 0
-            for seed in range(args.runs):
-                t0 = time.monotonic()
-                r = run_fault(scenario, mode, 3 + seed % 2, seed, timeout=args.timeout)
-                total += len(r.survivors) if not r.hang else r.world - 1
-                right += r.right if not r.hang else 0
-                hangs += r.hang
+    summary = []
+    for scenario in scenarios if args.runs else []:
+        for mode in modes:
+            runs = []
+            for i in range(args.runs):
+                # P = 3 and 4 alternating; the victim cycles through every rank, 0 included
+                world = 3 + i % 2
+                r = run_fault(scenario, mode, world, i, timeout=args.timeout,
+                              victim=(i // 2) % world)  # fmt: skip
+                runs.append(r)
                 wrong = {k: (o.get("type"), o.get("peer")) for k, o in r.survivors.items()
-                         if not r.all_right}  # fmt: skip
-                print(f"{scenario:<10} {mode:<4} P={r.world} victim={r.victim} "
-                      f"after {r.after} msgs: {r.right}/{r.world - 1} right"
+                         if o.get("peer") != r.victim or r.wrong_type}  # fmt: skip
+                t = r.seconds_to_error
+                print(f"{scenario:<32} {mode:<4} P={r.world} victim={r.victim} after "
+                      f"{r.after:>2} msgs: {r.right}/{r.world - 1} right"
                       + (" HANG" if r.hang else "") + (f" {wrong}" if wrong else "")
-                      + f" ({time.monotonic() - t0:.1f} s)", flush=True)  # fmt: skip
-            print(f"== {scenario} {mode}: {right}/{total} survivors named the failed rank, "
-                  f"{hangs} hangs in {args.runs} runs", flush=True)  # fmt: skip
-            bad += (total - right) + hangs
+                      + (f", error {t:.2f} s after the fault" if t is not None else ""),
+                      flush=True)  # fmt: skip
+                report["faults"].append({**dataclasses.asdict(r), "seconds_to_error": t})
+            times = [r.seconds_to_error for r in runs if r.seconds_to_error is not None]
+            row = (scenario, mode, len(runs), sum(r.hang for r in runs),
+                   sum(r.wrong_rank for r in runs), sum(r.wrong_type for r in runs),
+                   statistics.median(times) if times else float("nan"),
+                   max(times, default=float("nan")))  # fmt: skip
+            summary.append(row)
+            bad += row[3] + row[4] + row[5]
+    mism = []
+    worlds = [int(w) for w in args.mismatch_worlds.split(",") if w]
+    for case in [*MISMATCHES, "raises"]:
+        for world in worlds:
+            m = run_mismatch(case, world, timeout=args.timeout)
+            late = m.seconds > 1.0
+            print(f"mismatch {case:<20} P={world}: {m.right}/{world} ranks right"
+                  + (" HANG" if m.hang else "") + f", {m.seconds:.2f} s"
+                  + (" (over 1 s)" if late else ""), flush=True)  # fmt: skip
+            report["mismatches"].append({**dataclasses.asdict(m), "seconds": m.seconds})
+            mism.append((case, world, m.right, m.hang, m.seconds))
+            bad += (world - m.right) + m.hang + late
+    if summary:
+        print(f"\n{'scenario':<32} {'mode':<4} {'runs':>4} {'hangs':>5} {'wrong rank':>10} "
+              f"{'wrong type':>10} {'s to error p50':>14} {'max':>6}")  # fmt: skip
+        for sc, mode, n, hangs, wr, wt, p50, mx in summary:
+            print(f"{sc:<32} {mode:<4} {n:>4} {hangs:>5} {wr:>10} {wt:>10} {p50:>14.2f} "
+                  f"{mx:>6.2f}")  # fmt: skip
+        print("(wrong rank / wrong type: survivors, summed over the runs; the type a kill "
+              "must give is PeerFailedError, a freeze CommTimeoutError; time from the "
+              f"victim's fault to the last survivor's error, communicator timeout "
+              f"{args.timeout:g} s)")  # fmt: skip
+    if mism:
+        print(f"\n{'mismatch':<20} " + " ".join(f"{'P=' + str(w):>14}" for w in worlds))
+        for case in [*MISMATCHES, "raises"]:
+            cells = [f"{right}/{w} {'HANG' if hang else f'{s:.2f} s':>7}"
+                     for c, w, right, hang, s in mism if c == case]  # fmt: skip
+            print(f"{case:<20} " + " ".join(f"{c:>14}" for c in cells))
+        print(
+            "(ranks that raised the documented error / all ranks, and the slowest rank's "
+            "time to its error; target: all, within 1 s)"
+        )
+    if args.json:
+        from ..bench.harness import write_json
+
+        write_json(args.json, "bench-faults", report["faults"] + report["mismatches"],
+                   {"runs": args.runs, "timeout": args.timeout, "scenarios": scenarios,
+                    "modes": modes, "mismatch_worlds": worlds})  # fmt: skip
     return 1 if bad else 0
 
 
@@ -332,15 +383,36 @@ def add_parsers(sub: Any) -> None:
     bf = sub.add_parser(
         "bench-faults",
         help="kill / freeze a rank mid-collective: is the failed rank the one named?",
-        description="Runs fault-injection runs over spawned gloo ranks (P = 3 and 4, "
-        "alternating): a random rank is killed (os._exit) or frozen (SIGSTOP) inside a "
-        "collective, DDP training or DistributedOptimizer training, and every survivor's "
-        "error is checked: a documented type naming that rank. Exits 1 unless all are.",
+        description="Fault-injection runs over spawned gloo ranks. Kill and stop: P = 3 "
+        "and 4 alternating, the victim cycling through every rank (0 included), killed "
+        "(os._exit) or frozen (SIGSTOP) inside a collective of each algorithm, DDP training "
+        "with each method, or DistributedOptimizer training; every survivor must raise the "
+        "documented type (PeerFailedError for a kill, CommTimeoutError for a freeze) naming "
+        "the victim. Mismatches: one rank passes one setting differently (algorithm, "
+        "quantizer, quantize mode, index coding, k, dtype, N) or raises on its own, at each "
+        "P of --mismatch-worlds: every rank must raise the documented error within 1 s. "
+        "Prints every run and a summary table; exits 1 unless every run is right.",
     )
-    bf.add_argument("--runs", type=positive_arg, default=10, help="runs per scenario and mode")
-    bf.add_argument("--scenarios", default="collective,ddp,optimizer")
+    bf.add_argument(
+        "--runs",
+        type=int,
+        default=10,
+        help="kill/stop runs per scenario and mode (0: mismatches only)",
+    )
+    bf.add_argument(
+        "--scenarios",
+        default="all",
+        help="comma-separated: collective:ALGORITHM, ddp:METHOD, optimizer "
+        "(default all: every algorithm, ddp:topk/oktopk/dense, optimizer)",
+    )
     bf.add_argument("--modes", default="kill,stop")
     bf.add_argument("--timeout", type=float, default=3.0, help="communicator timeout, s")
+    bf.add_argument(
+        "--mismatch-worlds",
+        default="2,3,4,5",
+        help="world sizes of the mismatch matrix ('' to skip it)",
+    )
+    bf.add_argument("--json", help="write every run to this JSON file")
     bf.set_defaults(run=bench_faults)
     bl = sub.add_parser(
         "bench-local",
