@@ -94,3 +94,77 @@ def test_compression_stats_are_logged(caplog) -> None:  # type: ignore[no-untype
     s = compression_stats(state)
     ref = torch.cat([r.reshape(-1) for r in state.residuals.values()]).double().norm()
     assert abs(s["residual_norm"] - float(ref)) < 1e-9 and s["step"] == 4
+
+
+def _trained(model: torch.nn.Module, method: str = "topk", **hyper):  # type: ignore[no-untyped-def]
+    state = st.SparcmlState(method, density=0.3, comm=SelfCommunicator(), **hyper)
+    for _ in range(2):
+        model(torch.randn(4, 5)).sum().backward()
+        st.sync_gradients(model, state)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("saved", "loading", "named"),
+    [
+        ({"momentum": 0.0}, {"momentum": 0.9}, "momentum"),
+        (
+            {"algorithm": "ssar_recursive_double"},
+            {"algorithm": "ssar_split_allgather"},
+            "algorithm",
+        ),
+        ({"error_feedback": True}, {"error_feedback": False}, "error_feedback"),
+        ({"seed": 0}, {"seed": 1}, "seed"),
+        ({"warmup_steps": 0}, {"warmup_steps": 3}, "warmup_steps"),
+    ],
+)
+def test_a_checkpoint_of_other_settings_is_refused_naming_the_setting(
+    saved: dict, loading: dict, named: str
+) -> None:
+    """Issue 34: momentum 0 vs 0.9, another algorithm, error_feedback=False and the
+    rest were loaded without a word; now refused (strict) or loaded with strict=False."""
+    sd = _trained(torch.nn.Linear(5, 3), **saved).state_dict()
+    other = st.SparcmlState("topk", density=0.3, comm=SelfCommunicator(), **loading)
+    with pytest.raises(ValueError, match=rf"other settings: .*{named} \(checkpoint"):
+        other.load_state_dict(sd)
+    other.load_state_dict(sd, strict=False)  # a deliberate change: loaded, logged
+    assert other.step == 2
+
+
+def test_oktopk_tau_is_part_of_the_checkpoint() -> None:
+    sd = _trained(torch.nn.Linear(5, 3), "oktopk", oktopk_tau=64).state_dict()
+    other = st.SparcmlState("oktopk", density=0.3, comm=SelfCommunicator(), oktopk_tau=16)
+    with pytest.raises(ValueError, match="oktopk_tau"):
+        other.load_state_dict(sd)
+
+
+def test_a_checkpoint_of_another_model_is_refused() -> None:
+    """A bigger model: refused when it is registered (before) or at registration
+    (a state loaded first, as a resumed script does)."""
+    sd = _trained(torch.nn.Linear(5, 3)).state_dict()
+    bigger = torch.nn.Linear(5, 4)
+    registered = _trained(bigger)
+    with pytest.raises(ValueError, match=r"other parameters \(shapes differ: weight"):
+        registered.load_state_dict(sd)
+    fresh = st.SparcmlState("topk", density=0.3, comm=SelfCommunicator())
+    fresh.load_state_dict(sd)
+    bigger(torch.randn(4, 5)).sum().backward()
+    with pytest.raises(ValueError, match="other parameters"):
+        st.sync_gradients(bigger, fresh)
+    same = torch.nn.Linear(5, 3)
+    again = st.SparcmlState("topk", density=0.3, comm=SelfCommunicator())
+    again.load_state_dict(sd)
+    same(torch.randn(4, 5)).sum().backward()
+    st.sync_gradients(same, again)  # the same shapes: no complaint
+
+
+def test_a_version_1_checkpoint_still_loads() -> None:
+    """Checkpoints written before settings were saved load (method and density checked)."""
+    sd = _trained(torch.nn.Linear(5, 3)).state_dict()
+    old = {k: v for k, v in sd.items() if k not in ("settings", "parameters")}
+    old["version"] = 1
+    fresh = st.SparcmlState("topk", density=0.3, comm=SelfCommunicator())
+    fresh.load_state_dict(old)
+    assert fresh.step == 2
+    with pytest.raises(ValueError, match="method"):
+        st.SparcmlState("qsgd", comm=SelfCommunicator()).load_state_dict(old)

@@ -328,3 +328,25 @@ def test_values_that_require_grad_are_refused_with_the_fix_named() -> None:
         with pytest.raises(ValueError, match=r"require grad.*detach\(\)"):
             build()
     assert SparseStream.dense(w.detach()).size == 4
+
+
+@pytest.mark.parametrize("algorithm", ["dsar_split_allgather", "dense"])
+def test_a_dense_result_that_cannot_exist_is_refused_before_any_message(algorithm: str) -> None:
+    """Issue 34: dsar_split_allgather with N = 2^40 tried to allocate 1.4 TB and failed
+    with a raw RuntimeError; now ValueError naming N and the bytes, on every rank,
+    before anything is sent. A sparse algorithm takes the same N."""
+    from sparcml import sparse_allreduce
+    from sparcml.comm import run_ranks
+
+    n = 1 << 40
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = SparseStream(torch.tensor([comm.rank, n - 1]), torch.tensor([1.0, 2.0]), n)
+        with pytest.raises(ValueError, match=r"N = 1,099,511,627,776 .* 4,398,046,511,104 bytes"):
+            sparse_allreduce(s, comm, algorithm=algorithm)
+        sent = comm.stats.messages_sent
+        out = sparse_allreduce(s, comm, algorithm="ssar_recursive_double")
+        return sent, out.nnz, float(out.values[-1])
+
+    for sent, nnz, last in run_ranks(3, fn):
+        assert sent == 0 and nnz == 4 and last == 6.0

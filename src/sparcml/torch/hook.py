@@ -297,7 +297,7 @@ def register(
     check_sparse_gradients(state, model.module)
     check_settings(state)
     check_parameters(state, named)
-    state.param_names = {id(p): n for n, p in named}
+    state.set_parameters(named)
     state.registered = type(model.module).__name__
     model.register_comm_hook(state, sparcml_hook)
     return state

@@ -295,6 +295,8 @@ class SparcmlState:
         self.operators: dict[tuple[str, ...], Any] = {}
         self.oktopk_states: dict[tuple[str, ...], OkTopkState] = {}
         self.param_names: dict[int, str] = {}
+        self.param_shapes: dict[str, tuple[int, ...]] = {}  # by name, once registered
+        self._checkpoint_parameters: dict[str, tuple[int, ...]] | None = None
         self.registered: str | None = None
         self.hook_error: BaseException | None = None  # raised at the end of backward
         self.hook_armed = False
@@ -494,6 +496,27 @@ class SparcmlState:
         name = self.param_names.get(id(param))
         return name if name is not None else f"bucket{bucket}.param{position}"
 
+    def set_parameters(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """The parameters this state reduces (registration: the DDP hook,
+        ``sync_gradients``' first call). A checkpoint loaded before (strictly) must
+        have been made with the same names and shapes.
+
+        Raises:
+            ValueError: a loaded checkpoint's parameters differ, naming the first.
+        """
+        self.param_names = {id(p): n for n, p in named}
+        self.param_shapes = {n: tuple(p.shape) for n, p in named}
+        expected, self._checkpoint_parameters = self._checkpoint_parameters, None
+        if expected is not None:
+            _check_parameters(expected, self.param_shapes)
+
+    def _checkpoint_settings(self) -> dict[str, Any]:
+        """What a checkpoint must be resumed with: every setting that changes what is
+        computed (the aggregator's address and the statistics cadence do not)."""
+        out = self.settings()
+        out.pop("ina_server", None)
+        return out
+
     def settings(self) -> dict[str, Any]:
         """The hyperparameters every rank must share (compared at registration):
         the pipeline's and the method's own (secrets excluded)."""
@@ -543,7 +566,11 @@ class SparcmlState:
         from . import checkpoint as ck
 
         return {
-            "version": 1,
+            "version": 2,
+            # every setting that changes what is computed, and the parameters:
+            # load_state_dict refuses another configuration (strict=True)
+            "settings": self._checkpoint_settings(),
+            "parameters": {n: list(s) for n, s in self.param_shapes.items()},
             "method": self.method,
             "density": describe_schedule(self._density),
             "world_size": self.comm.world_size,
@@ -562,23 +589,48 @@ class SparcmlState:
             "groups": [c.state_dict() for c in self.children],
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Restore what :meth:`state_dict` saved; the run then continues bitwise as
         the uninterrupted one would (with the same model, optimizer and data).
 
+        Args:
+            state_dict: what :meth:`state_dict` returned (on this rank).
+            strict: refuse a checkpoint made with other settings (method options,
+                density, momentum and masking, error feedback, algorithm, clipping,
+                seed, layer rules, ...) or other parameters (names, shapes), naming
+                what differs. ``False`` loads it anyway (logged as a warning): for a
+                deliberate change of settings between runs. A checkpoint of another
+                world size or rank is refused either way. Checkpoints of version 1
+                (before settings were saved) load with a warning that nothing could
+                be checked.
+
         Raises:
-            ValueError: the checkpoint is of another method, density, world size or rank.
+            ValueError: a setting, the parameters, the world size or the rank differ.
         """
         from . import checkpoint as ck
 
         sd = state_dict
-        mine = (self.method, describe_schedule(self._density), self.comm.world_size, self.comm.rank)
-        theirs = (sd["method"], sd["density"], sd["world_size"], sd["rank"])
+        mine = (self.comm.world_size, self.comm.rank)
+        theirs = (sd["world_size"], sd["rank"])
         if mine != theirs:
             raise ValueError(
-                "sparcml checkpoint of (method, density, world size, rank) = "
-                f"{theirs}, this state is {mine}"
+                f"sparcml checkpoint of (world size, rank) = {theirs}, this state is {mine}"
             )
+        saved = sd.get("settings")
+        if saved is None:
+            old = {"method": sd["method"], "density": sd["density"]}
+            now = {"method": self.method, "density": describe_schedule(self._density)}
+            _check_settings(old, now, strict)
+            log.warning("sparcml checkpoint of version %s carries no settings: only its "
+                        "method and density could be checked", sd.get("version"))  # fmt: skip
+        else:
+            _check_settings(saved, self._checkpoint_settings(), strict)
+        params = {n: tuple(v) for n, v in sd.get("parameters", {}).items()}
+        if params and strict:
+            if self.param_shapes:
+                _check_parameters(params, self.param_shapes)
+            else:  # checked when the model is registered (set_parameters)
+                self._checkpoint_parameters = params
         self.step = int(sd["step"])
         self.bytes_sent = int(sd["bytes_sent"])
         self.step_bytes = [int(b) for b in sd["step_bytes"]]
@@ -600,7 +652,7 @@ class SparcmlState:
                 f"{len(self.children)}"
             )
         for child, child_sd in zip(self.children, groups, strict=True):
-            child.load_state_dict(child_sd)
+            child.load_state_dict(child_sd, strict)
 
     def __repr__(self) -> str:
         return (
@@ -609,6 +661,48 @@ class SparcmlState:
             f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, step={self.step}, "
             f"world_size={self.comm.world_size})"
         )
+
+
+def _check_settings(saved: dict[str, Any], now: dict[str, Any], strict: bool) -> None:
+    """Refuse (``strict``) or log a checkpoint made with other settings."""
+    diffs = [
+        f"{k} (checkpoint: {saved.get(k)!r}, this state: {now.get(k)!r})"
+        for k in sorted(set(saved) | set(now))
+        if saved.get(k) != now.get(k)
+    ]
+    if not diffs:
+        return
+    text = "sparcml checkpoint made with other settings: " + "; ".join(diffs)
+    if strict:
+        raise ValueError(
+            text + ". Build the state with the checkpoint's settings, or pass "
+            "load_state_dict(..., strict=False) to load it anyway"
+        )
+    log.warning("%s (loaded anyway: strict=False)", text)
+
+
+def _check_parameters(saved: dict[str, tuple[int, ...]], now: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a checkpoint of other parameters, naming the first difference."""
+    if saved == now:
+        return
+    missing = [n for n in saved if n not in now]
+    extra = [n for n in now if n not in saved]
+    shaped = [f"{n} {tuple(saved[n])} -> {tuple(now[n])}" for n in saved
+              if n in now and tuple(saved[n]) != tuple(now[n])]  # fmt: skip
+    parts = []
+    if shaped:
+        parts.append(f"shapes differ: {', '.join(shaped[:3])}")
+    if missing:
+        parts.append(f"not in this model: {', '.join(missing[:3])}")
+    if extra:
+        parts.append(f"not in the checkpoint: {', '.join(extra[:3])}")
+    if not parts:
+        parts.append("the parameters come in another order")
+    raise ValueError(
+        "sparcml checkpoint of other parameters ("
+        + "; ".join(parts)
+        + "): it belongs to another model. load_state_dict(..., strict=False) skips this check"
+    )
 
 
 def _init_params(method: str) -> set[str]:

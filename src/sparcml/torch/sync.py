@@ -62,7 +62,7 @@ def _attach(state: SparcmlState, named: list[tuple[str, torch.Tensor]], model: A
         check_sparse_gradients(state, model)
         check_settings(state)
         check_parameters(state, named, values=True)
-        state.param_names = {id(p): n for n, p in named}
+        state.set_parameters(named)
         state.registered = "sync_gradients"
         state._sync_ids = ids  # type: ignore[attr-defined]
     elif getattr(state, "_sync_ids", None) != ids:
