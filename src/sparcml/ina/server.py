@@ -515,7 +515,9 @@ class AggregatorServer:
         """Reject ``p`` and tell its sender why (a ``REFUSED`` packet, tagged in a keyed
         session), so that the worker raises at once instead of retransmitting."""
         self._reject(reason, f"session {p.session:#x}: {detail}", addr)
-        text = f"{reason}: {detail}".encode()[:MAX_COUNT]
+        # never longer than the refused packet's payload (but the reason's name):
+        # no amplification towards a forged source
+        text = f"{reason}: {detail}".encode()[: max(len(p.payload), len(reason))]
         self._send(build(Packet(REFUSED, p.session, self.epoch, p.worker, s.workers, p.chunk,
                                 p.mode, len(text), text), s.key), addr)  # fmt: skip
 
