@@ -553,28 +553,17 @@ def test_keyed_sessions_are_exact_under_loss_and_in_training() -> None:
 def test_a_reused_call_number_is_refused_on_every_worker_never_answered_with_an_old_sum() -> None:
     """Issue 34: a session's call numbers used again (new data) got the earlier call's
     sums from the aggregator's shadow copies; now every worker raises instead."""
-    from sparcml.ina import AggregatorRefusedError, InaSession, ina_allreduce
+    from sparcml.ina import AggregatorRefusedError, InaSession
+    from test_ina import _run
 
     world = 3
     with AggregatorServer() as srv:
         session = InaSession.create(world, "fixed")
 
         def call(xs: list[torch.Tensor], number: int) -> list[object]:
-            out: list[object] = [None] * world
-
-            def body(r: int) -> None:
-                try:
-                    out[r] = ina_allreduce(xs[r], srv.address, session, r, world, "fixed",
-                                           call=number, chunk=64, timeout=20)  # fmt: skip
-                except Exception as e:
-                    out[r] = e
-
-            threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
-            return out
+            outs, errs, _ = _run(world, xs, srv.address, "fixed", session=session,
+                                 call=number, chunk=64, timeout=20)  # fmt: skip
+            return [e if e is not None else o for o, e in zip(outs, errs, strict=True)]
 
         first = _ints(world, 500, 1)
         for got in call(first, 0):
