@@ -143,3 +143,11 @@ def test_bench_rows_print_their_compared_error_or_a_dash() -> None:
     assert "3.0e-08" in line["checked"] and " ok " in line["checked"]
     assert "e+00" not in line["unchecked"] and " ok " not in line["unchecked"]
     assert line["unchecked"].split()[-6:-4] == ["-", "-"]  # max rel err, check
+
+
+def test_a_typo_in_a_sub_command_option_shows_that_sub_command_s_usage(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--dnsity", "0.1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: sparcml bench ") and "unrecognized arguments: --dnsity" in err

@@ -96,3 +96,40 @@ def test_lossless_sparse_lr_matches_dense_ddp() -> None:
         assert torch.allclose(d["w"], s["w"], atol=1e-6)
         assert torch.equal(s["w"], sparse[0]["w"])
     assert sparse[0]["bytes"] * 50 < dense[0]["bytes"]
+
+
+def test_the_state_and_hook_pair_is_the_registered_hook() -> None:
+    """sparcml.torch.comm_hook's (state, hook) through PyTorch's own
+    register_comm_hook trains exactly as register() does (bitwise, every rank),
+    and bad options fail at once, before any process group exists."""
+    import sparcml.torch as st
+
+    hyper = {"density": 0.05, "momentum": 0.9}
+    pair = run_processes(2, train_workers.ddp_comm_hook_train, "topk", hyper, STEPS, timeout=60)
+    ref = _train(2, "topk", **hyper)
+    for r in range(2):
+        assert torch.equal(pair[r]["params"], ref[r]["params"]), r
+        assert pair[r]["step_bytes"] == ref[r]["step_bytes"]
+    with pytest.raises(ValueError, match="unknown option"):
+        st.comm_hook("topk", densty=0.01)
+
+
+@pytest.mark.parametrize("bits", ["fp16", "bf16"])
+def test_16bit_methods_are_pytorchs_16bit_hooks_bitwise(bits: str) -> None:
+    """register(model, "fp16") / "bf16" trains exactly as PyTorch's
+    fp16_compress_hook / bf16_compress_hook (P = 2, every rank, bitwise)."""
+    ours = run_processes(2, train_workers.ddp_16bit_train, bits, STEPS, timeout=60)
+    theirs = run_processes(2, train_workers.ddp_16bit_train, f"torch_{bits}", STEPS, timeout=60)
+    for r in range(2):
+        assert torch.equal(ours[r], theirs[r]), r
+    plain = _train(2, None)
+    assert not torch.equal(ours[0], plain[0]["params"])  # 16 bits: not the fp32 run
+
+
+def test_stats_every_logs_under_the_ddp_hook_on_rank_0_by_default() -> None:
+    """Issue 33: SparcmlState(stats_every=N) did nothing under the DDP hook; now a
+    line per group every N steps, on rank 0 (every rank with stats_ranks="all")."""
+    first = run_processes(2, train_workers.ddp_stats_logged, "first", 4, timeout=60)
+    assert len(first[0]) == 2 and first[1] == []  # steps 2 and 4 (one group)
+    every = run_processes(2, train_workers.ddp_stats_logged, "all", 4, timeout=60)
+    assert len(every[0]) == len(every[1]) == 2

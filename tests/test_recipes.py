@@ -111,3 +111,13 @@ def test_report_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "results.json").read_text())["command"] == "sparcml train x"
     assert "sparcml train x" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "curves.png") in paths and (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_fsdp_recipes_get_no_default_momentum_correction() -> None:
+    """Issue 33: `sparcml train fmnist --fsdp ...` crashed: sparse methods got DGC
+    momentum correction by default, which register_fsdp refuses."""
+    from sparcml.tools.recipes.train import method_hyper
+
+    assert method_hyper("topk", {"density": 0.01})["momentum"] == 0.9
+    assert "momentum" not in method_hyper("topk", {"density": 0.01}, fsdp=True)
+    assert method_hyper("topk", {"density": 0.01, "momentum": 0.5}, fsdp=True)["momentum"] == 0.5

@@ -316,3 +316,40 @@ def test_group_stats_and_logging(caplog: pytest.LogCaptureFixture) -> None:
     assert out[0]["*.bias -> dense"]["ratio"] == pytest.approx(1.0)
     lines = [r.getMessage() for r in caplog.records if "sparcml step 1" in r.getMessage()]
     assert any("[default: topk, 2000 entries]" in m and "selected 20/20" in m for m in lines)
+
+
+def test_a_lossless_rule_under_momentum_correction_sends_only_the_nonzeros() -> None:
+    """Issue 33: with the state's DGC momentum (momentum=0.9) a layer rule to
+    'nonzeros' sent the dense momentum u = m u + g (13x the bytes). A lossless sum
+    needs no correction: the momentum is applied after the exact average, the same
+    update as momentum SGD, and only the gradient's non-zeros travel."""
+    import sparcml.torch as st
+    from sparcml.comm import run_ranks
+
+    steps, m = 3, 0.9
+
+    def fn(comm, momentum):  # type: ignore[no-untyped-def]
+        emb = torch.nn.Embedding(400, 8)  # dense gradient, a few rows non-zero
+        with torch.no_grad():  # the same weights on every rank (threads share torch's RNG)
+            emb.weight.copy_(torch.randn(400, 8, generator=torch.Generator().manual_seed(0)))
+        state = st.SparcmlState("topk", density=0.1, momentum=momentum, comm=comm,
+                                layers=[("weight", "nonzeros")])  # fmt: skip
+        grads = []
+        for t in range(steps):
+            emb.zero_grad()
+            rows = torch.tensor([3 * comm.rank + t, 50 + t])
+            emb(rows).sum().backward()
+            st.sync_gradients(emb, state)
+            grads.append(emb.weight.grad.clone())
+        sent = state.group_stats()
+        return grads, {k: g.bytes_sent for k, g in sent.items()}
+
+    with_m = run_ranks(3, fn, m)
+    without = run_ranks(3, fn, 0.0)
+    for r in range(3):
+        assert with_m[r][1] == without[r][1]  # the same bytes: non-zeros only
+        u = torch.zeros(400, 8)
+        for t in range(steps):  # momentum SGD on the exact averages
+            u = m * u + without[r][0][t]
+            assert torch.allclose(with_m[r][0][t], u, rtol=0, atol=1e-6)
+            assert torch.equal(with_m[r][0][t], with_m[0][0][t])  # every rank alike

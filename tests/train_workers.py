@@ -93,6 +93,81 @@ def ddp_train(
     }
 
 
+def ddp_comm_hook_train(
+    comm: Any, method: str, hyper: dict[str, Any], steps: int
+) -> dict[str, Any]:
+    """DDP with sparcml.torch.comm_hook's (state, hook) pair through PyTorch's own
+    register_comm_hook (the state built at the first bucket)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(make_model(), bucket_cap_mb=0.004)
+    state, hook = st.comm_hook(method, **hyper)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for t in range(steps):
+        x, y = batch(comm.rank, t)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"params": flat_params(model.module), "step_bytes": list(state.state.step_bytes)}
+
+
+def ddp_16bit_train(comm: Any, which: str, steps: int) -> torch.Tensor:
+    """DDP with PyTorch's fp16/bf16 compress hook (``torch_fp16``, ``torch_bf16``) or
+    sparcml's ``fp16`` / ``bf16`` method; the parameters after ``steps``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(make_model(), bucket_cap_mb=0.004)
+    if which == "torch_fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif which == "torch_bf16":
+        # DDP refuses bf16_compress_hook by name off CUDA/NCCL; the same function
+        # called from a wrapper runs on gloo as is
+        def bf16_hook(state, bucket):  # type: ignore[no-untyped-def]
+            return default_hooks.bf16_compress_hook(state, bucket)
+
+        model.register_comm_hook(None, bf16_hook)
+    else:
+        st.register(model, which)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for t in range(steps):
+        x, y = batch(comm.rank, t)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return flat_params(model.module)
+
+
+def ddp_stats_logged(comm: Any, ranks: str, steps: int) -> list[str]:
+    """DDP with the hook and stats_every=2: the lines the "sparcml" logger emitted."""
+    import logging
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("sparcml")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    model = DDP(make_model(), bucket_cap_mb=0.004)
+    st.register(model, "topk", density=0.1, stats_every=2, stats_ranks=ranks)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for t in range(steps):
+        x, y = batch(comm.rank, t)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [ln for ln in lines if ln.startswith("sparcml step")]
+
+
 def sync_train(comm: Any, method: str, hyper: dict[str, Any], steps: int) -> torch.Tensor:
     """Train without DDP through sync_gradients on ``comm`` (gloo, MPI or in-process)."""
     model = make_model()

@@ -136,7 +136,6 @@ class Communicator(abc.ABC):
         self._call: int | None = None  # the collective call in progress (its number)
         self._call_traffic = False  # a message of that call was sent or received
         self._broken: str | None = None  # why this communicator refuses further use
-        self._notes_sent: list[Handle] = []  # abort notes in flight (kept alive)
 
     @contextlib.contextmanager
     def control(self) -> Iterator[None]:
@@ -198,17 +197,27 @@ class Communicator(abc.ABC):
         self.record_failure(exc)
         note = AbortNote.of(number, self.rank, exc)
         payload = torch.frombuffer(bytearray(note.encode()), dtype=torch.uint8)
+        sends = []
         for peer in range(self.world_size):
             if peer != self.rank and peer != note.origin:
                 with contextlib.suppress(Exception):  # a dead peer must not hide exc
-                    self._notes_sent.append(self._send_note(payload, peer))
-        del self._notes_sent[: -4 * self.world_size]  # the older ones are long sent
+                    sends.append(self._send_note(payload, peer))
+        for h in sends:  # on their way before the error leaves (the process may exit)
+            with contextlib.suppress(Exception):
+                h.wait()
+        with contextlib.suppress(Exception):
+            self._after_failure(note.origin)
         if self._call is None or self._call_traffic or note.origin != self.rank:
             # messages of the abandoned call may still be in flight on some link
             self._broken = (
                 f"call {number} failed ({note.error_type} on rank {note.origin}: "
                 f"{note.message[:300]})"
             )
+
+    def _after_failure(self, origin: int) -> None:
+        """After a failed call's notes are sent: backends whose failure record lives in
+        one rank's process keep that process up until the others have seen it."""
+        return None
 
     def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
         """Send an abort note to ``dst`` on the links the calls use, so that whatever

@@ -132,6 +132,7 @@ class StoreFaults:
         linger: float = 0.0,
         op_timeout: float = 3.0,
         address: tuple[str, int] | None = None,
+        collective_wait: float = 0.0,
     ) -> None:
         self._connect = connect
         self.store: Any = None
@@ -147,6 +148,9 @@ class StoreFaults:
         # "closed" (its port refuses connections: its host is gone)
         self._lost_kind = "closed"
         self.address = address
+        # a dense collective (no known peer) whose connection closed: the others in
+        # it give up only at their timeout, so their reports take up to this long
+        self.collective_wait = collective_wait
 
     # ----------------------------------------------------------------- store access
     def _key(self, name: str) -> str:
@@ -285,12 +289,21 @@ class StoreFaults:
             self._wait_for_readers(record)
         return record
 
-    def _wait_for_readers(self, record: FailureRecord) -> None:
+    def acknowledge(self, origin: int) -> None:
+        """This rank failed a call that ``origin`` failed first (an abort note): say
+        so, and on the store's host wait (at most ``grace``: the others learn from the
+        notes in message latencies) until every other live rank has said so too,
+        since this process's exit takes the store down."""
+        self._set(f"seen/{self.rank}", "1")
+        if self.rank == self.store_host and self._store_ok and self.linger > 0:
+            self._wait_for_readers(FailureRecord(origin, "error", self.rank, ""), self.grace)
+
+    def _wait_for_readers(self, record: FailureRecord, bound: float | None = None) -> None:
         """On the store's host: let the other survivors read the record before this
         process (and the store with it) goes away."""
         others = [r for r in range(self.world_size) if r not in (self.rank, record.rank)]
         keys = [self._key(f"seen/{r}") for r in others]
-        deadline = time.monotonic() + self.linger
+        deadline = time.monotonic() + (self.linger if bound is None else bound)
         while time.monotonic() < deadline and self._store_ok:
             if self._op(lambda store: all(store.check([k]) for k in keys)):
                 return
@@ -329,8 +342,15 @@ class StoreFaults:
         return self._follow(peer, kind, what)
 
     def _follow(self, peer: int | None, kind: str, what: str) -> FailureRecord:
-        """Wait up to ``grace`` for the chain of waits to end at a rank that reports nothing."""
-        deadline = time.monotonic() + self.grace
+        """Wait up to ``grace`` for the chain of waits to end at a rank that reports nothing.
+
+        In a dense collective (no known peer) the ranks that report nothing are the
+        suspects; with a closed connection as evidence, the others' reports may
+        take up to their timeout (``collective_wait``), and the suspect is named
+        dead as soon as it is the only rank without one."""
+        closed_collective = kind == "closed" and peer is None
+        wait = self.grace + (self.collective_wait if closed_collective else 0.0)
+        deadline = time.monotonic() + wait
         while True:
             held = self.read()
             if held is not None:
@@ -343,6 +363,8 @@ class StoreFaults:
             reports = self._reports()
             silent = [r for r in range(self.world_size) if r != self.rank and r not in reports]
             if time.monotonic() >= deadline or not silent:
+                break
+            if closed_collective and len(silent) == 1:
                 break
             time.sleep(_POLL_S)
         verb = "stopped answering (no report from it)"
@@ -367,7 +389,9 @@ class StoreFaults:
                 )  # fmt: skip
         elif silent:
             more = f" (no report from ranks {silent})" if len(silent) > 1 else ""
-            record = FailureRecord(silent[0], "timeout", self.rank, f"{verb}{more} during {what}")
+            died = closed_collective and len(silent) == 1
+            record = FailureRecord(silent[0], "died" if died else "timeout", self.rank,
+                                   f"{verb}{more} during {what}")  # fmt: skip
         else:
             return FailureRecord(-1, "timeout", self.rank, f"every rank gave up during {what}")
         return self.publish(record)

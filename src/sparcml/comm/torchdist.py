@@ -153,6 +153,7 @@ class TorchDistCommunicator(Communicator):
             self._faults = StoreFaults(
                 connect, prefix, self.rank, self.world_size, grace, host,
                 linger=self.timeout + 2 * grace, address=address,
+                collective_wait=self.timeout,
             )  # fmt: skip
         return self._faults
 
@@ -224,6 +225,9 @@ class TorchDistCommunicator(Communicator):
             work.wait(self._td)
         except Exception as e:
             raise self._fail(e, peer, what) from e
+
+    def _after_failure(self, origin: int) -> None:
+        self.faults.acknowledge(origin)
 
     def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
         # an abort note is a message whose length word is negative: -(bytes + 1)

@@ -24,7 +24,7 @@ and density schedules: :class:`LayerRule`, :class:`DensityWarmup`
 from __future__ import annotations
 
 from .fsdp import register_fsdp
-from .hook import check_parameters, register, sparcml_hook
+from .hook import HookState, check_parameters, comm_hook, register, sparcml_hook
 from .reduce import Bucket, reduce_bucket
 from .rules import DensityWarmup, LayerRule
 from .state import SparcmlState, methods, needs_momentum_correction
@@ -41,11 +41,13 @@ __all__ = [
     "DensityWarmup",
     "DistributedOptimizer",
     "GroupStats",
+    "HookState",
     "LayerRule",
     "SparcmlState",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "check_parameters",
+    "comm_hook",
     "methods",
     "needs_momentum_correction",
     "reduce_bucket",

@@ -37,11 +37,14 @@ from ..errors import RankMismatchError
 from .layout import reduce_ddp_bucket
 from .reduce import Bucket, check_sparse_gradient_method
 from .state import SparcmlState
+from .stats import log_step
 
 __all__ = [
+    "HookState",
     "check_parameters",
     "check_settings",
     "check_sparse_gradients",
+    "comm_hook",
     "register",
     "sparcml_hook",
     "sparse_gradient_parameters",
@@ -77,6 +80,8 @@ def sparcml_hook(
     def run() -> torch.Tensor:
         try:
             out = reduce_ddp_bucket(state, item, last)
+            if last:
+                log_step(state)  # the step is complete: its statistics
         except BaseException as e:
             state.comm.fail_call(e)
             if state.hook_error is None:
@@ -301,3 +306,93 @@ def register(
     state.registered = type(model.module).__name__
     model.register_comm_hook(state, sparcml_hook)
     return state
+
+
+class HookState:
+    """The ``state`` half of PyTorch's ``model.register_comm_hook(state, hook)``.
+
+    Made by :func:`comm_hook`; holds the method and its options, and builds the
+    :class:`SparcmlState` at the first bucket, when the process group exists
+    (Lightning's ``DDPStrategy(ddp_comm_state=...)`` takes the state before it
+    creates the group). Building it is a collective (a dedicated process group
+    and the check that every rank runs the same method and hyperparameters),
+    which every rank reaches at its first bucket. Bad options fail at once, here.
+    Parameters are named ``param0``, ``param1``, ... in the order buckets first
+    bring them (the hook never sees the model): layer rules by parameter name need
+    :func:`register`.
+    """
+
+    def __init__(self, method: str = "topk", **options: Any) -> None:
+        from ..comm import SelfCommunicator
+
+        local = {k: v for k, v in options.items() if k not in ("comm", "timeout")}
+        SparcmlState(method, comm=SelfCommunicator(), **local)  # validation only
+        self.method = method
+        self.options = dict(options)
+        self._state: SparcmlState | None = None
+
+    @property
+    def state(self) -> SparcmlState:
+        """The :class:`SparcmlState` (built on first use: a collective)."""
+        if self._state is None:
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError(
+                    "sparcml's comm hook needs an initialised torch.distributed process group"
+                )
+            state = SparcmlState(self.method, **self.options)
+            check_settings(state)
+            state.registered = "register_comm_hook"
+            self._state = state
+        return self._state
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`SparcmlState.state_dict` (per rank; call between steps)."""
+        return self.state.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """:meth:`SparcmlState.load_state_dict`."""
+        self.state.load_state_dict(state_dict, strict)
+
+    def __repr__(self) -> str:
+        built = "built" if self._state is not None else "not built yet"
+        return f"HookState(method={self.method!r}, options={self.options!r}, {built})"
+
+
+def _comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch-convention hook of a :class:`HookState` (see :func:`comm_hook`).
+
+    The hook never sees the model, so parameters are named ``param0``, ``param1``,
+    ... in the order buckets first bring them (the same on every rank): stable
+    names for the residuals when DDP rebuilds its buckets after the first step."""
+    inner = state.state
+    names = inner.param_names
+    for p in bucket.parameters():
+        names.setdefault(id(p), f"param{len(names)}")
+    return sparcml_hook(inner, bucket)
+
+
+_comm_hook.__annotations__ = {  # as sparcml_hook's: DDP checks them as objects
+    "state": HookState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def comm_hook(method: str = "topk", **options: Any) -> tuple[HookState, Any]:
+    """``(state, hook)`` for PyTorch's ``model.register_comm_hook(state, hook)``.
+
+    The same method and options as :func:`register` (``density=``, ``momentum=``,
+    ...), for code written for PyTorch's own hooks and for frameworks that take
+    them, e.g. Lightning::
+
+        state, hook = sparcml.torch.comm_hook("topk", density=0.01)
+        ddp_model.register_comm_hook(state, hook)
+        # or: DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)
+
+    ``state.state`` is the :class:`SparcmlState` (statistics, checkpoints), built
+    at the first bucket.
+
+    Raises:
+        ValueError: an unknown method or a bad option (at once, on this rank).
+    """
+    return HookState(method, **options), _comm_hook

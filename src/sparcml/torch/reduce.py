@@ -265,7 +265,11 @@ def _reduce(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
         spec = method_spec(state.kind)
         if state.nan_policy == "raise":
             _check_finite(state, bucket, g)
-        elif state.kind != "nonzeros" and not spec.checks_nonfinite and _any_nonfinite(state, g):
+        elif (
+            state.kind != "nonzeros"
+            and not (spec.checks_nonfinite or spec.carries_nonfinite)
+            and _any_nonfinite(state, g)
+        ):
             # propagate: compressed methods cannot place NaN/Inf where dense would
             # (selectors may drop them into the residual, quantizers cannot encode
             # them): this bucket goes dense for this step, residuals untouched
@@ -281,7 +285,8 @@ def _reduce(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
         # unless residual_precision="gradient"; what is sent stays in g's dtype).
         names, sizes = bucket.names, bucket.sizes
         work = g.to(_work_dtype(state, g))
-        if state.momentum:
+        after = bool(state.momentum) and spec.lossless  # momentum after the exact sum
+        if state.momentum and not after:
             u = state.momentum_correction.accumulate(names, sizes, work)
             acc = state.feedback.compensate_bucket(names, sizes, u) if state.error_feedback else u
         elif state.error_feedback:
@@ -306,10 +311,15 @@ def _reduce(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
             state.feedback.update_bucket(names, sizes, acc, sent_dense.to(acc.dtype))
             if state.momentum:
                 state.momentum_correction.keep(names, sizes, u, mask)
-        elif state.momentum:
+        elif state.momentum and not after:
             state.momentum_correction.keep(names, sizes, u)  # every entry was sent
-        # Step 7: the average.
-        return (total / p).to(g.dtype)
+        # Step 7: the average (a lossless method's momentum applied to it).
+        avg = total if spec.averages else total / p
+        if after:
+            u = state.momentum_correction.accumulate(names, sizes, avg.to(work.dtype))
+            state.momentum_correction.keep(names, sizes, u)
+            return u.to(g.dtype)
+        return avg.to(g.dtype)
     finally:
         elapsed = time.perf_counter() - t0
         selected = k = None

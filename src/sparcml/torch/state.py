@@ -51,6 +51,7 @@ PIPELINE = (
     "dense_below",
     "residual_precision",
     "stats_every",
+    "stats_ranks",
 )
 
 RESIDUAL_PRECISIONS = ("float32", "gradient")
@@ -177,7 +178,10 @@ class SparcmlState:
             in float32); ``"gradient"``: in the gradient's dtype (half the memory,
             small residual entries are lost to rounding).
         stats_every: log :meth:`group_stats` through ``logging`` (logger
-            ``sparcml.stats``, INFO) every this many steps; 0: never.
+            ``sparcml.stats``, INFO) every this many steps, under every entry point
+            (the DDP hook, ``sync_gradients``, ``DistributedOptimizer``); 0: never.
+        stats_ranks: which ranks log them: ``"first"`` (rank 0, the default) or
+            ``"all"`` (every rank its own line).
         ina_server / ina_job / ina_mode: ``natural_ina``'s aggregator (``"host:port"``),
             a label mixed into the rounding seed (jobs on one aggregator are told
             apart by a random session the ranks agree on at the first step, not by
@@ -215,6 +219,7 @@ class SparcmlState:
         dense_below: int = 0,
         residual_precision: str = "float32",
         stats_every: int = 0,
+        stats_ranks: str = "first",
         comm: Communicator | None = None,
         timeout: float = 300.0,
         _parent: SparcmlState | None = None,
@@ -246,7 +251,10 @@ class SparcmlState:
         if not isinstance(stats_every, int) or stats_every < 0:
             raise ValueError(f"stats_every must be a non-negative integer, got {stats_every!r}")
         self.residual_precision = residual_precision
+        if stats_ranks not in ("first", "all"):
+            raise ValueError(f"stats_ranks must be 'first' or 'all', got {stats_ranks!r}")
         self.stats_every = stats_every
+        self.stats_ranks = stats_ranks
         unbiased = spec.unbiased
         if error_feedback and unbiased:
             raise ValueError(

@@ -28,7 +28,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["GroupStats", "compression_stats", "log_every", "log_groups", "residual_norm"]
+__all__ = [
+    "GroupStats",
+    "compression_stats",
+    "log_every",
+    "log_groups",
+    "log_step",
+    "residual_norm",
+]
 
 log = logging.getLogger("sparcml.stats")
 
@@ -134,6 +141,16 @@ def log_every(state: Any, every: int, dense_bytes: float | None = None) -> bool:
         s["residual_norm"],
     )  # fmt: skip
     return True
+
+
+def log_step(state: Any) -> None:
+    """After a step: ``state.stats_every``'s line per group, on rank 0 (every rank
+    with ``stats_ranks="all"``). Every entry point calls it once per step."""
+    if not state.stats_every or state.step % state.stats_every:
+        return
+    if state.stats_ranks == "first" and state.comm.rank != 0:
+        return
+    log_groups(state)
 
 
 def log_groups(state: Any) -> None:

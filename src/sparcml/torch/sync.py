@@ -37,7 +37,7 @@ from .hook import (
 )
 from .reduce import Bucket, reduce_bucket, reduce_sparse_gradient
 from .state import SparcmlState
-from .stats import log_groups
+from .stats import log_step
 
 __all__ = [
     "DistributedOptimizer",
@@ -203,12 +203,7 @@ def sync_gradients(model: torch.nn.Module | Iterable[torch.Tensor], state: Sparc
     state.step += 1
     for item, work in zip(items, works, strict=True):
         item.finish(work)
-    _log_stats(state)
-
-
-def _log_stats(state: SparcmlState) -> None:
-    if state.stats_every and state.step % state.stats_every == 0:
-        log_groups(state)
+    log_step(state)
 
 
 def _has_sparse_grad(p: torch.Tensor) -> bool:
@@ -383,7 +378,7 @@ class DistributedOptimizer:
                 item.finish(work)
         finally:
             self._reset()
-        _log_stats(self.state)
+        log_step(self.state)
 
     def step(self, closure: Any = None) -> Any:
         self.synchronize()

@@ -40,7 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for family in FAMILIES:
         family.add_parsers(sub)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # a typo in a sub-command's option: that sub-command's usage, not the top level's
+        command = sub.choices[args.command]
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     args.command_line = list(argv) if argv is not None else None
     return int(args.run(args))
 

@@ -242,6 +242,14 @@ def list_methods(args: argparse.Namespace) -> int:
 
     for name, text in methods().items():
         print(f"{name:<28} {text}")
+    print(
+        f"{'SELECTOR+QUANTIZER':<28} sparse: a selector above, then a quantizer on what it "
+        "selected (topk+natural, topk+qsgd, ...): SparCML's quantized TopK SGD (Alg. 1)"
+    )
+    print(
+        f"{'ddp, powersgd, powersgdR':<28} sparcml train only: PyTorch's own allreduce and "
+        "PowerSGD hook, run beside the methods (fp16/bf16 there are PyTorch's hooks too)"
+    )
     return 0
 
 

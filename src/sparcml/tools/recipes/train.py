@@ -257,12 +257,14 @@ DENSE_LIKE = (
 )  # fmt: skip
 
 
-def method_hyper(method: str, hyper: dict[str, Any]) -> dict[str, Any]:
+def method_hyper(method: str, hyper: dict[str, Any], fsdp: bool = False) -> dict[str, Any]:
     """The hyperparameters ``method`` gets from the command line's ``hyper``.
 
     Density, momentum correction and index coding are for the sparse methods; sparse
-    methods get DGC momentum correction (0.9) unless told otherwise. PyTorch peers
-    (:mod:`.peers`) take only the dense warm-up, as PowerSGD's ``start_iter``.
+    methods get DGC momentum correction (0.9) unless told otherwise, except under
+    FSDP2 (``fsdp``), whose reduce-scatter has none (the optimizer keeps its
+    momentum; an explicit ``momentum`` is refused there by ``register_fsdp``). PyTorch
+    peers (:mod:`.peers`) take only the dense warm-up, as PowerSGD's ``start_iter``.
     """
     from .peers import is_peer
 
@@ -274,7 +276,7 @@ def method_hyper(method: str, hyper: dict[str, Any]) -> dict[str, Any]:
         h.pop("density", None)
         h.pop("momentum", None)  # momentum correction is for sparse methods
         h.pop("index_coding", None)
-    elif "momentum" not in h:
+    elif "momentum" not in h and not fsdp:
         # error feedback and the optimizer's momentum amplify each other: sparse
         # methods get DGC momentum correction (the optimizer then runs without)
         h["momentum"] = 0.9
@@ -303,7 +305,7 @@ def run_recipe(
     epochs = epochs or recipe_cls.epochs
     runs: dict[str, Any] = {}
     for method in methods:
-        h = method_hyper(method, hyper or {})
+        h = method_hyper(method, hyper or {}, fsdp=bool((options or {}).get("fsdp")))
         server = None
         if method == "natural_ina" and "ina_server" not in h:
             from ...ina import AggregatorServer
@@ -393,7 +395,7 @@ def join_recipe(
     runs: dict[str, Any] = {}
     try:
         for method in methods:
-            h = method_hyper(method, hyper or {})
+            h = method_hyper(method, hyper or {}, fsdp=bool((options or {}).get("fsdp")))
             t0 = time.monotonic()
             run = train_worker(comm, recipe_name, method, h, epochs, seed, options or {}, progress)
             run["wall_s"] = time.monotonic() - t0

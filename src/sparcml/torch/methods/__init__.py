@@ -5,7 +5,7 @@ See :mod:`.base` for the registry; :func:`methods` lists the names.
 
 from __future__ import annotations
 
-from . import dense, natural_ina, oktopk, quantized, redsync, sparse
+from . import dense, half, natural_ina, oktopk, quantized, redsync, sparse
 from .base import MethodConfig, MethodSpec, method_kind, method_spec, methods, register_method
 from .sparse import valid_algorithms
 
@@ -13,6 +13,7 @@ __all__ = [
     "MethodConfig",
     "MethodSpec",
     "dense",
+    "half",
     "method_kind",
     "method_spec",
     "methods",

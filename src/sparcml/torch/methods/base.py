@@ -19,6 +19,16 @@ registration carries:
   :class:`~sparcml.errors.NonFiniteError` everywhere, from the header exchange
   every call makes anyway) before anything changes state, so
   ``nan_policy="propagate"`` needs no round of its own to agree on a NaN;
+* ``carries_nonfinite``: NaN/Inf travel through its collective as through a
+  dense allreduce (a cast), so ``nan_policy="propagate"`` needs no check at all;
+* ``averages``: ``run`` returns the average itself (it divides before the
+  collective, as PyTorch's 16-bit hooks do to keep the 16-bit sum in range), so
+  the pipeline does not divide again;
+* ``lossless``: its average is exact (``dense``, ``nonzeros``): under a state
+  with DGC momentum correction (a layer rule's lossless method), the momentum is
+  applied after the exact average, ``u = m u + avg(g)``, the same update as
+  momentum before it, without densifying what is sent (beyond the papers: DGC
+  corrects momentum for what sparsification delays, and nothing is delayed here);
 * ``description``: one line for ``sparcml methods``.
 
 Adding a method: one module here with its config, its run function and
@@ -89,6 +99,9 @@ class MethodSpec:
     unbiased: bool = False
     operator: bool = False
     checks_nonfinite: bool = False
+    carries_nonfinite: bool = False
+    averages: bool = False
+    lossless: bool = False
 
 
 _METHODS: dict[str, MethodSpec] = {}

@@ -26,5 +26,6 @@ DENSE = register_method(
         run,
         names=("dense",),
         unbiased=True,
+        lossless=True,
     )
 )

@@ -168,5 +168,6 @@ NONZEROS = register_method(
         config=NonzerosConfig,
         names=("nonzeros",),
         unbiased=True,
+        lossless=True,
     )
 )

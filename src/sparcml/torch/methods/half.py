@@ -1,0 +1,64 @@
+"""``fp16`` and ``bf16``: the bucket cast to 16 bits, allreduced, cast back.
+
+What PyTorch's ``fp16_compress_hook`` and ``bf16_compress_hook`` do, step for
+step, so the baselines users compare with run under the same ``register(...,
+method=...)`` call (and in layer rules: dense layers in 16 bits, the rest
+top-k):
+
+1. cast the bucket to the 16-bit type and divide it by ``P`` there (dividing
+   first keeps the 16-bit sum in range);
+2. allreduce (sum) the 16-bit values with the backend's allreduce;
+3. cast the average back to the gradient's dtype.
+
+Half the bytes of the fp32 allreduce; lossy (values are rounded to 16 bits,
+float16 also loses range: beyond 65504 is Inf), unbiased in the sense of the
+pipeline (every entry is sent, no error feedback). Not in the papers: the
+baselines they are compared with.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import MethodSpec, register_method
+
+if TYPE_CHECKING:
+    from ..reduce import Bucket
+    from ..state import SparcmlState
+
+__all__ = ["BF16", "FP16"]
+
+
+def _run(dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    def run(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
+        # Steps 1-3 (the pipeline casts the average back to the gradient's dtype)
+        low = acc.to(dtype).div_(state.comm.world_size)
+        return None, state.comm.allreduce(low)
+
+    return run
+
+
+FP16 = register_method(
+    MethodSpec(
+        "fp16",
+        "float16 allreduce of the bucket divided by P (PyTorch's fp16_compress_hook)",
+        _run(torch.float16),
+        names=("fp16",),
+        unbiased=True,
+        carries_nonfinite=True,
+        averages=True,
+    )
+)
+BF16 = register_method(
+    MethodSpec(
+        "bf16",
+        "bfloat16 allreduce of the bucket divided by P (PyTorch's bf16_compress_hook)",
+        _run(torch.bfloat16),
+        names=("bf16",),
+        unbiased=True,
+        carries_nonfinite=True,
+        averages=True,
+    )
+)
