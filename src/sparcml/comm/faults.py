@@ -290,20 +290,17 @@ class StoreFaults:
         return record
 
     def acknowledge(self, origin: int) -> None:
-        """This rank failed a call that ``origin`` failed first (an abort note): say
-        so, and on the store's host wait (at most ``grace``: the others learn from the
-        notes in message latencies) until every other live rank has said so too,
-        since this process's exit takes the store down."""
+        """This rank failed a call that ``origin`` failed first (an abort note): say so
+        (the others learn from the notes themselves, sent and waited for before the
+        error leaves, so the store's host need not stay up for them)."""
         self._set(f"seen/{self.rank}", "1")
-        if self.rank == self.store_host and self._store_ok and self.linger > 0:
-            self._wait_for_readers(FailureRecord(origin, "error", self.rank, ""), self.grace)
 
-    def _wait_for_readers(self, record: FailureRecord, bound: float | None = None) -> None:
+    def _wait_for_readers(self, record: FailureRecord) -> None:
         """On the store's host: let the other survivors read the record before this
         process (and the store with it) goes away."""
         others = [r for r in range(self.world_size) if r not in (self.rank, record.rank)]
         keys = [self._key(f"seen/{r}") for r in others]
-        deadline = time.monotonic() + (self.linger if bound is None else bound)
+        deadline = time.monotonic() + self.linger
         while time.monotonic() < deadline and self._store_ok:
             if self._op(lambda store: all(store.check([k]) for k in keys)):
                 return

@@ -85,22 +85,32 @@ MISMATCH_NAMES = {
 
 def _arm(comm: Any, victim: int, after: int, mode: str, mark: str) -> None:
     """On the victim: note the time in ``mark``, then die or freeze at the
-    ``after``-th message it sends."""
+    ``after``-th message it sends (point-to-point sends and the backend's own dense
+    collectives, which the ``dense`` algorithm and method use, count alike)."""
     if comm.rank != victim:
         return
-    original = comm._isend
     sent = [0]
 
-    def isend(buf: torch.Tensor, dst: int, tag: int, *args: Any, **kwargs: Any) -> Any:
+    def fault() -> None:
         sent[0] += 1
         if sent[0] > after:
             Path(mark).write_text(repr(time.time()))
             if mode == "kill":
                 os._exit(3)
             os.kill(os.getpid(), signal.SIGSTOP)
-        return original(buf, dst, tag, *args, **kwargs)
 
-    comm._isend = isend
+    isend, allreduce = comm._isend, comm.allreduce
+
+    def counted_isend(buf: torch.Tensor, dst: int, tag: int, *args: Any, **kwargs: Any) -> Any:
+        fault()
+        return isend(buf, dst, tag, *args, **kwargs)
+
+    def counted_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        fault()
+        return allreduce(tensor, *args, **kwargs)
+
+    comm._isend = counted_isend
+    comm.allreduce = counted_allreduce
 
 
 def _model() -> torch.nn.Module:
