@@ -14,10 +14,18 @@ import pytest
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
+#: an abort at interpreter exit, after the script has finished and printed: a
+#: torch/gloo teardown race (comm/torchdist.py describes it), seen once in a loaded
+#: full-suite run; such a run is repeated once, any other failure fails the test
+EXIT_ABORT = "terminate called without an active exception"
+
+
 def _torchrun(script: str, method: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            str(EXAMPLES / script), "--method", method, "--steps", "12"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    if done.returncode != 0 and EXIT_ABORT in done.stderr and "final loss" in done.stdout:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[:1500] + done.stderr[-1500:]
     return done.stdout
 
