@@ -93,6 +93,17 @@ def ddp_train(
     }
 
 
+def _train_steps(model: torch.nn.Module, rank: int, steps: int) -> None:
+    """``steps`` of SGD (lr 0.1) on this rank's batches."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for t in range(steps):
+        x, y = batch(rank, t)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 def ddp_comm_hook_train(
     comm: Any, method: str, hyper: dict[str, Any], steps: int
 ) -> dict[str, Any]:
@@ -103,13 +114,7 @@ def ddp_comm_hook_train(
     model = DDP(make_model(), bucket_cap_mb=0.004)
     state, hook = st.comm_hook(method, **hyper)
     model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for t in range(steps):
-        x, y = batch(comm.rank, t)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train_steps(model, comm.rank, steps)
     return {"params": flat_params(model.module), "step_bytes": list(state.state.step_bytes)}
 
 
@@ -131,13 +136,7 @@ def ddp_16bit_train(comm: Any, which: str, steps: int) -> torch.Tensor:
         model.register_comm_hook(None, bf16_hook)
     else:
         st.register(model, which)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for t in range(steps):
-        x, y = batch(comm.rank, t)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train_steps(model, comm.rank, steps)
     return flat_params(model.module)
 
 
@@ -158,13 +157,7 @@ def ddp_stats_logged(comm: Any, ranks: str, steps: int) -> list[str]:
     logger.setLevel(logging.INFO)
     model = DDP(make_model(), bucket_cap_mb=0.004)
     st.register(model, "topk", density=0.1, stats_every=2, stats_ranks=ranks)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for t in range(steps):
-        x, y = batch(comm.rank, t)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train_steps(model, comm.rank, steps)
     return [ln for ln in lines if ln.startswith("sparcml step")]
 
 

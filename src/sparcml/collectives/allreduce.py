@@ -238,6 +238,30 @@ def _differ(rows: list[list[int]], col: int) -> bool:
     return len({r[col] for r in rows}) > 1
 
 
+def _setting_names(what: str, ids: list[int]) -> list[str]:
+    """Readable values of one header setting column (only when a setting differs:
+    the tables are built then, not on every call)."""
+    if what == "algorithm":
+        return _names(ids, ["auto", *algorithms()])
+    if what == "quantizer":
+        from ..compress import available
+
+        return _names(ids, [n for n, kind in available().items() if kind == "quantizer"])
+    if what == "quantize mode":
+        modes = ["none", *QUANTIZE_MODES]
+        return [repr(modes[i]) if i < len(modes) else "invalid" for i in ids]
+    if what == "index coding":
+        return [("none", "'fixed'", "'delta'")[i] if i < 3 else "invalid" for i in ids]
+    if what == "k":
+        return ["none" if i == 0 else str(i - 1) for i in ids]
+    return [f"{i:#06x}" for i in ids]  # quantizer parameters: a fingerprint
+
+
+#: (row column, setting) of the header's settings, in the order they are reported
+_SETTING_COLUMNS = [(6, "algorithm"), (7, "quantizer"), (8, "quantizer parameters"),
+                    (9, "quantize mode"), (10, "index coding"), (11, "k")]  # fmt: skip
+
+
 def check_headers(got: list[torch.Tensor]) -> list[int]:
     """Every rank's nnz from every rank's header (rank order), or the error every rank
     raises alike (they all hold the same headers); see :func:`check_consistent`.
@@ -290,25 +314,11 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
                 f"ranks are in different collective calls ({numbers}): a rank skipped a call "
                 "or made an extra one; every rank must make the same calls in the same order"
             )
-    known_algorithms = ["auto", *algorithms()]
-    from ..compress import available
-
-    quantizers = [n for n, kind in available().items() if kind == "quantizer"]
-    mode_names = ["none", *QUANTIZE_MODES]
-    settings = (
-        (6, "algorithm", lambda ids: _names(ids, known_algorithms)),
-        (7, "quantizer", lambda ids: _names(ids, quantizers)),
-        (8, "quantizer parameters", lambda ids: [f"{i:#06x}" for i in ids]),
-        (9, "quantize mode", lambda ids: [
-            repr(mode_names[i]) if i < 4 else "invalid" for i in ids]),
-        (10, "index coding", lambda ids: [
-            ("none", "'fixed'", "'delta'")[i] if i < 3 else "invalid" for i in ids]),
-        (11, "k", lambda ids: ["none" if i == 0 else str(i - 1) for i in ids]),
-    )  # fmt: skip
-    for col, what, name in settings:
+    for col, what in _SETTING_COLUMNS:
         if _differ(rows, col):
+            values = _setting_names(what, [r[col] for r in rows])
             refuse(f"ranks passed different {what} settings to the same call "
-                   f"({each(name([r[col] for r in rows]))})")  # fmt: skip
+                   f"({each(values)})")  # fmt: skip
     carried = [r[5] >> 1 for r in rows]
     if len(set(carried)) > 1:
         how = {0: "exchanged first", 1: "in recursive doubling's rounds", 3: "in the split phase"}

@@ -31,34 +31,25 @@ if TYPE_CHECKING:
 __all__ = ["BF16", "FP16"]
 
 
-def _run(dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def _spec(name: str, dtype: torch.dtype, hook: str) -> MethodSpec:
     def run(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
         # Steps 1-3 (the pipeline casts the average back to the gradient's dtype)
         low = acc.to(dtype).div_(state.comm.world_size)
         return None, state.comm.allreduce(low)
 
-    return run
+    return register_method(
+        MethodSpec(
+            name,
+            f"{str(dtype).removeprefix('torch.')} allreduce of the bucket divided by P "
+            f"(PyTorch's {hook})",
+            run,
+            names=(name,),
+            unbiased=True,
+            carries_nonfinite=True,
+            averages=True,
+        )
+    )
 
 
-FP16 = register_method(
-    MethodSpec(
-        "fp16",
-        "float16 allreduce of the bucket divided by P (PyTorch's fp16_compress_hook)",
-        _run(torch.float16),
-        names=("fp16",),
-        unbiased=True,
-        carries_nonfinite=True,
-        averages=True,
-    )
-)
-BF16 = register_method(
-    MethodSpec(
-        "bf16",
-        "bfloat16 allreduce of the bucket divided by P (PyTorch's bf16_compress_hook)",
-        _run(torch.bfloat16),
-        names=("bf16",),
-        unbiased=True,
-        carries_nonfinite=True,
-        averages=True,
-    )
-)
+FP16 = _spec("fp16", torch.float16, "fp16_compress_hook")
+BF16 = _spec("bf16", torch.bfloat16, "bf16_compress_hook")
