@@ -64,6 +64,7 @@ def _worker(
     timeout: float,
     threads: int,
     results: Any,
+    backend: str = "gloo",
 ) -> None:
     import torch.distributed as dist
 
@@ -71,9 +72,11 @@ def _worker(
 
     torch.set_num_threads(threads)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         try:
             dist.init_process_group(
-                "gloo",
+                backend,
                 init_method=f"tcp://127.0.0.1:{port}",
                 rank=rank,
                 world_size=world_size,
@@ -105,8 +108,9 @@ def run_processes(
     threads: int = 1,
     allow_missing: bool = False,
     only: list[int] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(comm, *args)`` on ``world_size`` gloo processes; results in rank order.
+    """Run ``fn(comm, *args)`` on ``world_size`` processes (gloo on loopback by default).
 
     Args:
         world_size: number of processes.
@@ -119,6 +123,8 @@ def run_processes(
             an error (for tests that kill a rank on purpose).
         only: return once these ranks have reported; the others (a rank stopped on
             purpose) are killed and give ``None``.
+        backend: the process group's backend: ``"gloo"``, or ``"nccl"`` (rank ``r``
+            on CUDA device ``r`` modulo the device count).
 
     Raises:
         ProcessFailedError: a rank raised (its traceback is in the message), died
@@ -126,7 +132,9 @@ def run_processes(
     """
     for attempt in range(PORT_ATTEMPTS):
         try:
-            return _launch(world_size, fn, args, timeout, deadline, threads, allow_missing, only)
+            return _launch(
+                world_size, fn, args, timeout, deadline, threads, allow_missing, only, backend
+            )
         except _PortTaken:
             if attempt == PORT_ATTEMPTS - 1:
                 raise ProcessFailedError(
@@ -148,14 +156,17 @@ def _launch(
     threads: int,
     allow_missing: bool,
     only: list[int] | None,
+    backend: str = "gloo",
 ) -> list[Any]:
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, timeout, threads, results),
+            args=(r, world_size, port, fn, args, timeout, threads, results, backend),
             daemon=True,
         )
         for r in range(world_size)

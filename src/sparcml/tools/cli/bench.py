@@ -1,5 +1,5 @@
 """Benchmarks: ``demo``, ``bench``, ``bench-plot``, ``algorithms``, ``bench-topk``,
-``bench-compress``, ``bench-faults``, ``bench-local``, ``bench-mpi``."""
+``bench-compress``, ``bench-gpu``, ``bench-faults``, ``bench-local``, ``bench-mpi``."""
 
 from __future__ import annotations
 
@@ -78,6 +78,50 @@ def run_bench(args: argparse.Namespace, title: str) -> int:
     print(f"total {time.monotonic() - t0:.1f} s")
     write_outputs(rows, cfg, getattr(args, "json", None), getattr(args, "csv", None))
     return 0 if all(r["correct"] is not False for r in rows) else 1
+
+
+def bench_gpu(args: argparse.Namespace) -> int:
+    from ..bench.gpu import (
+        GpuBenchConfig,
+        device_name,
+        format_gpu_tables,
+        gpu_targets,
+        rows_of,
+        run_gpu_benchmark,
+    )
+
+    cfg = GpuBenchConfig(
+        device=args.device,
+        mb=args.mb,
+        densities=tuple(args.densities),
+        stream_density=args.stream_density,
+        world=args.world,
+        repeats=args.repeats,
+        progress=not args.quiet,
+    )
+    try:
+        tables = run_gpu_benchmark(cfg)
+    except ValueError as e:
+        print(f"sparcml bench-gpu: error: {e}", file=sys.stderr)
+        return 2
+    print(format_gpu_tables(tables, cfg), flush=True)
+    if args.json:
+        from ..bench.harness import write_json
+
+        write_json(
+            args.json,
+            "bench-gpu",
+            rows_of(tables),
+            dataclasses.asdict(cfg),
+            device=device_name(cfg.device),
+        )
+    missed = [what for what, _, _, met in gpu_targets(tables) if not met]
+    if missed:
+        print(f"sparcml bench-gpu: {len(missed)} target(s) NOT met", file=sys.stderr)
+    if tables["failures"]:
+        print(f"sparcml bench-gpu: {len(tables['failures'])} kernel(s) FAILED", file=sys.stderr)
+        return 1
+    return 0
 
 
 def bench_compress(args: argparse.Namespace) -> int:
@@ -380,6 +424,31 @@ def add_parsers(sub: Any) -> None:
     bc.add_argument("--json", help="write the rows to this JSON file")
     bc.add_argument("-q", "--quiet", action="store_true")
     bc.set_defaults(run=bench_compress)
+    bg = sub.add_parser(
+        "bench-gpu",
+        help="selection, quantizer and stream kernels on one device against their anchors",
+        description="Times, in one run on one device: every selector against torch.topk at "
+        "0.1%% and 1%% of a 64 MB gradient (RedSync's 16-38x claim), the quantizers as a "
+        "share of a device-to-device copy (target 50%%), and the sparse collectives' local "
+        "stream kernels. Made for CUDA (benchmarks/gpu_check.sh); --device cpu runs it here.",
+    )
+    bg.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    bg.add_argument("--mb", type=positive_arg, default=64, help="gradient size in MB (float32)")
+    bg.add_argument(
+        "--densities",
+        type=fraction_arg,
+        nargs="+",
+        default=[0.001, 0.01],
+        help="selection densities",
+    )
+    bg.add_argument(
+        "--stream-density", type=fraction_arg, default=0.01, help="density of the stream kernels"
+    )
+    bg.add_argument("--world", type=positive_arg, default=8, help="P of the stream kernels")
+    bg.add_argument("--repeats", type=positive_arg, default=11)
+    bg.add_argument("--json", help="write the rows to this JSON file")
+    bg.add_argument("-q", "--quiet", action="store_true")
+    bg.set_defaults(run=bench_gpu)
     bf = sub.add_parser(
         "bench-faults",
         help="kill / freeze a rank mid-collective: is the failed rank the one named?",
