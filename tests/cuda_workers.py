@@ -7,6 +7,8 @@ check the tests themselves on a machine without one).
 
 from __future__ import annotations
 
+import faulthandler
+import os
 from typing import Any
 
 import torch
@@ -32,9 +34,18 @@ DDP_LOSSY = [
 ]
 
 
+def _watchdog() -> None:
+    """A spawned rank stuck for ``SPARCML_TEST_DUMP_AFTER_S`` seconds prints every
+    thread's stack and exits (to see where a hang is on a machine one cannot log in to)."""
+    after = float(os.environ.get("SPARCML_TEST_DUMP_AFTER_S", "0"))
+    if after > 0:
+        faulthandler.dump_traceback_later(after, exit=True)
+
+
 def every_algorithm(comm: Any, device: str) -> list[tuple[Any, ...]]:
     """Every exact algorithm and ``auto`` on every gloo test case, tensors on ``device``;
     the results as (case, algorithm, input bytes, result bytes, result device)."""
+    _watchdog()
     out = []
     for size, pattern, dtype in CASES:
         s = make_stream(pattern, comm.rank, comm.world_size, size, dtype).to(device)
@@ -65,6 +76,7 @@ def ddp_methods(comm: Any, device: str, steps: int) -> dict[str, Any]:
     """Plain DDP and every DDP method on a model on ``device``: flat parameters."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    _watchdog()
     out: dict[str, Any] = {}
     for label, method, hyper in [
         ("plain", None, {}),
@@ -94,6 +106,7 @@ def fsdp_methods(comm: Any, device: str, steps: int) -> dict[str, Any]:
     """FSDP2 (``fully_shard`` on every layer) with plain and sparcml reduce-scatters."""
     from torch.distributed.fsdp import fully_shard
 
+    _watchdog()
     out: dict[str, Any] = {}
     for label, method, hyper in [
         ("plain", None, {}),

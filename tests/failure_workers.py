@@ -128,6 +128,29 @@ def raises_inside_collective(comm: Any, victim: int) -> dict[str, Any] | None:
     return {"type": "no error"}
 
 
+def every_rank_raises(comm: Any) -> dict[str, Any]:
+    """Every rank's own code raises inside the same collective at once (a step that
+    fails alike on every rank without knowing it, as a CUDA-only bug does): each
+    sends the others an abort note that none of them posts a receive for."""
+    from sparcml.compress import get
+
+    q = get("qsgd")
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise KeyError(f"corrupt quantizer table on rank {comm.rank}")
+
+    q.quantize = broken  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    try:
+        sparse_allreduce(
+            SparseStream.dense(torch.ones(64)), comm, algorithm="dsar_split_allgather",
+            quantizer=q, quantize="all",
+        )  # fmt: skip
+    except Exception as e:
+        return {**_caught(e), "seconds": time.monotonic() - t0}
+    return {"type": "no error"}
+
+
 # the mismatch matrix lives with the benchmark that measures it (one place)
 MISMATCHES = _bench_faults.MISMATCHES
 MISMATCH_NAMES = _bench_faults.MISMATCH_NAMES

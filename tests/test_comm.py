@@ -189,3 +189,16 @@ def test_ranks_taking_turns_compute_one_at_a_time_and_get_the_same_results(world
     state["most"] = 0
     assert run_ranks(world, fn, take_turns=True) == free
     assert state["most"] == 1
+
+
+def test_work_futures_complete_whether_asked_for_before_or_after_the_result() -> None:
+    from sparcml.comm.engine import Work
+
+    early = Work()
+    fut = early.get_future()
+    early._finish(torch.ones(2))
+    assert fut.wait().tolist() == [1.0, 1.0]
+    late = Work()
+    late._finish(None, KeyError("boom"))
+    with pytest.raises(KeyError, match="boom"):
+        late.get_future().wait()

@@ -216,6 +216,17 @@ def test_a_rank_whose_code_raises_is_named_with_its_error() -> None:
 
 
 @pytest.mark.spawn
+def test_ranks_failing_at_once_raise_their_own_errors_without_waiting_for_each_other() -> None:
+    # gloo completes a send once the peer posts its receive: two ranks that both fail
+    # and wait for their abort notes to leave would wait until the timeout (60 s
+    # here) before raising; the notes' flush is bounded (Communicator.NOTE_FLUSH_S)
+    out = run_processes(3, fw.every_rank_raises, timeout=60)
+    for r, o in enumerate(out):
+        assert o["type"] == "KeyError" and f"on rank {r}" in o["message"], o
+        assert o["seconds"] < 30, o  # half the timeout: no rank waited it out
+
+
+@pytest.mark.spawn
 @pytest.mark.parametrize(
     ("scenario", "mode", "world", "seed", "victim"),
     [

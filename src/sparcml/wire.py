@@ -375,7 +375,9 @@ def pack(entries: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
     head = _BUNDLE_HEADER.pack(_BUNDLE_MAGIC, VERSION, len(entries)) + b"".join(
         _BUNDLE_ENTRY.pack(owner, buf.numel()) for owner, buf in entries
     )
-    return torch.cat([_bytes_tensor(head, device), *(buf for _, buf in entries)])
+    # entries may lie on different devices: this rank's own buffer on the GPU, the
+    # ones it received where its transport delivers them (host memory for gloo)
+    return torch.cat([_bytes_tensor(head, device), *(buf.to(device) for _, buf in entries)])
 
 
 def unpack(buf: torch.Tensor, world_size: int) -> list[tuple[int, torch.Tensor]]:

@@ -118,11 +118,12 @@ def gather_headers(header: torch.Tensor, comm: Communicator) -> list[torch.Tenso
     while mask < p2:
         partner = me ^ mask
         mine = held_ranks(me, mask, p, p2)
-        sent = torch.cat([out[r] for r in mine])  # type: ignore[misc]
+        sent = torch.cat([out[r].to(header.device) for r in mine])  # type: ignore[union-attr]
         take(comm.sendrecv(sent, partner), partner, held_ranks(partner, mask, p, p2))
         mask <<= 1
     if me < p - p2:  # unfold
-        comm.send(torch.cat([out[r] for r in range(p) if r != me + p2]), me + p2)  # type: ignore[misc]
+        unfold = [out[r].to(header.device) for r in range(p) if r != me + p2]  # type: ignore[union-attr]
+        comm.send(torch.cat(unfold), me + p2)
     return [h for h in out if h is not None]
 
 

@@ -126,7 +126,7 @@ class CarriedHeaders:
         if self.first is None:
             assert payload is not None
             return payload
-        head = torch.cat([self.held[r] for r in ranks]).to(self.device)
+        head = torch.cat([self.held[r].to(self.device) for r in ranks])
         if self.refuse or payload is None:
             return head
         return torch.cat([head, payload])

@@ -376,7 +376,9 @@ def _balanced_allgather(
     # Allgather of the equal shares by recursive doubling (log2 P rounds); rank
     # order is region order, so the concatenation is sorted.
     blocks = allgather_buffers(held, comm)
-    pairs = torch.cat(blocks).to(device)
+    # (this rank's block is on its device, the received ones where the transport
+    # delivered them)
+    pairs = torch.cat([b.to(device) for b in blocks])
     indices, values = _unpairs(pairs, kept_val.dtype, size)
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
         mismatch = RankMismatchError("oktopk: gathered entries out of order (do ranks agree on N?)")

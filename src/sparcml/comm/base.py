@@ -202,9 +202,7 @@ class Communicator(abc.ABC):
             if peer != self.rank and peer != note.origin:
                 with contextlib.suppress(Exception):  # a dead peer must not hide exc
                     sends.append(self._send_note(payload, peer))
-        for h in sends:  # on their way before the error leaves (the process may exit)
-            with contextlib.suppress(Exception):
-                h.wait()
+        self._flush_notes(sends)
         with contextlib.suppress(Exception):
             self._after_failure(note.origin)
         if self._call is None or self._call_traffic or note.origin != self.rank:
@@ -213,6 +211,28 @@ class Communicator(abc.ABC):
                 f"call {number} failed ({note.error_type} on rank {note.origin}: "
                 f"{note.message[:300]})"
             )
+
+    #: seconds a failing rank waits for its abort notes to leave before its error does
+    NOTE_FLUSH_S = 1.0
+
+    def _flush_notes(self, sends: list[Handle]) -> None:
+        """Let the abort notes leave before the error does (the process may exit on
+        it), for at most :attr:`NOTE_FLUSH_S`. A transport may complete a send only
+        once the peer posts its receive (gloo): a peer waiting on this rank takes its
+        note at once; a peer that is failing too, or waiting on another rank, may
+        never post one, and two failing ranks waiting on each other's notes would
+        stall until the timeout. The sends go on in the background."""
+        if all(h.is_completed() for h in sends):
+            return
+
+        def flush() -> None:
+            for h in sends:
+                with contextlib.suppress(Exception):
+                    h.wait()
+
+        t = threading.Thread(target=flush, name="sparcml-abort-notes", daemon=True)
+        t.start()
+        t.join(self.NOTE_FLUSH_S)
 
     def _after_failure(self, origin: int) -> None:
         """After a failed call's notes are sent: backends whose failure record lives in

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Engine", "Work"]
+__all__ = ["Engine", "Work", "complete_future", "device_future"]
 
 
 class Work:
@@ -41,15 +41,16 @@ class Work:
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
-        self._future: torch.futures.Future[Any] = torch.futures.Future()
+        self._future: torch.futures.Future[Any] | None = None
+        self._lock = threading.Lock()
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
-        self._result, self._error = result, error
-        self._done.set()
-        if error is None:
-            self._future.set_result(result)
-        else:
-            self._future.set_exception(error)
+        with self._lock:
+            self._result, self._error = result, error
+            self._done.set()
+            fut = self._future
+        if fut is not None:
+            complete_future(fut, result, error)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done and return the result (re-raising the operation's error).
@@ -67,11 +68,52 @@ class Work:
         return self._done.is_set()
 
     def get_future(self) -> torch.futures.Future[Any]:
-        """A ``torch.futures.Future`` completed with the result (or the error)."""
-        return self._future
+        """A ``torch.futures.Future`` completed with the result (or the error).
+
+        Made on first request, allowed to hold tensors on every visible CUDA device
+        (:func:`device_future`)."""
+        with self._lock:
+            if self._future is None:
+                self._future = device_future()
+                if self._done.is_set():
+                    complete_future(self._future, self._result, self._error)
+            return self._future
 
     def exception(self) -> BaseException | None:
         return self._error
+
+
+def device_future(device: torch.device | None = None) -> torch.futures.Future[Any]:
+    """A ``torch.futures.Future`` that may complete with CUDA tensors.
+
+    A future made without devices accepts CPU tensors only: completing it with a
+    CUDA tensor raises, and whoever waits on it (DDP's reducer) waits forever.
+    With devices, completion records an event on the completing thread's current
+    stream, and each waiter's stream waits for it (PyTorch's CUDA future
+    semantics). ``device``: that device alone; default every visible CUDA device
+    (none on a machine without CUDA).
+    """
+    if device is not None:
+        devices = [device] if device.type == "cuda" else []
+    else:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devices = [torch.device("cuda", i) for i in range(n)]
+    return torch.futures.Future(devices=devices or None)
+
+
+def complete_future(
+    fut: torch.futures.Future[Any], result: Any, error: BaseException | None
+) -> None:
+    """Complete ``fut`` with ``result`` or ``error``; a result it cannot hold (a
+    tensor on a device it was not made for) completes it with that error instead,
+    so that no waiter is left waiting."""
+    if error is None:
+        try:
+            fut.set_result(result)
+            return
+        except Exception as e:  # handed to the waiter
+            error = e
+    fut.set_exception(error)
 
 
 _STOP = object()

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm.engine import complete_future, device_future
 from ..errors import RankMismatchError
 from .layout import reduce_ddp_bucket
 from .reduce import Bucket, check_sparse_gradient_method
@@ -75,7 +76,9 @@ def sparcml_hook(
     if last:
         state.step += 1
     _arm_backward_check(state)
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # a future that may hold the bucket's device (a CUDA bucket in a CPU-only
+    # future would fail to complete, and DDP would wait on it forever)
+    fut: torch.futures.Future[torch.Tensor] = device_future(flat.device)
 
     def run() -> torch.Tensor:
         try:
@@ -87,7 +90,7 @@ def sparcml_hook(
             if state.hook_error is None:
                 state.hook_error = e
             out = flat  # placeholder: backward raises the error before any step
-        fut.set_result(out)
+        complete_future(fut, out, None)
         return out
 
     state.hook_works.append(state.comm.run_ordered(run, async_op=True))
