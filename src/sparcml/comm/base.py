@@ -213,7 +213,7 @@ class Communicator(abc.ABC):
             )
 
     #: seconds a failing rank waits for its abort notes to leave before its error does
-    NOTE_FLUSH_S = 1.0
+    NOTE_FLUSH_S = 0.25
 
     def _flush_notes(self, sends: list[Handle]) -> None:
         """Let the abort notes leave before the error does (the process may exit on
