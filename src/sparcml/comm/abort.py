@@ -21,7 +21,11 @@ whatever receive the peer has posted for that sender):
   latencies, with no polling and nothing on the success path;
 * a note of an earlier call (a peer that failed a call this rank completed, or
   notes every rank sent when all failed alike) is dropped and the receive posted
-  again: a stale note never fails a later call.
+  again: a stale note never fails a later call;
+* the failing rank's error leaves once its notes are sent or after
+  :attr:`~sparcml.comm.Communicator.NOTE_FLUSH_S` (0.25 s), whichever is first;
+  the sends go on in the background (a transport such as gloo completes a send
+  only once the peer posts its receive, which a peer failing too never does).
 
 Errors that every rank raises at the same point by construction (the checks of
 the consistency headers once every rank holds every header, NaN/Inf checks

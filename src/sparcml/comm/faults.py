@@ -291,8 +291,8 @@ class StoreFaults:
 
     def acknowledge(self, origin: int) -> None:
         """This rank failed a call that ``origin`` failed first (an abort note): say so
-        (the others learn from the notes themselves, sent and waited for before the
-        error leaves, so the store's host need not stay up for them)."""
+        (the others learn from the notes themselves, on their way before the error
+        leaves, so the store's host need not stay up for them)."""
         self._set(f"seen/{self.rank}", "1")
 
     def _wait_for_readers(self, record: FailureRecord) -> None:
