@@ -47,6 +47,9 @@ _COMMAND = re.compile(
 )
 _RESULT_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 
+#: fenced blocks in these languages hold source, whose numbers are settings
+SOURCE_LANGUAGES = {"python", "py", "yaml", "yml", "json", "toml"}
+
 #: figures that are settings or definitions, not results of a run
 CONSTANTS: dict[str, str] = {
     "64 MB": "the hostmem buffer size the library allocates",
@@ -72,12 +75,15 @@ def unsupported_figures() -> list[tuple[str, int, str]]:
     out: list[tuple[str, int, str]] = []
     for doc in DOCS:
         in_code = False
+        source = False  # a fenced block of source (```python, ```yaml, ...): no output
         for no, line in enumerate(doc.read_text().splitlines(), 1):
             if line.lstrip().startswith("```"):
                 in_code = not in_code
+                source = in_code and line.strip()[3:].strip() in SOURCE_LANGUAGES
                 continue
             found = [(m.group(0), n) for m in FIGURE.finditer(line) for n in m.groups() if n]
-            if line.lstrip().startswith("|") or (in_code and not _COMMAND.match(line)):
+            output = in_code and not source and not _COMMAND.match(line)
+            if line.lstrip().startswith("|") or output:
                 found += [(m.group(1), m.group(1)) for m in TABLE_NUMBER.finditer(line)]
             for figure, number in found:
                 if figure in CONSTANTS or number in known or number.replace(",", "") in known:

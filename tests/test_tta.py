@@ -14,7 +14,6 @@ import torch
 import tta_workers
 from sparcml.comm.launch import run_processes
 from sparcml.tools.cli import main
-from sparcml.tools.recipes.peers import is_peer, peer_rank
 from sparcml.tools.recipes.tta import (
     format_tta_table,
     parse_rate,
@@ -23,6 +22,7 @@ from sparcml.tools.recipes.tta import (
     tta_rows,
     write_tta_report,
 )
+from sparcml.torch.peers import is_peer, peer_rank
 
 
 def _run(curve: list[float], seconds: list[float], step_bytes: float, steps: int = 40,

@@ -239,3 +239,37 @@ def ddp_sparse_embedding(
             losses.append(float(loss.detach()))
         out.append({"params": flat_params(module), "losses": losses, "sparse_grad": sparse_grad})
     return out
+
+
+def powersgd_runs(comm: Any, steps: int) -> dict[str, Any]:
+    """PyTorch's baselines through ``register`` by name, and PowerSGD registered by hand
+    with the settings ``register`` documents (one DDP bucket: PowerSGD's nested
+    allreduces must not have two buckets in flight on gloo)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict[str, Any] = {}
+    for label in ("by name", "by hand", "ddp", "plain"):
+        model = DDP(make_model(), bucket_cap_mb=25)
+        state = None
+        if label == "by name":
+            state = st.register(model, "powersgd", warmup_steps=2)
+            out["hook_state"] = type(state.hook_state).__name__
+        elif label == "by hand":
+            ps = psgd.PowerSGDState(
+                process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                use_error_feedback=True, warm_start=True, random_seed=0,
+            )  # fmt: skip
+            model.register_comm_hook(ps, psgd.powerSGD_hook)
+        elif label == "ddp":
+            state = st.register(model, "ddp")
+        _train_steps(model, comm.rank, steps)
+        out[label] = flat_params(model.module)
+        if label == "by name":
+            out["by name bytes"] = list(state.step_bytes)
+    for method, options in (("ddp", {"density": 0.1}), ("powersgd", {"density": 0.1})):
+        try:
+            st.register(DDP(make_model()), method, **options)
+        except ValueError as e:
+            out[f"{method} refuses"] = str(e)
+    return out

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sparcml.tools.recipes.peers import register_peer
+from sparcml.torch.peers import register_peer
 
 
 def peer_steps(comm: Any, methods: list[str], steps: int, start_iter: int) -> dict[str, Any]:

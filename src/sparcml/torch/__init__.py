@@ -15,7 +15,9 @@ With FSDP2 (after ``fully_shard``): ``sparcml.torch.register_fsdp(model, method=
 (:mod:`sparcml.torch.fsdp`). Checkpoints: ``state.state_dict()`` per rank
 (:mod:`sparcml.torch.checkpoint`).
 
-Methods: :func:`methods`. Hyperparameters: :class:`SparcmlState`. Per-layer rules
+Methods: :func:`methods`. Hyperparameters: :class:`SparcmlState`, or a config (a
+mapping, JSON or YAML file) wherever a method name goes (:mod:`sparcml.torch.config`).
+Per-layer rules
 and density schedules: :class:`LayerRule`, :class:`DensityWarmup`
 (:mod:`sparcml.torch.rules`). Statistics: ``state.group_stats()``
 (:mod:`sparcml.torch.stats`).
@@ -23,10 +25,11 @@ and density schedules: :class:`LayerRule`, :class:`DensityWarmup`
 
 from __future__ import annotations
 
+from .config import load_config
 from .fsdp import register_fsdp
 from .hook import HookState, check_parameters, comm_hook, register, sparcml_hook
 from .reduce import Bucket, reduce_bucket
-from .rules import DensityWarmup, LayerRule
+from .rules import DensityWarmup, LayerRule, StepRange
 from .state import SparcmlState, methods, needs_momentum_correction
 from .stats import GroupStats
 from .sync import (
@@ -44,10 +47,12 @@ __all__ = [
     "HookState",
     "LayerRule",
     "SparcmlState",
+    "StepRange",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "check_parameters",
     "comm_hook",
+    "load_config",
     "methods",
     "needs_momentum_correction",
     "reduce_bucket",

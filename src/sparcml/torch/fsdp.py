@@ -56,6 +56,8 @@ bitwise identical on every rank by construction.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -65,6 +67,7 @@ from ..collectives import split_and_reduce
 from ..collectives.codec import EXACT, StreamCodec
 from ..compress.base import Composed, Quantizer, Selector
 from ..stream import SparseStream
+from .config import resolve_method
 from .state import SparcmlState
 
 __all__ = ["FSDP_METHODS", "SparcmlReduceScatter", "register_fsdp"]
@@ -206,7 +209,7 @@ def _has_grads(module: Any) -> bool:
 
 def register_fsdp(
     model: torch.nn.Module,
-    method: str = "topk",
+    method: str | Mapping[str, Any] | os.PathLike[str] = "topk",
     state: SparcmlState | None = None,
     **hyper: Any,
 ) -> SparcmlState:
@@ -218,6 +221,7 @@ def register_fsdp(
         method: ``dense``, ``nonzeros``, a quantizer (``natural``, ``qsgd``,
             ``dithering``, ``natural_dithering``), a selector (``topk``, ...) or a
             ``selector+quantizer`` (``topk+natural``); see the module docstring.
+            Or a config: a mapping or a JSON/YAML file (:mod:`sparcml.torch.config`).
         state: a ready :class:`SparcmlState`; otherwise built from ``method`` and
             ``hyper`` (``density=``, ``compressor_params=``, ``seed=``, ...).
 
@@ -238,7 +242,8 @@ def register_fsdp(
             f"{type(model).__name__}"
         )
     if state is None:
-        state = SparcmlState(method, **hyper)
+        name, options = resolve_method(method, hyper)
+        state = SparcmlState(name, **options)
     elif hyper or method != "topk":
         raise ValueError("give either a state or method/hyperparameters, not both")
     if state.kind not in FSDP_METHODS:

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -35,7 +36,9 @@ import torch.distributed as dist
 
 from ..comm.engine import complete_future, device_future
 from ..errors import RankMismatchError
+from .config import resolve_method
 from .layout import reduce_ddp_bucket
+from .peers import pytorch_method, register_peer
 from .reduce import Bucket, check_sparse_gradient_method
 from .state import SparcmlState
 from .stats import log_step
@@ -259,13 +262,24 @@ def named_parameters_of(
 
 
 def register(
-    model: Any, method: str = "topk", state: SparcmlState | None = None, **hyper: Any
-) -> SparcmlState:
+    model: Any,
+    method: str | Mapping[str, Any] | os.PathLike[str] = "topk",
+    state: SparcmlState | None = None,
+    **hyper: Any,
+) -> Any:
     """Switch a DDP model's gradient allreduce to a sparcml method; returns the state.
 
     Args:
         model: a ``torch.nn.parallel.DistributedDataParallel`` model.
-        method: see :func:`sparcml.torch.methods` (ignored when ``state`` is given).
+        method: see :func:`sparcml.torch.methods` (ignored when ``state`` is given);
+            or a config: a mapping, or a JSON/YAML file's path
+            (:mod:`sparcml.torch.config`; keywords in ``hyper`` override it); or one
+            of PyTorch's own baselines, run by PyTorch's code so that one call covers
+            what users compare with: ``ddp`` (no hook) and ``powersgd`` /
+            ``powersgdR`` (``powerSGD_hook`` of rank 2 / ``R``, with warm start and
+            error feedback; ``warmup_steps=`` is its ``start_powerSGD_iter``). Those
+            return a :class:`~sparcml.torch.peers.PeerState` (``step_bytes``,
+            ``hook_state``: PyTorch's ``PowerSGDState``), not a ``SparcmlState``.
         state: a ready :class:`SparcmlState`; otherwise one is built from
             ``method`` and ``hyper`` (``density=``, ``warmup_steps=``, ...).
 
@@ -290,7 +304,10 @@ def register(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("the DDP hook needs an initialised torch.distributed process group")
     if state is None:
-        state = SparcmlState(method, **hyper)
+        name, options = resolve_method(method, hyper)
+        if pytorch_method(name):
+            return register_peer(model, name, start_iter=_peer_warmup(name, options))
+        state = SparcmlState(name, **options)
     elif hyper or method != "topk":
         raise ValueError("give either a state or method/hyperparameters, not both")
     if state.registered is not None:
@@ -311,6 +328,19 @@ def register(
     return state
 
 
+def _peer_warmup(method: str, options: Mapping[str, Any]) -> int:
+    """PowerSGD's ``start_powerSGD_iter`` from ``warmup_steps``; PyTorch's baselines
+    take no other option."""
+    extra = sorted(set(options) - {"warmup_steps"})
+    if extra or (method == "ddp" and options):
+        raise ValueError(
+            f"{method!r} is PyTorch's own {'DDP allreduce' if method == 'ddp' else 'PowerSGD'}"
+            f"; it takes {'no options' if method == 'ddp' else 'only warmup_steps'}, got "
+            f"{', '.join(sorted(options))}"
+        )
+    return int(options.get("warmup_steps", 0))
+
+
 class HookState:
     """The ``state`` half of PyTorch's ``model.register_comm_hook(state, hook)``.
 
@@ -325,9 +355,10 @@ class HookState:
     :func:`register`.
     """
 
-    def __init__(self, method: str = "topk", **options: Any) -> None:
+    def __init__(self, method: str | Mapping[str, Any] = "topk", **options: Any) -> None:
         from ..comm import SelfCommunicator
 
+        method, options = resolve_method(method, options)
         local = {k: v for k, v in options.items() if k not in ("comm", "timeout")}
         SparcmlState(method, comm=SelfCommunicator(), **local)  # validation only
         self.method = method
@@ -381,11 +412,13 @@ _comm_hook.__annotations__ = {  # as sparcml_hook's: DDP checks them as objects
 }
 
 
-def comm_hook(method: str = "topk", **options: Any) -> tuple[HookState, Any]:
+def comm_hook(
+    method: str | Mapping[str, Any] | os.PathLike[str] = "topk", **options: Any
+) -> tuple[HookState, Any]:
     """``(state, hook)`` for PyTorch's ``model.register_comm_hook(state, hook)``.
 
-    The same method and options as :func:`register` (``density=``, ``momentum=``,
-    ...), for code written for PyTorch's own hooks and for frameworks that take
+    The same method (or config) and options as :func:`register` (``density=``,
+    ``momentum=``, ...), for code written for PyTorch's own hooks and for frameworks that take
     them, e.g. Lightning::
 
         state, hook = sparcml.torch.comm_hook("topk", density=0.01)

@@ -30,7 +30,14 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["DensityWarmup", "LayerRule", "check_density", "describe_schedule", "rules_from"]
+__all__ = [
+    "DensityWarmup",
+    "LayerRule",
+    "StepRange",
+    "check_density",
+    "describe_schedule",
+    "rules_from",
+]
 
 Density = float | Callable[[int], float]
 
@@ -55,6 +62,30 @@ def describe_schedule(density: Density) -> Any:
             return repr(density)
         return f"schedule:{getattr(density, '__qualname__', type(density).__qualname__)}"
     return float(density)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRange:
+    """A rule's ``when`` that holds on steps ``start <= step < stop`` (``stop`` None:
+    every step from ``start`` on): the data form of a method schedule, as config files
+    write it (``steps: {from: 0, until: 500}``, :mod:`sparcml.torch.config`).
+
+    Example:
+        >>> [StepRange(2, 4)(s) for s in range(5)]
+        [False, False, True, True, False]
+    """
+
+    start: int = 0
+    stop: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or (self.stop is not None and self.stop < self.start):
+            raise ValueError(
+                f"a step range needs 0 <= from <= until, got {self.start}, {self.stop}"
+            )
+
+    def __call__(self, step: int) -> bool:
+        return self.start <= step and (self.stop is None or step < self.stop)
 
 
 @dataclasses.dataclass(frozen=True)

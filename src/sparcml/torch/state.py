@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from ..compress import get
 from ..compress.base import operator_class
 from ..merge import warm_kernels
 from ..sgd.feedback import ErrorFeedback, MomentumCorrection
+from .config import resolve_method
 from .methods import MethodConfig, method_kind, method_spec, methods, valid_algorithms
 from .rules import Density, LayerRule, check_density, describe_schedule, rules_from
 from .stats import GroupStats
@@ -200,6 +202,22 @@ class SparcmlState:
         step: completed synchronisation steps.
         bytes_sent: bytes this rank sent for gradients so far; ``step_bytes`` per step.
     """
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
+    ) -> SparcmlState:
+        """A state from a config: a mapping, or a JSON/YAML file's path, holding the
+        method and this class's keyword arguments by name (layer rules, schedules
+        and method options included; :mod:`sparcml.torch.config`); ``overrides``
+        replace its entries (``comm=`` goes here). Checked as the keywords are.
+
+        Example:
+            >>> SparcmlState.from_config({"method": "topk", "density": 0.05}).density
+            0.05
+        """
+        method, options = resolve_method(config, overrides)
+        return cls(method, **options)
 
     def __init__(
         self,

@@ -24,9 +24,20 @@ from collections.abc import Sequence
 
 from . import bench, cluster, ina, simulate, train
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 FAMILIES = (bench, train, ina, simulate, cluster)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sparcml`` command's parser, every sub-command on it (parsing runs nothing)."""
+    parser = argparse.ArgumentParser(
+        prog="sparcml", description="Sparse and compressed gradient collectives for PyTorch."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for family in FAMILIES:
+        family.add_parsers(sub)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,17 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ...comm.hostmem import enable_huge_pages
 
     enable_huge_pages()  # before any large tensor (see sparcml.comm.hostmem)
-    parser = argparse.ArgumentParser(
-        prog="sparcml", description="Sparse and compressed gradient collectives for PyTorch."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    for family in FAMILIES:
-        family.add_parsers(sub)
+    parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
         # a typo in a sub-command's option: that sub-command's usage, not the top level's
-        command = sub.choices[args.command]
-        command.error(f"unrecognized arguments: {' '.join(extra)}")
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     args.command_line = list(argv) if argv is not None else None
     return int(args.run(args))
 

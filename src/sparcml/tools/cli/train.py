@@ -14,16 +14,23 @@ __all__ = ["add_parsers"]
 def train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from ...torch.peers import is_peer
     from ...torch.state import methods as known_methods
     from ..recipes import RECIPES
     from ..recipes.data import DataMissingError
-    from ..recipes.peers import is_peer
-    from ..recipes.train import format_table, run_recipe, write_report
+    from ..recipes.train import CONFIG_PREFIX, format_table, run_recipe, write_report
 
     recipe = RECIPES[args.recipe]
     chosen = args.methods.split(",") if args.methods else list(recipe.methods)
+    if args.config:
+        checked = _check_config(args)
+        if checked is not None:
+            return checked
+        chosen = args.methods.split(",") if args.methods else []
     valid = known_methods()
     for m in chosen:
+        if m.startswith(CONFIG_PREFIX):
+            continue
         parts = m.split("+")
         if (
             m not in valid
@@ -46,6 +53,8 @@ def train(args: argparse.Namespace) -> int:
         print("sparcml train: --density-warmup starts at 25%: give --density below it",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.config:
+        chosen.append(CONFIG_PREFIX + Path(args.config).name)
     if args.from_json:
         return rewrite_report(args)
     if args.cluster or args.env:
@@ -96,6 +105,28 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_config(args: argparse.Namespace) -> int | None:
+    """``--config FILE`` read and checked here, with the keywords' messages (exit 2 on
+    an error); None when it is fine."""
+    from ...torch import SparcmlState
+    from ...torch.config import load_config
+
+    if args.cluster or args.env:
+        print("sparcml train: --config runs on local ranks; with --cluster/--env name "
+              "the methods with --methods", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.density_warmup or args.layers:
+        print("sparcml train: --config carries its own density schedule and layer rules; "
+              "drop --density-warmup / --layers", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        SparcmlState(**load_config(args.config))  # a world of one: checks, no traffic
+    except (OSError, ImportError, TypeError, ValueError) as e:
+        print(f"sparcml train: --config: {e}", file=sys.stderr)
+        return 2
+    return None
+
+
 def _layer_rules(text: str) -> list[tuple[str, str]]:
     """``"*.bias=dense,emb.*=nonzeros"`` as (pattern, method) pairs, methods checked."""
     from ...torch.state import method_kind
@@ -122,6 +153,10 @@ def _hyper(args: argparse.Namespace) -> dict:
         hyper["layers"] = _layer_rules(args.layers)
     if args.dense_below:
         hyper["dense_below"] = args.dense_below
+    if args.config:
+        from pathlib import Path
+
+        hyper["config"] = str(Path(args.config).resolve())
     return hyper
 
 
@@ -247,8 +282,8 @@ def list_methods(args: argparse.Namespace) -> int:
         "selected (topk+natural, topk+qsgd, ...): SparCML's quantized TopK SGD (Alg. 1)"
     )
     print(
-        f"{'ddp, powersgd, powersgdR':<28} sparcml train only: PyTorch's own allreduce and "
-        "PowerSGD hook, run beside the methods (fp16/bf16 there are PyTorch's hooks too)"
+        f"{'ddp, powersgd, powersgdR':<28} PyTorch's own allreduce and PowerSGD hook (rank 2 or "
+        "R), by name in register() and sparcml train (where fp16/bf16 are PyTorch's hooks)"
     )
     return 0
 
@@ -265,6 +300,13 @@ def add_parsers(sub: Any) -> None:
 
     tr.add_argument("recipe", choices=sorted(RECIPES))
     tr.add_argument("--methods", help="comma-separated (default: the recipe's applicable ones)")
+    tr.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a JSON or YAML config (sparcml.torch.config: method, density, layers, ...), "
+        "trained as one more run named config:FILE (alone unless --methods is given); "
+        "--density, --warmup-steps and the other method options do not apply to it",
+    )
     tr.add_argument("-P", "--world-size", type=positive_arg, default=4)
     tr.add_argument("--epochs", type=positive_arg, help="default: the recipe's")
     tr.add_argument("-d", "--density", type=fraction_arg, default=0.01)

@@ -33,6 +33,8 @@ __all__ = [
     "shakespeare_archive",
 ]
 
+#: where Debian's dataset-fashion-mnist package puts the files (``SPARCML_FMNIST``
+#: names another folder holding the same four .gz files)
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 
@@ -69,7 +71,7 @@ _FMNIST_FILES = {
 
 def fashion_mnist(root: Path | None = None, check_only: bool = False) -> dict[str, torch.Tensor]:
     """Train/test images (float32 in [0, 1], N x 1 x 28 x 28) and labels (int64)."""
-    root = root or FMNIST_DIR
+    root = root or Path(os.environ.get("SPARCML_FMNIST", FMNIST_DIR))
     files = _FMNIST_FILES
     missing = [f for f in files.values() if not (root / f).exists()]
     if missing:

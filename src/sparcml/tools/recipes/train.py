@@ -71,8 +71,8 @@ def train_worker(
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ... import torch as st
+    from ...torch.peers import is_peer, register_peer
     from . import RECIPES
-    from .peers import is_peer, register_peer
 
     options = dict(options)
     eval_every = int(options.pop("eval_every", 0) or 0)
@@ -87,7 +87,8 @@ def train_worker(
             f"use --limit >= {comm.world_size * getattr(recipe, 'batch', 1)} (it counts samples)"
         )
     fsdp = bool(options.get("fsdp"))
-    if density_warmup and not is_peer(method):  # DGC's warm-up: 25% falling to the density
+    if density_warmup and not is_peer(method) and "config" not in hyper:
+        # DGC's warm-up: 25% falling to the density
         hyper = {
             **hyper,
             "density": st.DensityWarmup(
@@ -95,6 +96,13 @@ def train_worker(
             ),
         }
     peer = is_peer(method)
+    # sparcml train --config FILE: the file holds the method and its options
+    registered: Any = hyper.get("config", method)
+    if "config" in hyper:
+        momentum_correction = st.load_config(hyper["config"]).get("momentum")
+        hyper = {}
+    else:
+        momentum_correction = hyper.get("momentum")
     if fsdp:
         if peer:
             raise ValueError(f"{method!r} is a DDP communication hook; no FSDP version")
@@ -107,7 +115,7 @@ def train_worker(
             if sub is not model and any(True for _ in sub.parameters(recurse=False)):
                 fully_shard(sub)
         fully_shard(model)
-        state = st.register_fsdp(model, method, **hyper)
+        state = st.register_fsdp(model, registered, **hyper)
         inner = model
     elif peer:
         # PowerSGD's callbacks wait on nested allreduces inside gloo's worker threads: two
@@ -120,10 +128,10 @@ def train_worker(
         inner = model.module
     else:
         model = DDP(recipe.model())
-        state = st.register(model, method, **hyper)
+        state = st.register(model, registered, **hyper)
         inner = model.module
     # DGC momentum correction moves the momentum from the optimizer into the state
-    opt = recipe.optimizer(model.parameters(), momentum=peer or not hyper.get("momentum"))
+    opt = recipe.optimizer(model.parameters(), momentum=peer or not momentum_correction)
     steps = recipe.steps_per_epoch()
     total = epochs * steps
     if eval_every < 0:
@@ -257,6 +265,11 @@ DENSE_LIKE = (
 )  # fmt: skip
 
 
+#: the run of ``sparcml train --config FILE`` is named ``config:NAME`` (the file's
+#: name; its path travels as ``hyper["config"]``)
+CONFIG_PREFIX = "config:"
+
+
 def method_hyper(method: str, hyper: dict[str, Any], fsdp: bool = False) -> dict[str, Any]:
     """The hyperparameters ``method`` gets from the command line's ``hyper``.
 
@@ -266,9 +279,12 @@ def method_hyper(method: str, hyper: dict[str, Any], fsdp: bool = False) -> dict
     momentum; an explicit ``momentum`` is refused there by ``register_fsdp``). PyTorch
     peers (:mod:`.peers`) take only the dense warm-up, as PowerSGD's ``start_iter``.
     """
-    from .peers import is_peer
+    from ...torch.peers import is_peer
 
     h = dict(hyper)
+    config = h.pop("config", None)  # sparcml train --config: the file's path
+    if method.startswith(CONFIG_PREFIX):  # that run: the file says it all
+        return {"config": config}
     if is_peer(method):
         warm = int(h.get("warmup_steps", 0))
         return {"start_iter": warm} if method.startswith("powersgd") else {}

@@ -1,4 +1,9 @@
-"""PyTorch's own gradient synchronisation as peer methods in the training harness.
+"""PyTorch's own gradient synchronisation, by name: the baselines users compare with.
+
+:func:`sparcml.torch.register` takes these names too (``register(model, "powersgd")``),
+so one call covers sparcml's methods and PyTorch's; ``sparcml train`` runs them as
+peers in the same harness. They are PyTorch's code, not sparcml's: no consistency
+header, no layer rules; the state returned counts the bytes each rank sends.
 
 * ``ddp``: plain DDP, no communication hook (gloo's ring allreduce of float32 buckets);
 * ``fp16`` / ``bf16``: ``torch.distributed.algorithms.ddp_comm_hooks``'
@@ -23,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["PEERS", "PeerState", "is_peer", "peer_rank", "register_peer"]
+__all__ = ["PEERS", "PeerState", "is_peer", "peer_rank", "pytorch_method", "register_peer"]
 
 PEERS = ("ddp", "fp16", "bf16", "powersgd")
 _POWERSGD = re.compile(r"^powersgd([1-9][0-9]*)?$")
@@ -32,6 +37,13 @@ _POWERSGD = re.compile(r"^powersgd([1-9][0-9]*)?$")
 def is_peer(method: str) -> bool:
     """Whether ``method`` names a PyTorch peer (``ddp``, ``fp16``, ``bf16``, ``powersgd[R]``)."""
     return method in ("ddp", "fp16", "bf16") or bool(_POWERSGD.match(method))
+
+
+def pytorch_method(method: str) -> bool:
+    """Whether :func:`sparcml.torch.register` hands ``method`` to PyTorch's own code:
+    ``ddp`` (no hook) and ``powersgd[R]`` (``fp16``/``bf16`` are sparcml methods there,
+    bit for bit PyTorch's hooks, with sparcml's checks and statistics)."""
+    return method == "ddp" or bool(_POWERSGD.match(method))
 
 
 def peer_rank(method: str) -> int:
@@ -98,7 +110,15 @@ def register_peer(
 ) -> PeerState:
     """Install PyTorch's ``method`` on a DDP model; returns a state counting its bytes.
 
-    ``start_iter`` is PowerSGD's ``start_powerSGD_iter`` (vanilla allreduce first).
+    Args:
+        model: a ``DistributedDataParallel`` model.
+        method: ``ddp`` (no hook), ``fp16``, ``bf16``, ``powersgd`` (rank 2) or
+            ``powersgdR`` (rank ``R``).
+        start_iter: PowerSGD's ``start_powerSGD_iter`` (vanilla allreduce first; at
+            least 2, PyTorch's minimum with error feedback).
+
+    Raises:
+        ValueError: not a PyTorch peer method.
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
