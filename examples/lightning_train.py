@@ -1,7 +1,9 @@
-"""A PyTorch Lightning script switched to sparcml with a callback (two marked lines).
+"""A PyTorch Lightning script switched to sparcml with a callback (two marked lines),
+or with PyTorch's hook convention through Lightning's ``DDPStrategy(ddp_comm_state=...,
+ddp_comm_hook=...)`` (``--strategy-hook``).
 
 Run: .venv/bin/torchrun --nproc-per-node 2 examples/lightning_train.py [--method topk]
-(needs `pip install lightning`; docs/integrations.md)
+[--strategy-hook] (needs `pip install lightning`; docs/integrations.md)
 """
 
 from __future__ import annotations
@@ -12,8 +14,30 @@ import os
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 
+import sparcml.torch
 from sparcml.torch.lightning import SparcmlCallback  # (1)
+
+
+class CPUHookDDPStrategy(DDPStrategy):
+    """Lightning's DDPStrategy registers ``ddp_comm_hook`` on CUDA devices only (its
+    ``_register_ddp_hooks`` skips CPU, citing a PyTorch 1.8 limitation that no longer
+    holds): on CPU ranks the hook would be silently ignored. This registers it there
+    too, with Lightning's own registration function; on GPUs plain ``DDPStrategy``."""
+
+    def _register_ddp_hooks(self) -> None:
+        if self.root_device.type == "cuda":
+            super()._register_ddp_hooks()
+            return
+        from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+
+        _register_ddp_comm_hook(
+            model=self.model,
+            ddp_comm_state=self._ddp_comm_state,
+            ddp_comm_hook=self._ddp_comm_hook,
+            ddp_comm_wrapper=self._ddp_comm_wrapper,
+        )
 
 
 class Regression(pl.LightningModule):
@@ -40,6 +64,12 @@ def main() -> None:
     parser.add_argument("--method", default="topk", help="see `sparcml methods`")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--strategy-hook",
+        action="store_true",
+        help="sparcml.torch.comm_hook() in DDPStrategy(ddp_comm_state=, ddp_comm_hook=) "
+        "instead of the callback",
+    )
     args = parser.parse_args()
 
     g = torch.Generator().manual_seed(1)
@@ -51,10 +81,17 @@ def main() -> None:
     # error-feedback methods take the momentum in the state (DGC momentum correction)
     correct = SparcmlCallback.needs_momentum_correction(args.method)
     hyper = {"momentum": 0.9} if correct else {}
-    callback = SparcmlCallback(args.method, density=args.density, **hyper)  # (2)
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if args.strategy_hook:  # PyTorch's (state, hook) pair, built at the first bucket
+        hook_state, hook = sparcml.torch.comm_hook(args.method, density=args.density, **hyper)
+        strategy: object = CPUHookDDPStrategy(ddp_comm_state=hook_state, ddp_comm_hook=hook)
+        callbacks = []
+    else:
+        callback = SparcmlCallback(args.method, density=args.density, **hyper)  # (2)
+        strategy, callbacks = "ddp", [callback]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy="ddp",
-        max_steps=args.steps, callbacks=[callback],
+        accelerator="cpu", devices=devices, strategy=strategy,
+        max_steps=args.steps, callbacks=callbacks,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
@@ -67,8 +104,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         same = all(torch.equal(p, gathered[0]) for p in gathered)
         loss = float(trainer.callback_metrics["loss"])
-        assert callback.state is not None
-        print(f"{args.method}: final loss {loss:.4f}; sent {callback.state.bytes_sent:,} bytes; "
+        state = hook_state.built if args.strategy_hook else callback.state
+        assert state is not None, "the hook never ran: DDP reduced without it"
+        print(f"{args.method}: final loss {loss:.4f}; sent {state.bytes_sent:,} bytes; "
               f"models identical on every rank: {same}")  # fmt: skip
 
 

@@ -20,9 +20,9 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 EXIT_ABORT = "terminate called without an active exception"
 
 
-def _torchrun(script: str, method: str) -> str:
+def _torchrun(script: str, method: str, *extra: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           str(EXAMPLES / script), "--method", method, "--steps", "12"]  # fmt: skip
+           str(EXAMPLES / script), "--method", method, "--steps", "12", *extra]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     if done.returncode != 0 and EXIT_ABORT in done.stderr and "final loss" in done.stdout:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
@@ -38,6 +38,17 @@ def test_lightning_callback_switches_the_trainer(method: str) -> None:
     assert f"{method}: final loss" in out and "models identical on every rank: True" in out
     sent = int(out.split("sent ")[1].split(" bytes")[0].replace(",", ""))
     assert sent > 0  # the hook ran (plain DDP would not count bytes here)
+
+
+@pytest.mark.spawn
+def test_lightning_ddp_strategy_takes_the_comm_hook_pair() -> None:
+    # PyTorch's convention: DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook), the
+    # state made before Trainer.fit and built at the first bucket
+    pytest.importorskip("lightning")
+    out = _torchrun("lightning_train.py", "topk", "--strategy-hook")
+    assert "topk: final loss" in out and "models identical on every rank: True" in out
+    sent = int(out.split("sent ")[1].split(" bytes")[0].replace(",", ""))
+    assert sent > 0
 
 
 @pytest.mark.spawn

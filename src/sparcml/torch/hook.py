@@ -379,6 +379,13 @@ class HookState:
             self._state = state
         return self._state
 
+    @property
+    def built(self) -> SparcmlState | None:
+        """The :class:`SparcmlState` if a bucket has built it, else None (no collective:
+        safe on one rank, e.g. to print statistics on rank 0 only; ``state`` builds it
+        and must be reached by every rank)."""
+        return self._state
+
     def state_dict(self) -> dict[str, Any]:
         """:meth:`SparcmlState.state_dict` (per rank; call between steps)."""
         return self.state.state_dict()

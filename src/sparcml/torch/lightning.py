@@ -4,14 +4,18 @@
 
     trainer = lightning.Trainer(strategy="ddp", callbacks=[SparcmlCallback("topk", density=0.01)])
 
-Why a callback and not ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``:
-the :class:`~sparcml.torch.SparcmlState` is a collective object (a dedicated
-process group of its own, and a check that every rank runs the same method and
-parameters), so it must be made after the process group exists, which Lightning
-creates inside ``Trainer.fit``. The callback builds it at ``on_fit_start``, when
-the strategy has wrapped the model in DDP, and registers it exactly as
-:func:`sparcml.torch.register` does; ``callback.state`` is the state (bytes,
-checkpoints).
+The callback builds the :class:`~sparcml.torch.SparcmlState` (a collective
+object: a dedicated process group of its own, and a check that every rank runs
+the same method and parameters) at ``on_fit_start``, when the strategy has
+created the process group and wrapped the model in DDP, and registers it exactly
+as :func:`sparcml.torch.register` does; ``callback.state`` is the state (bytes,
+checkpoints), and layer rules by parameter name work.
+
+PyTorch's hook convention works too: ``state, hook = sparcml.torch.comm_hook(...)``
+in ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)`` (the state is built at
+the first bucket). Lightning registers such hooks on CUDA devices only; on CPU
+ranks it ignores them silently (``examples/lightning_train.py --strategy-hook``
+shows a strategy that registers them there too).
 
 Requires the ``lightning`` package (``pip install lightning``); this module is
 not imported by ``sparcml.torch``.
