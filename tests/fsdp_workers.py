@@ -63,6 +63,7 @@ def fsdp_runs(
             "losses": losses,
             "step_bytes": list(state.step_bytes) if state else [],
             "numel": numel,
+            "stats": state.stats.as_dict() if state else {},
         }
     return out
 

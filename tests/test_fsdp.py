@@ -64,6 +64,12 @@ def test_fsdp_methods(world: int) -> None:
         assert r0["losses"][-1] < r0["losses"][0], label
         assert len(r0["step_bytes"]) == STEPS
         assert max(r0["step_bytes"]) < 0.35 * ring, (label, r0["step_bytes"], ring)
+        # the step split (sparcml train's columns): local work and communication timed,
+        # every byte counted, the ratio against a dense reduce-scatter's bytes
+        s = r0["stats"]
+        assert s["compress_s"] > 0 and s["communicate_s"] > 0, (label, s)
+        assert s["bytes_sent"] == sum(r0["step_bytes"]) and s["steps"] == STEPS, (label, s)
+        assert s["ratio"] > 1 / 0.35, (label, s)
     if world == 2:
         for tag, tol in (("div4", 1e-6), ("bf16", 2e-2), ("fp16", 2e-3)):
             ref = out[0][f"plain-{tag}"]["params"]

@@ -121,3 +121,29 @@ def test_fsdp_recipes_get_no_default_momentum_correction() -> None:
     assert method_hyper("topk", {"density": 0.01})["momentum"] == 0.9
     assert "momentum" not in method_hyper("topk", {"density": 0.01}, fsdp=True)
     assert method_hyper("topk", {"density": 0.01, "momentum": 0.5}, fsdp=True)["momentum"] == 0.5
+
+
+def _fake_fmnist(root: Path, train: int = 256, test: int = 64) -> None:
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", train), ("t10k", test)):
+        _idx(root / f"{split}-images-idx3-ubyte.gz",
+             torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8))  # fmt: skip
+        _idx(root / f"{split}-labels-idx1-ubyte.gz",
+             torch.randint(0, 10, (n,), generator=g, dtype=torch.uint8))  # fmt: skip
+
+
+@pytest.mark.spawn
+def test_the_documented_fsdp_recipe_runs_and_reports_its_step_split(
+    tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    # docs/training.md's FSDP command (smaller: generated images, P = 2, one epoch)
+    _fake_fmnist(tmp_path)
+    monkeypatch.setenv("SPARCML_FMNIST", str(tmp_path))
+    out = tmp_path / "out"
+    assert main(["train", "fmnist", "--fsdp", "-P", "2", "--epochs", "1", "--limit", "256",
+                 "--density", "0.01", "--methods", "dense,topk", "-q", "--probe-steps", "0",
+                 "--out", str(out)]) == 0  # fmt: skip
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    for method in ("dense", "topk"):
+        assert sum(rows[method]["compress_times"]) > 0, method
+        assert sum(rows[method]["comm_times"]) > 0, method

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -146,6 +147,9 @@ class SparcmlReduceScatter:  # made a ReduceScatter subclass in register_fsdp
         """This rank's chunk of the sum over ranks (float32 or wider)."""
         state = self.state
         comm = state.comm
+        t0 = time.perf_counter()
+        before = comm.stats.bytes_sent
+        elem = grad.element_size()
         g = grad.detach().reshape(-1)
         if g.dtype in (torch.float16, torch.bfloat16):
             g = g.float()
@@ -185,8 +189,22 @@ class SparcmlReduceScatter:  # made a ReduceScatter subclass in register_fsdp
                 state.residuals[self.name] = res
         if codec is not EXACT:
             codec = codec.with_call(comm.next_sequence(), comm.rank)
+        compress_s = time.perf_counter() - t0  # selection, residual (the local part)
         mine, _, _ = split_and_reduce(stream, comm, codec, bounds)
-        return mine.to_dense()
+        out = mine.to_dense()
+        p, n = comm.world_size, g.numel()
+        sparse = kind == "sparse" and not stream.is_dense
+        state.stats.record(
+            step,
+            n,
+            comm.stats.bytes_sent - before,
+            (p - 1) / p * n * elem,  # a ring reduce-scatter of the gradient as it came
+            compress_s,
+            max(0.0, time.perf_counter() - t0 - compress_s),
+            stream.nnz if sparse else None,
+            max(1, round(state.density * n)) if sparse and n else None,
+        )
+        return out
 
 
 def _apply_op(total: torch.Tensor, op: Any, p: int) -> torch.Tensor:
