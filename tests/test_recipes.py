@@ -145,5 +145,7 @@ def test_the_documented_fsdp_recipe_runs_and_reports_its_step_split(
                  "--out", str(out)]) == 0  # fmt: skip
     rows = json.loads((out / "results.json").read_text())["rows"]
     for method in ("dense", "topk"):
+        # a one-epoch run evaluates within the epoch: the accuracy curve has points
+        assert len(rows[method]["evals"]) >= 4, method
         assert sum(rows[method]["compress_times"]) > 0, method
         assert sum(rows[method]["comm_times"]) > 0, method

@@ -80,6 +80,10 @@ def train(args: argparse.Namespace) -> int:
         options["fsdp"] = True
     if args.eval_every:
         options["eval_every"] = args.eval_every or -1  # -1: about 15 evaluations per run
+    elif (args.epochs or recipe.epochs) <= 2:
+        # a short run: about 15 evaluations, so that the accuracy curve has points (an
+        # evaluation per epoch gives one or two); the training clock stops meanwhile
+        options["eval_every"] = -1
     if args.probe_steps:
         options["probe_steps"] = args.probe_steps
     command = "sparcml " + " ".join(
@@ -382,7 +386,8 @@ def add_parsers(sub: Any) -> None:
         type=int,
         default=0,
         help="also evaluate every so many steps and before the first (the training clock "
-        "stops meanwhile); default with --cluster/--env: about 15 evaluations per run",
+        "stops meanwhile); default: about 15 evaluations per run with --cluster/--env or "
+        "for runs of at most 2 epochs, else one at the end of each epoch",
     )
     tr.add_argument(
         "--probe-steps",

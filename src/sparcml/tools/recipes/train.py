@@ -572,7 +572,8 @@ def write_report(result: dict[str, Any], out: Path, command: str) -> list[Path]:
     axes[1].set_xlabel("epoch")
     from matplotlib.ticker import MaxNLocator
 
-    axes[1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    if result["epochs"] > 2:  # (shorter runs evaluate within epochs: fractional ticks)
+        axes[1].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[1].set_ylabel(f"test {metric}")
     for ax in axes:
         ax.grid(alpha=0.3)
