@@ -133,3 +133,7 @@ def test_stats_every_logs_under_the_ddp_hook_on_rank_0_by_default() -> None:
     assert len(first[0]) == 2 and first[1] == []  # steps 2 and 4 (one group)
     every = run_processes(2, train_workers.ddp_stats_logged, "all", 4, timeout=60)
     assert len(every[0]) == len(every[1]) == 2
+    # FSDP2's reduce-scatter too (one group), with its measured step split
+    fsdp = run_processes(2, train_workers.ddp_stats_logged, "first", 4, True, timeout=60)
+    assert len(fsdp[0]) == 2 and fsdp[1] == [], fsdp
+    assert "selected" in fsdp[0][0] and "compress 0.00 ms" not in fsdp[0][0], fsdp[0][0]

@@ -140,8 +140,9 @@ def ddp_16bit_train(comm: Any, which: str, steps: int) -> torch.Tensor:
     return flat_params(model.module)
 
 
-def ddp_stats_logged(comm: Any, ranks: str, steps: int) -> list[str]:
-    """DDP with the hook and stats_every=2: the lines the "sparcml" logger emitted."""
+def ddp_stats_logged(comm: Any, ranks: str, steps: int, fsdp: bool = False) -> list[str]:
+    """DDP with the hook (or FSDP2's reduce-scatter) and stats_every=2: the lines the
+    "sparcml" logger emitted."""
     import logging
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -155,8 +156,18 @@ def ddp_stats_logged(comm: Any, ranks: str, steps: int) -> list[str]:
     logger = logging.getLogger("sparcml")
     logger.addHandler(Keep())
     logger.setLevel(logging.INFO)
-    model = DDP(make_model(), bucket_cap_mb=0.004)
-    st.register(model, "topk", density=0.1, stats_every=2, stats_ranks=ranks)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        model = make_model()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        st.register_fsdp(model, "topk", density=0.1, stats_every=2, stats_ranks=ranks)
+    else:
+        model = DDP(make_model(), bucket_cap_mb=0.004)
+        st.register(model, "topk", density=0.1, stats_every=2, stats_ranks=ranks)
     _train_steps(model, comm.rank, steps)
     return [ln for ln in lines if ln.startswith("sparcml step")]
 

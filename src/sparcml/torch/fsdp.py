@@ -70,6 +70,7 @@ from ..compress.base import Composed, Quantizer, Selector
 from ..stream import SparseStream
 from .config import resolve_method
 from .state import SparcmlState
+from .stats import log_step
 
 __all__ = ["FSDP_METHODS", "SparcmlReduceScatter", "register_fsdp"]
 
@@ -126,6 +127,8 @@ class SparcmlReduceScatter:  # made a ReduceScatter subclass in register_fsdp
                 state.step_bytes.append(0)
             state.step_bytes[step] += sent
         output_tensor.copy_(_apply_op(total, op, p).to(output_tensor.dtype))
+        if state.step > step:  # this module's reduce-scatter completed the step
+            log_step(state)
         return None
 
     def _count_step(self) -> int:
