@@ -42,6 +42,18 @@ def _watchdog() -> None:
         faulthandler.dump_traceback_later(after, exit=True)
 
 
+def _train(model: torch.nn.Module, rank: int, device: str, steps: int) -> torch.Tensor:
+    """``steps`` of SGD (lr 0.1) on this rank's batches, moved to ``device``; the last loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for t in range(steps):
+        x, y = batch(rank, t)
+        loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss
+
+
 def every_algorithm(comm: Any, device: str) -> list[tuple[Any, ...]]:
     """Every exact algorithm and ``auto`` on every gloo test case, tensors on ``device``;
     the results as (case, algorithm, input bytes, result bytes, result device)."""
@@ -84,13 +96,7 @@ def ddp_methods(comm: Any, device: str, steps: int) -> dict[str, Any]:
     ]:
         model = DDP(make_model().to(device), bucket_cap_mb=0.004)
         state = st.register(model, method, **hyper) if method is not None else None
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for t in range(steps):
-            x, y = batch(comm.rank, t)
-            loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        loss = _train(model, comm.rank, device, steps)
         params = flat_params(model.module)
         out[label] = {
             "params": params.cpu(),
@@ -98,7 +104,7 @@ def ddp_methods(comm: Any, device: str, steps: int) -> dict[str, Any]:
             "loss": float(loss.detach()),
             "bytes": sum(state.step_bytes) if state is not None else 0,
         }
-        del model, opt, state
+        del model, state
     return out
 
 
@@ -121,13 +127,7 @@ def fsdp_methods(comm: Any, device: str, steps: int) -> dict[str, Any]:
         fully_shard(model)
         if method is not None:
             st.register_fsdp(model, method, **hyper)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for t in range(steps):
-            x, y = batch(comm.rank, t)
-            loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        _train(model, comm.rank, device, steps)
         params = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
         out[label] = {"params": params.cpu(), "device": str(params.device)}
     return out

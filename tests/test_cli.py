@@ -151,3 +151,26 @@ def test_a_typo_in_a_sub_command_option_shows_that_sub_command_s_usage(capsys) -
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: sparcml bench ") and "unrecognized arguments: --dnsity" in err
+
+
+def test_bench_gpu_runs_its_three_tables_on_the_cpu(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import torch
+
+    from sparcml.tools.cli import main
+
+    out = tmp_path / "gpu.json"
+    args = ["bench-gpu", "--device", "cpu", "--mb", "1", "--repeats", "1", "-q"]
+    assert main([*args, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for table in ("selection", "quantizers", "stream kernels", "targets:"):
+        assert table in printed
+    rows = json.loads(out.read_text())["rows"]
+    tables = {r["table"] for r in rows}
+    assert tables == {"selection", "quantizers", "streams"}
+    sel = [r for r in rows if r["table"] == "selection"]
+    assert len(sel) == 2 * 7 and all(r["selected"] > 0 for r in sel)
+    if not torch.cuda.is_available():
+        assert main(["bench-gpu", "-q"]) == 2  # cuda asked for, none here
+        assert "no CUDA device" in capsys.readouterr().err

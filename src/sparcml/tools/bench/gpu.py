@@ -38,8 +38,7 @@ from typing import Any
 import torch
 
 from ...compress import get
-from ...stream import SparseStream, index_bytes
-from ...wire import decode, decode_concat, encode
+from .local import stream_cases, uniform_stream
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +122,6 @@ def _timer(device: torch.device, failures: list[str]) -> Callable[[Callable[[], 
 def _label(name: str, params: dict[str, Any]) -> str:
     extra = ", ".join(f"{k}={v}" for k, v in params.items())
     return f"{name} ({extra})" if extra else name
-
-
-def _uniform(n: int, nnz: int, seed: int, device: torch.device) -> SparseStream:
-    g = torch.Generator(device=device).manual_seed(seed)
-    idx = torch.randperm(n, generator=g, device=device)[:nnz].sort().values
-    return SparseStream.from_sorted(idx, torch.randn(nnz, generator=g, device=device), n)
 
 
 def run_gpu_benchmark(cfg: GpuBenchConfig) -> dict[str, list[dict[str, Any]]]:
@@ -242,62 +235,11 @@ def _stream_rows(
 ) -> list[dict[str, Any]]:
     p = cfg.world
     k = max(int(n * cfg.stream_density), 1)
-    width = n // p
-    pair = 8 + 4  # an in-memory pair: int64 index, float32 value
-    wire_pair = index_bytes(width) + 4
-    # merge-sum: P ranks' pieces of one range (each k/P of it), summed
-    pieces = [_uniform(width, max(k // p, 1), 100 + r, device) for r in range(p)]
-    reduced = SparseStream.sum(pieces)
-    a, b = _uniform(n, k, 1, device), _uniform(n, k, 2, device)
-    union = a + b
-    bounds = [i * width for i in range(p)] + [n]
-    parts = [_uniform(width, reduced.nnz, 200 + r, device) for r in range(p)]
-    bufs = [encode(s) for s in parts]
-    decoded = [decode(buf) for buf in bufs]
-    result = SparseStream.concat(decoded)
-    cases: list[tuple[str, int, int, Callable[[], Any]]] = [
-        (
-            f"merge-sum of {p} sorted pieces of one range",
-            p * pieces[0].nnz,
-            sum(s.nnz for s in pieces) * pair + reduced.nnz * pair,
-            lambda: SparseStream.sum(pieces),
-        ),
-        (
-            "two-way merge-sum (a + b)",
-            2 * k,
-            2 * k * pair + union.nnz * pair,
-            lambda: a + b,
-        ),
-        (
-            f"split into {p} ranges",
-            a.nnz,
-            2 * a.nnz * pair,
-            lambda: a.split(bounds),
-        ),
-        (
-            f"encode {p} ranges",
-            p * reduced.nnz,
-            p * reduced.nnz * (pair + wire_pair),
-            lambda: [encode(s) for s in parts],
-        ),
-        (
-            f"decode {p} ranges",
-            p * reduced.nnz,
-            p * reduced.nnz * (wire_pair + pair),
-            lambda: [decode(buf) for buf in bufs],
-        ),
-        (
-            f"concatenate {p} ranges",
-            result.nnz,
-            2 * result.nnz * pair,
-            lambda: SparseStream.concat(decoded),
-        ),
-        (
-            f"decode {p} ranges into the result",
-            result.nnz,
-            result.nnz * (wire_pair + pair),
-            lambda: decode_concat(bufs, [width] * p, torch.float32),
-        ),
+    a = uniform_stream(n, k, 7, device)
+    bounds = [i * (n // p) for i in range(p)] + [n]
+    cases = [
+        *stream_cases(n, p, cfg.stream_density, device),  # bench-local's, on this device
+        (f"split into {p} ranges", a.nnz, 2 * a.nnz * (8 + 4), lambda: a.split(bounds)),
     ]
     rows = []
     for name, elems, nbytes, fn in cases:
@@ -391,11 +333,11 @@ def format_gpu_tables(tables: dict[str, list[dict[str, Any]]], cfg: GpuBenchConf
         f"stream kernels (uniform random indices, {cfg.stream_density:.0%} of the gradient, "
         f"P = {cfg.world}; GB/s of the bytes each must read and write)",
     ]
-    cols = f"{'kernel':<44} {'entries':>11} {'ms':>9} {'GB/s':>8} {'% copy':>7}"
+    cols = f"{'kernel':<52} {'entries':>11} {'ms':>9} {'GB/s':>8} {'% copy':>7}"
     lines += [cols, "-" * len(cols)]
     for r in tables["streams"]:
         lines.append(
-            f"{r['kernel']:<44} {r['entries']:>11,} {r['ms']:9.3f} {r['gb_per_s']:8.2f} "
+            f"{r['kernel']:<52} {r['entries']:>11,} {r['ms']:9.3f} {r['gb_per_s']:8.2f} "
             f"{r['pct_of_copy']:6.1f}%"
         )
     if tables.get("failures"):

@@ -61,55 +61,41 @@ def copy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> float:
     return 2 * nbytes / _median_s(lambda: dst.copy_(src), reps)
 
 
-def uniform_stream(size: int, nnz: int, seed: int) -> SparseStream:
-    """``nnz`` uniform random distinct positions in ``[0, size)`` with normal values."""
+def uniform_stream(
+    size: int, nnz: int, seed: int, device: str | torch.device = "cpu"
+) -> SparseStream:
+    """``nnz`` uniform random distinct positions in ``[0, size)`` with normal values
+    (drawn on the CPU, then moved to ``device``: the same stream on every device)."""
     g = torch.Generator().manual_seed(seed)
     idx = torch.randperm(size, generator=g)[:nnz].sort().values
-    return SparseStream.from_sorted(idx, torch.randn(nnz, generator=g), size)
+    return SparseStream.from_sorted(idx, torch.randn(nnz, generator=g), size).to(device)
 
 
-def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str, Any]]:
-    """One row per local kernel: elements, ms, ns per element, and the memory bound."""
-    bw = copy_bandwidth()
+Case = tuple[str, int, int, Callable[[], Any]]
+
+
+def stream_cases(n: int, p: int, density: float, device: str | torch.device = "cpu") -> list[Case]:
+    """The sparse collectives' local stream kernels on uniform random indices (the
+    papers' setting) at ``density`` of ``n`` entries split into ``p`` ranges:
+    ``(name, elements, bytes read and written, call)`` for the merge-sum of ``p``
+    pieces of a range, recursive doubling's last two-way merge, encode and decode of
+    ``p`` reduced ranges, their concatenation, and decoding straight into the result.
+    ``sparcml bench-local`` (CPU) and ``sparcml bench-gpu`` time the same cases."""
     k = max(int(n * density), 1)
     width = n // p
     c, isize = index_bytes(width), 4  # the ranges' indices are relative to their start
     pair = 8 + isize  # an in-memory pair: int64 index, float32 value
     wire_pair = c + isize
-    pieces = [uniform_stream(width, max(k // p, 1), 100 + r) for r in range(p)]
+    pieces = [uniform_stream(width, max(k // p, 1), 100 + r, device) for r in range(p)]
     reduced = SparseStream.sum(pieces)
     half = max(int(n * (1 - (1 - density) ** (p // 2))), 1)
-    a, b = uniform_stream(n, half, 1), uniform_stream(n, half, 2)
+    a, b = uniform_stream(n, half, 1, device), uniform_stream(n, half, 2, device)
     union = a + b
-    parts = [uniform_stream(width, reduced.nnz, 200 + r) for r in range(p)]
+    parts = [uniform_stream(width, reduced.nnz, 200 + r, device) for r in range(p)]
     bufs = [encode(x) for x in parts]
     decoded = [decode(x) for x in bufs]
     result = SparseStream.concat(decoded)
-    g = torch.Generator().manual_seed(303)
-    ranks = torch.randperm(width, generator=g)[: min(result.nnz, width)].sort().values
-    words4, words3 = index_low_bytes(ranks, 4), index_low_bytes(ranks, 3)
-    widened = torch.empty_like(ranks)
-    nat = NaturalCompression()
-    dense_range = torch.randn(width, generator=torch.Generator().manual_seed(300))
-    nat_payload = nat.quantize(dense_range, torch.Generator().manual_seed(301))
-    draws = torch.empty(width, dtype=torch.int32)
-    nat_gen = torch.Generator().manual_seed(302)
-    acc = torch.randn(n, generator=torch.Generator().manual_seed(304))
-    topk = TopK(k=k)
-    cases: list[tuple[str, int, int, Callable[[], Any]]] = [
-        # the selection a training step makes before the collective (exact top-k)
-        (
-            "top-k of one rank's accumulator (TopK.select)",
-            n,
-            n * isize + k * pair,  # one read of the accumulator, the pairs written
-            lambda: topk.select(acc),
-        ),
-        (
-            "  torch.topk of its magnitudes (reference)",
-            n,
-            n * isize + k * pair,
-            lambda: torch.topk(acc.abs(), k, sorted=False),
-        ),
+    return [
         (
             f"merge-sum of {p} sorted pieces of one range",
             k,
@@ -146,6 +132,44 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
             result.nnz * (wire_pair + pair),
             lambda: decode_concat(bufs, [width] * p, torch.float32),
         ),
+    ]
+
+
+def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str, Any]]:
+    """One row per local kernel: elements, ms, ns per element, and the memory bound."""
+    bw = copy_bandwidth()
+    k = max(int(n * density), 1)
+    width = n // p
+    isize = 4
+    pair = 8 + isize  # an in-memory pair: int64 index, float32 value
+    shared = stream_cases(n, p, density)
+    result = shared[4][3]()  # the concatenated result (the rows below read it)
+    g = torch.Generator().manual_seed(303)
+    ranks = torch.randperm(width, generator=g)[: min(result.nnz, width)].sort().values
+    words4, words3 = index_low_bytes(ranks, 4), index_low_bytes(ranks, 3)
+    widened = torch.empty_like(ranks)
+    nat = NaturalCompression()
+    dense_range = torch.randn(width, generator=torch.Generator().manual_seed(300))
+    nat_payload = nat.quantize(dense_range, torch.Generator().manual_seed(301))
+    draws = torch.empty(width, dtype=torch.int32)
+    nat_gen = torch.Generator().manual_seed(302)
+    acc = torch.randn(n, generator=torch.Generator().manual_seed(304))
+    topk = TopK(k=k)
+    cases: list[tuple[str, int, int, Callable[[], Any]]] = [
+        # the selection a training step makes before the collective (exact top-k)
+        (
+            "top-k of one rank's accumulator (TopK.select)",
+            n,
+            n * isize + k * pair,  # one read of the accumulator, the pairs written
+            lambda: topk.select(acc),
+        ),
+        (
+            "  torch.topk of its magnitudes (reference)",
+            n,
+            n * isize + k * pair,
+            lambda: torch.topk(acc.abs(), k, sorted=False),
+        ),
+        *shared,
         # reading the received index fields: a 4-byte word (what version 1 of the wire
         # format sent for a range of 2M) against sec. 5.1's 3 bytes, assembled
         (
