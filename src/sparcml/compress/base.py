@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import inspect
 import struct
 from collections.abc import Callable
@@ -169,8 +170,15 @@ class Compressor(abc.ABC):
 
     def params(self) -> dict[str, Any]:
         """The hyperparameters this operator was built with."""
-        sig = inspect.signature(type(self).__init__)
-        return {k: getattr(self, k) for k in sig.parameters if k != "self" and hasattr(self, k)}
+        return {k: getattr(self, k) for k in _init_names(type(self)) if hasattr(self, k)}
+
+
+@functools.cache
+def _init_names(cls: type) -> tuple[str, ...]:
+    """The constructor's parameter names of an operator class (``inspect.signature``
+    once per class: every collective call with a quantizer reads them for its
+    consistency header)."""
+    return tuple(k for k in inspect.signature(cls.__init__).parameters if k != "self")
 
 
 class Quantizer(Compressor):
