@@ -38,7 +38,7 @@ from ..comm.engine import complete_future, device_future
 from ..errors import RankMismatchError
 from .config import resolve_method
 from .layout import reduce_ddp_bucket
-from .peers import pytorch_method, register_peer
+from .peers import PeerState, pytorch_method, register_peer
 from .reduce import Bucket, check_sparse_gradient_method
 from .state import SparcmlState
 from .stats import log_step
@@ -266,7 +266,7 @@ def register(
     method: str | Mapping[str, Any] | os.PathLike[str] = "topk",
     state: SparcmlState | None = None,
     **hyper: Any,
-) -> Any:
+) -> SparcmlState | PeerState:
     """Switch a DDP model's gradient allreduce to a sparcml method; returns the state.
 
     Args:
@@ -331,13 +331,13 @@ def register(
 def _peer_warmup(method: str, options: Mapping[str, Any]) -> int:
     """PowerSGD's ``start_powerSGD_iter`` from ``warmup_steps``; PyTorch's baselines
     take no other option."""
-    extra = sorted(set(options) - {"warmup_steps"})
-    if extra or (method == "ddp" and options):
-        raise ValueError(
-            f"{method!r} is PyTorch's own {'DDP allreduce' if method == 'ddp' else 'PowerSGD'}"
-            f"; it takes {'no options' if method == 'ddp' else 'only warmup_steps'}, got "
-            f"{', '.join(sorted(options))}"
-        )
+    if method == "ddp":
+        allowed, what = set(), "DDP allreduce, which takes no options"
+    else:
+        allowed, what = {"warmup_steps"}, "PowerSGD, which takes only warmup_steps"
+    extra = sorted(set(options) - allowed)
+    if extra:
+        raise ValueError(f"{method!r} is PyTorch's own {what}; got {', '.join(extra)}")
     return int(options.get("warmup_steps", 0))
 
 

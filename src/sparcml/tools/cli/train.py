@@ -21,12 +21,12 @@ def train(args: argparse.Namespace) -> int:
     from ..recipes.train import CONFIG_PREFIX, format_table, run_recipe, write_report
 
     recipe = RECIPES[args.recipe]
-    chosen = args.methods.split(",") if args.methods else list(recipe.methods)
     if args.config:
         checked = _check_config(args)
         if checked is not None:
             return checked
-        chosen = args.methods.split(",") if args.methods else []
+    default = [] if args.config else list(recipe.methods)  # --config alone: its run only
+    chosen = args.methods.split(",") if args.methods else default
     valid = known_methods()
     for m in chosen:
         if m.startswith(CONFIG_PREFIX):

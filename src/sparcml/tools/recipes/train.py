@@ -97,12 +97,8 @@ def train_worker(
         }
     peer = is_peer(method)
     # sparcml train --config FILE: the file holds the method and its options
-    registered: Any = hyper.get("config", method)
-    if "config" in hyper:
-        momentum_correction = st.load_config(hyper["config"]).get("momentum")
-        hyper = {}
-    else:
-        momentum_correction = hyper.get("momentum")
+    hyper = dict(hyper)
+    registered: Any = hyper.pop("config", method)
     if fsdp:
         if peer:
             raise ValueError(f"{method!r} is a DDP communication hook; no FSDP version")
@@ -131,7 +127,7 @@ def train_worker(
         state = st.register(model, registered, **hyper)
         inner = model.module
     # DGC momentum correction moves the momentum from the optimizer into the state
-    opt = recipe.optimizer(model.parameters(), momentum=peer or not momentum_correction)
+    opt = recipe.optimizer(model.parameters(), momentum=peer or not state.momentum)
     steps = recipe.steps_per_epoch()
     total = epochs * steps
     if eval_every < 0:
