@@ -30,9 +30,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from sparcml import SparseStream, index_bytes
+from sparcml import SparseStream
 from sparcml.collectives import sparse_allreduce
 from sparcml.comm import TorchDistCommunicator
+from sparcml.stream import index_bytes
 from sparcml.tools.cli.common import size_arg
 
 

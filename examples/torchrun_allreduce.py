@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import sparcml
+import sparcml.torch
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
 
     # SparCML Alg. 1: error feedback + top-k + quantized values, one call per tensor
     ef = sparcml.ErrorFeedback()
-    g = sparcml.topk_sgd_step(grad, "w", ef, density=0.01, quantizer="natural", lr=0.1)
+    g = sparcml.torch.topk_sgd_step(grad, "w", ef, density=0.01, quantizer="natural", lr=0.1)
 
     work = sparcml.sparse_allreduce(stream, async_op=True)  # non-blocking
     busy = torch.randn(256, 256) @ torch.randn(256, 256)  # compute meanwhile

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparcml import compress as C
+from sparcml.compress.asq import ASQ
 from sparcml.compress.base import all_finite
 from sparcml.compress.packing import pack_bits, packed_nbytes, unpack_bits
 from sparcml.errors import WireFormatError
@@ -181,7 +182,7 @@ def test_asq_alternates_signs_and_sends_no_signs() -> None:
         y1[pos], x[pos].mean().expand(10)
     )
     assert torch.equal(y2.nonzero().flatten(), neg) and bool((y2[neg] < 0).all())
-    assert p1.numel() == C.ASQ.payload_size(1000, 10) == 16 + 4 + 8 + 10 * 2
+    assert p1.numel() == ASQ.payload_size(1000, 10) == 16 + 4 + 8 + 10 * 2
 
 
 # ----------------------------------------------------------------------------- quantizers

@@ -45,7 +45,7 @@ def test_a_mapping_a_json_file_and_a_yaml_file_give_the_same_keywords(tmp_path: 
         LayerRule("topk", pattern="0.*", density=0.2),
     ]
     state = st.SparcmlState.from_config(tmp_path / "c.yaml", density=0.1)  # keywords override
-    assert state.method == "topk" and state.density == 0.1 and state.momentum == 0.9
+    assert state.method == "topk" and state.density == 0.1 and state.settings.momentum == 0.9
 
 
 def test_schedules_and_step_ranges_have_a_data_form() -> None:

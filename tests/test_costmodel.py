@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from sparcml import CostModel, expected_fill_in
+from sparcml import CostModel
 from sparcml.collectives.registry import choose, predict
+from sparcml.costmodel import expected_fill_in
 
 
 @pytest.mark.parametrize(("n", "k", "p"), [(512, 16, 4), (512, 64, 8), (10_000, 100, 16)])

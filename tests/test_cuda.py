@@ -33,10 +33,10 @@ from sparcml import (
     compress,
     oktopk_allreduce,
     sparse_allreduce,
-    topk_sgd_step,
 )
 from sparcml.comm import run_ranks
 from sparcml.comm.launch import run_processes
+from sparcml.torch import topk_sgd_step
 from sparcml.wire import decode, decode_concat, encode
 
 DEVICE = os.environ.get("SPARCML_TEST_DEVICE", "cuda")

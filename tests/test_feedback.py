@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from inputs import dense_reference, make_stream
-from sparcml import ErrorFeedback, SparseStream, compress, sparse_allreduce, topk_sgd_step
+from sparcml import ErrorFeedback, SparseStream, compress, sparse_allreduce
 from sparcml.collectives import dsar_split_allgather
 from sparcml.collectives.codec import StreamCodec
 from sparcml.comm import run_ranks
+from sparcml.torch import topk_sgd_step
 
 OPERATORS = [
     ("topk", {"density": 0.05}),

@@ -44,7 +44,8 @@ from sparcml.ina.packet import (
     verify,
 )
 from sparcml.ina.worker import _result
-from sparcml.torch import Bucket, SparcmlState, reduce_bucket
+from sparcml.torch import SparcmlState
+from sparcml.torch.reduce import Bucket, reduce_bucket
 
 SINK = ("127.0.0.1", 9)  # results of handle()-driven scenarios go nowhere
 SECRET = b"a test secret of the aggregator"
@@ -103,8 +104,8 @@ SIZES = (300, 7, 1200)
 
 def _job(comm, server: str, steps: int, seed: int, hyper: dict):  # type: ignore[no-untyped-def]
     """One rank of a job: ``steps`` buckets of integer gradients through natural_ina
-    (fixed mode, default ``ina_job``); module level, so spawned ranks can run it too."""
-    state = SparcmlState("natural_ina", comm=comm, ina_server=server, ina_mode="fixed", **hyper)
+    (fixed mode, default ``job``); module level, so spawned ranks can run it too."""
+    state = SparcmlState("natural_ina", comm=comm, server=server, mode="fixed", **hyper)
     names = tuple(f"p{i}" for i in range(len(SIZES)))
     grads = [_ints(comm.world_size, sum(SIZES), seed + t)[comm.rank] for t in range(steps)]
     return [reduce_bucket(state, Bucket(names, SIZES, g, t)) for t, g in enumerate(grads)]
@@ -122,7 +123,7 @@ def _train(world: int, server: str, steps: int, seed: int, spawn: bool = False, 
 
 # --------------------------------------------------------------- jobs and runs
 def test_a_second_run_with_the_same_job_id_never_gets_the_first_runs_results() -> None:
-    """Issue 18: run 2 with the default ina_job=1 received run 1's shadows (30 -> 3)."""
+    """Issue 18: run 2 with the default job=1 received run 1's shadows (30 -> 3)."""
     with AggregatorServer() as srv:
         server = f"{srv.address[0]}:{srv.address[1]}"
         for seed in (1, 2):  # two runs, different gradients, the same (default) job id
@@ -135,7 +136,7 @@ def test_a_second_run_with_the_same_job_id_never_gets_the_first_runs_results() -
 
 @pytest.mark.parametrize("spawn", [False, pytest.param(True, marks=pytest.mark.spawn)])
 def test_two_concurrent_jobs_with_the_same_job_id_do_not_mix(spawn: bool) -> None:
-    """Issue 18: two trainings with ina_job=1 on one aggregator mixed their gradients.
+    """Issue 18: two trainings with job=1 on one aggregator mixed their gradients.
     Ranks as threads, and as gloo processes (two jobs of two processes at once)."""
     world = 2 if spawn else 3
     with AggregatorServer() as srv:
@@ -526,7 +527,7 @@ def test_ranks_with_different_secrets_all_fail_at_once(other: bytes | None) -> N
         return None
 
     out = run_ranks(3, fn)
-    assert all(o is not None and "ina_secret differs across ranks" in o for o in out), out
+    assert all(o is not None and "secret differs across ranks" in o for o in out), out
     assert all("from rank 0's: [1]" in o for o in out)
 
 
@@ -541,7 +542,7 @@ def test_keyed_sessions_are_exact_under_loss_and_in_training() -> None:
         outs, errs = _workers(range(3), 3, xs, relay.address, "fixed", s, stats=stats)
         assert errs == [None] * 3
         assert all(torch.equal(o, _exact(xs)) for o in outs)
-        out, refs = _train(2, f"{srv.address[0]}:{srv.address[1]}", 2, 5, ina_secret=SECRET)
+        out, refs = _train(2, f"{srv.address[0]}:{srv.address[1]}", 2, 5, secret=SECRET)
         for rank_out in out:
             for got, ref in zip(rank_out, refs, strict=True):
                 assert torch.equal(got, ref)
@@ -588,7 +589,7 @@ def test_load_state_dict_opens_a_new_aggregator_session() -> None:
         server = f"{srv.address[0]}:{srv.address[1]}"
 
         def fn(comm):  # type: ignore[no-untyped-def]
-            state = SparcmlState("natural_ina", comm=comm, ina_server=server, ina_mode="fixed")
+            state = SparcmlState("natural_ina", comm=comm, server=server, mode="fixed")
 
             def step(seed: int, t: int) -> torch.Tensor:
                 g = _ints(world, n, seed)[comm.rank]

@@ -18,16 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparcml import (
-    ErrorFeedback,
-    OkTopkState,
-    SparseStream,
-    oktopk_allreduce,
-    oktopk_sgd_step,
-    sparse_allreduce,
-)
+from sparcml import ErrorFeedback, OkTopkState, SparseStream, oktopk_allreduce, sparse_allreduce
 from sparcml.collectives.gtopk import keep_topk
 from sparcml.comm import run_ranks
+from sparcml.torch import oktopk_sgd_step
 
 WORLDS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16]
 N, K = 600, 25

@@ -71,9 +71,9 @@ def test_state_through_distributed_checkpoint(tmp_path) -> None:  # type: ignore
     dcp.load(sd, checkpoint_id=tmp_path)
     load_dcp_entry(fresh, sd, 0)
     assert fresh.step == 3
-    (key,) = state.operators
-    assert fresh.operators[key].threshold == state.operators[key].threshold
-    assert fresh.operators[key].calls == 3
+    (key,) = state.groups[0].operators
+    assert fresh.groups[0].operators[key].threshold == state.groups[0].operators[key].threshold
+    assert fresh.groups[0].operators[key].calls == 3
     for k, v in state.residuals.items():
         assert torch.equal(fresh.residuals[k], v)
 
@@ -132,9 +132,9 @@ def test_a_checkpoint_of_other_settings_is_refused_naming_the_setting(
 
 
 def test_oktopk_tau_is_part_of_the_checkpoint() -> None:
-    sd = _trained(torch.nn.Linear(5, 3), "oktopk", oktopk_tau=64).state_dict()
-    other = st.SparcmlState("oktopk", density=0.3, comm=SelfCommunicator(), oktopk_tau=16)
-    with pytest.raises(ValueError, match="oktopk_tau"):
+    sd = _trained(torch.nn.Linear(5, 3), "oktopk", tau=64).state_dict()
+    other = st.SparcmlState("oktopk", density=0.3, comm=SelfCommunicator(), tau=16)
+    with pytest.raises(ValueError, match="tau"):
         other.load_state_dict(sd)
 
 

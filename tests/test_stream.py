@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparcml import SparseStream, dense_threshold, index_bytes
-from sparcml.stream import SUPPORTED_DTYPES
+from sparcml import SparseStream
+from sparcml.stream import SUPPORTED_DTYPES, dense_threshold, index_bytes
 
 
 def test_index_bytes_and_threshold_follow_sec_5_1() -> None:

@@ -17,7 +17,8 @@ import sparcml.torch as st
 import train_workers
 from sparcml.comm import SelfCommunicator, run_ranks
 from sparcml.comm.launch import run_processes
-from sparcml.torch import Bucket, DensityWarmup, LayerRule, SparcmlState, reduce_bucket
+from sparcml.torch import DensityWarmup, LayerRule, SparcmlState
+from sparcml.torch.reduce import Bucket, reduce_bucket
 
 
 def _grad(rank: int, step: int, n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -204,7 +205,8 @@ def test_layer_rules_route_each_parameter(world: int) -> None:
 
 def test_dense_below_and_bad_rules() -> None:
     state = SparcmlState("topk", comm=SelfCommunicator(), dense_below=100)
-    assert state.group_of("x", 99, 0).kind == "dense" and state.group_of("x", 100, 0) is state
+    assert state.group_of("x", 99, 0).method == "dense"
+    assert state.group_of("x", 100, 0) is state.groups[0]
     with pytest.raises(ValueError, match=r"layer rule '\*.bias -> nope'.*unknown method"):
         SparcmlState("topk", comm=SelfCommunicator(), layers=[("*.bias", "nope")])
     with pytest.raises(TypeError, match="layers\\[0\\] must be a LayerRule"):

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparcml import SparseStream, WireFormatError
+from sparcml import SparseStream
+from sparcml.errors import WireFormatError
 from sparcml.stream import SUPPORTED_DTYPES
 from sparcml.wire import (
     HEADER_BYTES,

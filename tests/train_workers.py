@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import sparcml.torch as st
+from sparcml.torch.hook import sparcml_hook
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -68,7 +69,7 @@ def ddp_train(
                 records.append((step, names, grad, f.value().clone()))
                 return f.value()
 
-            return st.sparcml_hook(s, bucket).then(keep)
+            return sparcml_hook(s, bucket).then(keep)
 
         model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -9,65 +9,44 @@ Quick start (a world of one rank needs no process group)::
 
 Under ``torchrun`` after ``torch.distributed.init_process_group("gloo")`` the same
 call reduces across every rank.
+
+Training (DDP hook, ``sync_gradients``, FSDP2): ``import sparcml.torch``
+(:mod:`sparcml.torch`, not imported by this package). Everything else is reachable
+through its module: errors in :mod:`sparcml.errors`, each algorithm in
+:mod:`sparcml.collectives`, communicators in :mod:`sparcml.comm`, selectors and
+quantizers in :mod:`sparcml.compress`.
 """
 
 from __future__ import annotations
 
-from . import comm, compress
-from . import torch as torch
+from . import comm, compress, errors
 from .collectives import (
     OkTopkState,
     algorithms,
-    dsar_split_allgather,
     oktopk_allreduce,
     sparse_allgather,
     sparse_allreduce,
-    ssar_recursive_double,
-    ssar_split_allgather,
 )
 from .comm.engine import Work
-from .costmodel import CostModel, expected_fill_in
-from .errors import (
-    CommError,
-    CommTimeoutError,
-    NonFiniteError,
-    PeerFailedError,
-    RankMismatchError,
-    SparcmlError,
-    WireFormatError,
-)
+from .costmodel import CostModel
+from .errors import SparcmlError
 from .sgd.feedback import ErrorFeedback
-from .sgd.oktopk_sgd import oktopk_sgd_step
-from .sgd.topk_sgd import topk_sgd_step
-from .stream import SparseStream, dense_threshold, index_bytes
+from .stream import SparseStream
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CommError",
-    "CommTimeoutError",
     "CostModel",
     "ErrorFeedback",
-    "NonFiniteError",
     "OkTopkState",
-    "PeerFailedError",
-    "RankMismatchError",
     "SparcmlError",
     "SparseStream",
-    "WireFormatError",
     "Work",
     "algorithms",
     "comm",
     "compress",
-    "dense_threshold",
-    "dsar_split_allgather",
-    "expected_fill_in",
-    "index_bytes",
+    "errors",
     "oktopk_allreduce",
-    "oktopk_sgd_step",
     "sparse_allgather",
     "sparse_allreduce",
-    "ssar_recursive_double",
-    "ssar_split_allgather",
-    "topk_sgd_step",
 ]

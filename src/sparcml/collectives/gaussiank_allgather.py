@@ -3,7 +3,7 @@
 Steps:
 
 1. Select about ``k`` entries of the accumulator with a threshold from a Gaussian
-   fit of its values (:class:`~sparcml.compress.GaussianK`).
+   fit of its values (:class:`~sparcml.compress.gaussiank.GaussianK`).
 2. Allgather the selections and sum them locally, as :mod:`.topka` does.
 
 Bandwidth ``2k(P-1) beta``, like TopkA; cheaper selection than exact top-k.

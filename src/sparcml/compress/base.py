@@ -1,9 +1,10 @@
 """The compressor contract, the registry and composition.
 
-Contract (DESIGN.md): ``compress(t) -> (payload, ctx)``; only the payload (a 1-D
-uint8 tensor) travels, ``ctx`` stays local; ``decompress(payload, ctx)`` gives a
-tensor of ``t``'s shape and dtype. A receiver decompresses a peer's payload with
-its *own* ctx (same shape on every rank): every payload therefore describes its
+Contract (docs/ARCHITECTURE.md, "Compression"): ``compress(t) -> (payload,
+ctx)``; only the payload (a 1-D uint8 tensor) travels, ``ctx`` stays local;
+``decompress(payload, ctx)`` gives a tensor of ``t``'s shape and dtype. A
+receiver decompresses a peer's payload with its *own* ctx (same shape on every
+rank): every payload therefore describes its
 own length, starting with a 16-byte header::
 
     magic b"SpQ" | version | operator code | flags | 2 reserved | n (uint64)
@@ -46,9 +47,11 @@ __all__ = [
     "Selector",
     "all_finite",
     "available",
+    "check_kind",
     "get",
     "operator_class",
     "register",
+    "split_composition",
 ]
 
 _MAGIC = b"SpQ"
@@ -442,6 +445,30 @@ def _build(name: str, params: dict[str, Any], used: set[str]) -> Compressor:
     return cls(**mine)
 
 
+def check_kind(name: str, kind: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a registered operator of ``kind``
+    (``"selector"`` or ``"quantizer"``), listing the ones that are."""
+    kinds = available()
+    if kinds.get(name) != kind:
+        those = ", ".join(n for n, k in kinds.items() if k == kind)
+        raise ValueError(f"{name!r} is not a {kind}; {kind}s: {those}")
+
+
+def split_composition(name: str) -> tuple[str, str | None]:
+    """``(selector_or_quantizer, quantizer)`` of an operator name: ``"topk"`` ->
+    ``("topk", None)``, ``"topk+natural"`` -> ``("topk", "natural")``. The one
+    parser of the ``"selector+quantizer"`` form (operators, training methods, the
+    command line); it checks the form, not the names.
+
+    Raises:
+        ValueError: more than one ``+``, or an empty part.
+    """
+    parts = [p.strip() for p in name.split("+")]
+    if len(parts) > 2 or not all(parts):
+        raise ValueError(f"compose at most one selector and one quantizer, got {name!r}")
+    return parts[0], (parts[1] if len(parts) == 2 else None)
+
+
 def get(name: str, **params: Any) -> Compressor:
     """Build an operator by name; ``"selector+quantizer"`` composes two.
 
@@ -459,19 +486,17 @@ def get(name: str, **params: Any) -> Compressor:
         True
     """
     used: set[str] = set()
-    parts = [p.strip() for p in name.split("+")]
-    if len(parts) == 1:
-        op = _build(parts[0], params, used)
-    elif len(parts) == 2:
-        sel = _build(parts[0], params, used)
-        quant = _build(parts[1], params, used)
-        if not isinstance(sel, Selector):
-            raise ValueError(f"{parts[0]!r} is not a selector; compose as 'selector+quantizer'")
-        if not isinstance(quant, Quantizer):
-            raise ValueError(f"{parts[1]!r} is not a value quantizer")
-        op = Composed(sel, quant)
+    first, second = split_composition(name)
+    if second is None:
+        op = _build(first, params, used)
     else:
-        raise ValueError(f"compose at most one selector and one quantizer, got {name!r}")
+        sel = _build(first, params, used)
+        quant = _build(second, params, used)
+        if not isinstance(sel, Selector):
+            raise ValueError(f"{first!r} is not a selector; compose as 'selector+quantizer'")
+        if not isinstance(quant, Quantizer):
+            raise ValueError(f"{second!r} is not a value quantizer")
+        op = Composed(sel, quant)
     unknown = sorted(set(params) - used)
     if unknown:
         raise ValueError(f"{name}: unknown parameter(s) {', '.join(unknown)}")

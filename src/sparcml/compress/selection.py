@@ -14,6 +14,7 @@ from ._kernels import chunks, scratch
 __all__ = [
     "KSpec",
     "count_above",
+    "k_of",
     "magnitude",
     "max_magnitude",
     "scratch_magnitude",
@@ -48,7 +49,13 @@ class KSpec:
                 raise ValueError(f"{self.what}: k={self.k} exceeds the tensor's {n} entries")
             return self.k
         assert self.density is not None
-        return 0 if n == 0 else min(n, max(1, round(self.density * n)))
+        return k_of(self.density, n)
+
+
+def k_of(density: float, n: int) -> int:
+    """The entries a ``density`` selects of ``n``: ``max(1, round(density * n))``,
+    at most ``n``, 0 of an empty tensor. The one place density becomes ``k``."""
+    return 0 if n == 0 else min(n, max(1, round(density * n)))
 
 
 def magnitude(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

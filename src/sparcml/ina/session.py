@@ -12,7 +12,7 @@ restarted run mixed in the dead one's partial sums. A job is now a *session*:
   first packet with the membership that packet declares (number of workers,
   mode) and from then on accepts only members of it;
 * with an aggregator secret (``sparcml ina-server --secret-file``, and
-  ``ina_secret`` on every rank), each rank derives the session's MAC key from
+  ``secret`` on every rank), each rank derives the session's MAC key from
   the secret and the token (:func:`~sparcml.ina.packet.session_key`, bound to
   the membership too); every packet, both directions, is then tagged, and the
   aggregator derives the same key from its secret. The key never travels: the
@@ -104,7 +104,7 @@ def agree_session(
     if any(fp != prints[0] for fp in prints):
         keyed = [r for r, fp in enumerate(prints) if fp != bytes(_FINGERPRINT)]
         raise ValueError(
-            f"natural_ina: ina_secret differs across ranks (ranks with one: {keyed}; "
+            f"natural_ina: secret differs across ranks (ranks with one: {keyed}; "
             f"ranks whose secret differs from rank 0's: "
             f"{[r for r, fp in enumerate(prints) if fp != prints[0]]}); give every rank "
             "the aggregator's secret, or none"

@@ -1,16 +1,11 @@
-"""The SGD-math layer: error feedback and the per-tensor compressed SGD steps.
+"""Error feedback and DGC momentum correction: the residuals the training steps keep.
 
-* :class:`ErrorFeedback` — residuals per tensor (SparCML Alg. 1, RedSync Alg. 1);
-* :func:`topk_sgd_step` — SparCML's quantized TopK SGD step (Alg. 1) for one tensor;
-* :func:`oktopk_sgd_step` — Ok-Topk SGD's step for one tensor (paper 001).
-
-Built on the collectives; used by the training integration (:mod:`sparcml.torch`).
+The one-tensor SGD steps of SparCML (Alg. 1) and Ok-Topk run on the training
+pipeline: :func:`sparcml.torch.topk_sgd_step`, :func:`sparcml.torch.oktopk_sgd_step`.
 """
 
 from __future__ import annotations
 
-from .feedback import ErrorFeedback
-from .oktopk_sgd import oktopk_sgd_step
-from .topk_sgd import topk_sgd_step
+from .feedback import ErrorFeedback, MomentumCorrection, NamedBuffers
 
-__all__ = ["ErrorFeedback", "oktopk_sgd_step", "topk_sgd_step"]
+__all__ = ["ErrorFeedback", "MomentumCorrection", "NamedBuffers"]

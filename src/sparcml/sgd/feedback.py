@@ -55,7 +55,7 @@ class NamedBuffers:
             t = self._residuals.get(name)
             if t is None or t.numel() != n or t.dtype != like.dtype or t.device != like.device:
                 t = torch.zeros(n, dtype=like.dtype, device=like.device)
-            parts.append(t)
+            parts.append(t.reshape(-1))
         return torch.cat(parts) if parts else like.new_zeros(0)
 
     def scatter(self, names: Sequence[str], sizes: Sequence[int], flat: torch.Tensor) -> None:

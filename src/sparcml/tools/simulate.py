@@ -47,6 +47,7 @@ from ..collectives.codec import EXACT
 from ..collectives.oktopk import OkTopkState
 from ..collectives.registry import algorithm_info, algorithms, predict
 from ..comm.sim import Charge, SimCommunicator, bytes_charge, simulate_ranks
+from ..compress.selection import k_of
 from ..costmodel import CostModel, expected_fill_in
 from ..stream import SparseStream, index_bytes
 from ..wire import HEADER_BYTES, peek, peek_bundle
@@ -203,7 +204,7 @@ def _accumulator_rank(comm: SimCommunicator, cfg: SimConfig, algorithm: str, n: 
     """An algorithm that selects from the dense accumulator itself (Gaussiank, Ok-Topk)."""
     info = algorithm_info(algorithm)
     gen = torch.Generator().manual_seed(cfg.seed * 7_919 + 1_000_003 * (comm.rank + 1))
-    options: dict[str, Any] = {"k": max(1, round(cfg.density * n))}
+    options: dict[str, Any] = {"k": k_of(cfg.density, n)}
     refresh: float | None = None
     if "state" in info.options:
         options["state"] = OkTopkState()
@@ -254,7 +255,7 @@ def run_simulation(cfg: SimConfig) -> list[dict[str, Any]]:
         ref: torch.Tensor | None = None
         for algorithm in cfg.algorithm_list():
             done += 1
-            k_full = round(cfg.density * cfg.size)
+            k_full = k_of(cfg.density, cfg.size)
             row: dict[str, Any] = {
                 "P": p,
                 "algorithm": algorithm,

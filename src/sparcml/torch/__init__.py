@@ -6,32 +6,37 @@ With DDP (three lines)::
     model = DDP(model)
     state = sparcml.torch.register(model, method="topk", density=0.01)
 
+A method is a name with keyword options, or a typed config passed whole::
+
+    sparcml.torch.register(model, sparcml.torch.OkTopk(density=0.01, tau=64), momentum=0.9)
+
 Without DDP (any transport, MPI included)::
 
     state = sparcml.torch.SparcmlState("oktopk", density=0.01)
     loss.backward(); sparcml.torch.sync_gradients(model, state); optimizer.step()
 
-With FSDP2 (after ``fully_shard``): ``sparcml.torch.register_fsdp(model, method="topk")``
-(:mod:`sparcml.torch.fsdp`). Checkpoints: ``state.state_dict()`` per rank
-(:mod:`sparcml.torch.checkpoint`).
+With FSDP2 (after ``fully_shard``): ``sparcml.torch.register_fsdp(model, method="topk")``.
+For PyTorch's ``register_comm_hook`` and frameworks that take a ``(state, hook)``
+pair: :func:`comm_hook`.
 
-Methods: :func:`methods`. Hyperparameters: :class:`SparcmlState`, or a config (a
-mapping, JSON or YAML file) wherever a method name goes (:mod:`sparcml.torch.config`).
-Per-layer rules
-and density schedules: :class:`LayerRule`, :class:`DensityWarmup`
-(:mod:`sparcml.torch.rules`). Statistics: ``state.group_stats()``
-(:mod:`sparcml.torch.stats`).
+Methods: :func:`methods` and :mod:`sparcml.torch.methods` (every typed config:
+``TopK``, ``OkTopk``, ``RedSync``, ``Quantized``, ``Nonzeros``, ``NaturalIna``,
+``Dense``, ``Fp16``, ``Bf16``). Pipeline settings: :class:`PipelineSettings`.
+Per-layer rules and density schedules: :class:`LayerRule`, :class:`DensityWarmup`
+(:mod:`sparcml.torch.rules`). Configs as data: :mod:`sparcml.torch.config`.
+Checkpoints: ``state.state_dict()`` per rank (:mod:`sparcml.torch.checkpoint`).
+Statistics: ``state.group_stats()`` (:mod:`sparcml.torch.stats`).
 """
 
 from __future__ import annotations
 
-from .config import load_config
 from .fsdp import register_fsdp
-from .hook import HookState, check_parameters, comm_hook, register, sparcml_hook
-from .reduce import Bucket, reduce_bucket
-from .rules import DensityWarmup, LayerRule, StepRange
-from .state import SparcmlState, methods, needs_momentum_correction
-from .stats import GroupStats
+from .hook import comm_hook, register
+from .methods import OkTopk, Quantized, RedSync, TopK, methods
+from .rules import DensityWarmup, LayerRule
+from .settings import PipelineSettings
+from .state import SparcmlState, needs_momentum_correction
+from .steps import oktopk_sgd_step, topk_sgd_step
 from .sync import (
     DistributedOptimizer,
     broadcast_optimizer_state,
@@ -40,24 +45,23 @@ from .sync import (
 )
 
 __all__ = [
-    "Bucket",
     "DensityWarmup",
     "DistributedOptimizer",
-    "GroupStats",
-    "HookState",
     "LayerRule",
+    "OkTopk",
+    "PipelineSettings",
+    "Quantized",
+    "RedSync",
     "SparcmlState",
-    "StepRange",
+    "TopK",
     "broadcast_optimizer_state",
     "broadcast_parameters",
-    "check_parameters",
     "comm_hook",
-    "load_config",
     "methods",
     "needs_momentum_correction",
-    "reduce_bucket",
+    "oktopk_sgd_step",
     "register",
     "register_fsdp",
-    "sparcml_hook",
     "sync_gradients",
+    "topk_sgd_step",
 ]

@@ -68,7 +68,9 @@ def to_plain(value: Any) -> Any:
         return {_PAIRS: [[to_plain(k), to_plain(v)] for k, v in value.items()]}
     cls = type(value)
     if cls.__module__.startswith("sparcml.") and hasattr(value, "__dict__"):
-        fields = {k: to_plain(v) for k, v in vars(value).items()}
+        # an object may say what a checkpoint keeps of it (checkpoint_fields())
+        kept = value.checkpoint_fields() if hasattr(value, "checkpoint_fields") else vars(value)
+        fields = {k: to_plain(v) for k, v in kept.items()}
         return {_OBJ: f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
     raise TypeError(f"cannot checkpoint a {cls.__module__}.{cls.__qualname__}")
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from .rules import DensityWarmup, LayerRule, StepRange
 
-__all__ = ["CONFIG_SUFFIXES", "is_config", "load_config", "resolve_method"]
+__all__ = ["CONFIG_SUFFIXES", "is_config", "load_config", "resolve_method", "state_or_method"]
 
 #: file name endings read as configs (a method name never ends so)
 CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
@@ -112,7 +112,24 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
     return _normalise(raw, where)
 
 
-def resolve_method(method: Any, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+def state_or_method(
+    method: Any, state: Any, options: Mapping[str, Any]
+) -> tuple[Any, dict[str, Any]] | None:
+    """What an entry point (``register``, ``register_fsdp``) builds its state from:
+    None when a ready ``state`` is given, else :func:`resolve_method` of ``method``
+    (default ``"topk"``) and ``options``.
+
+    Raises:
+        ValueError: both a state and a method or options.
+    """
+    if state is not None:
+        if method is not None or options:
+            raise ValueError("give either a state or a method with its options, not both")
+        return None
+    return resolve_method("topk" if method is None else method, options)
+
+
+def resolve_method(method: Any, options: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     """``(method, options)`` for an entry point's ``method`` argument: a method name
     with its keyword options as given, or a config whose options the keywords
     override (``register(model, "cfg.yaml", density=0.05)``)."""

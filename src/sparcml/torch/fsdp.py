@@ -57,27 +57,21 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..collectives import split_and_reduce
-from ..collectives.codec import EXACT, StreamCodec
-from ..compress.base import Composed, Quantizer, Selector
-from ..stream import SparseStream
-from .config import resolve_method
+from .config import state_or_method
+from .methods import MethodConfig
+from .reduce import Bucket, count_bytes, reduce_group
 from .state import SparcmlState
 from .stats import log_step
 
-__all__ = ["FSDP_METHODS", "SparcmlReduceScatter", "register_fsdp"]
+__all__ = ["SparcmlReduceScatter", "register_fsdp"]
 
 log = logging.getLogger(__name__)
-
-#: state kinds the FSDP reduce-scatter runs
-FSDP_METHODS = ("dense", "nonzeros", "quantized", "sparse")
 
 
 def _base_class() -> type:
@@ -86,13 +80,36 @@ def _base_class() -> type:
     return ReduceScatter
 
 
-class SparcmlReduceScatter:  # made a ReduceScatter subclass in register_fsdp
-    """FSDP2 custom reduce-scatter running ``state.method`` on one module's gradient."""
+class StepCounter:
+    """The step a module's reduce-scatter belongs to: a step ends when every module
+    with gradients has reduce-scattered once (or when a module comes back)."""
 
-    def __init__(self, state: SparcmlState, name: str, expected: int) -> None:
+    def __init__(self, state: SparcmlState, expected: int) -> None:
+        self.state = state
+        self.expected = expected
+        self.pending: set[str] = set()
+
+    def step_of(self, name: str) -> int:
+        state = self.state
+        if name in self.pending:  # a module skipped the last step (no gradient)
+            state.step += 1
+            self.pending.clear()
+        step = state.step
+        self.pending.add(name)
+        if len(self.pending) >= self.expected:
+            state.step += 1
+            self.pending.clear()
+        return step
+
+
+class SparcmlReduceScatter:  # made a ReduceScatter subclass in register_fsdp
+    """FSDP2 custom reduce-scatter: one module's flat gradient through the pipeline
+    (:func:`~sparcml.torch.reduce.reduce_group` with FSDP's chunk boundaries)."""
+
+    def __init__(self, state: SparcmlState, name: str, steps: StepCounter) -> None:
         self.state = state
         self.name = name
-        self.expected = expected  # modules that reduce-scatter per step
+        self.steps = steps
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -116,98 +133,27 @@ class SparcmlReduceScatter:  # made a ReduceScatter subclass in register_fsdp
         n, width = input_tensor.numel(), output_tensor.numel()
         if n != width * p:
             raise RuntimeError(f"sparcml FSDP: input {n} entries is not {p} x output {width}")
-        step = self._count_step()
+        step = self.steps.step_of(self.name)
         before = comm.stats.bytes_sent
         try:
             total = comm.run_ordered(lambda: self._reduce(input_tensor, width, step), True).wait()
         finally:
-            sent = comm.stats.bytes_sent - before
-            state.bytes_sent += sent
-            while len(state.step_bytes) <= step:
-                state.step_bytes.append(0)
-            state.step_bytes[step] += sent
+            count_bytes(state, step, comm.stats.bytes_sent - before)
         output_tensor.copy_(_apply_op(total, op, p).to(output_tensor.dtype))
         if state.step > step:  # this module's reduce-scatter completed the step
             log_step(state)
         return None
 
-    def _count_step(self) -> int:
-        """The step this call belongs to: a step ends when every module with
-        gradients has reduce-scattered once (or when a module comes back)."""
-        state = self.state
-        pending: set[str] = state.__dict__.setdefault("_fsdp_pending", set())
-        if self.name in pending:  # a module skipped the last step (no gradient)
-            state.step += 1
-            pending.clear()
-        step = state.step
-        pending.add(self.name)
-        if len(pending) >= self.expected:
-            state.step += 1
-            pending.clear()
-        return step
-
     def _reduce(self, grad: torch.Tensor, width: int, step: int) -> torch.Tensor:
         """This rank's chunk of the sum over ranks (float32 or wider)."""
         state = self.state
-        comm = state.comm
-        t0 = time.perf_counter()
-        before = comm.stats.bytes_sent
-        elem = grad.element_size()
         g = grad.detach().reshape(-1)
         if g.dtype in (torch.float16, torch.bfloat16):
-            g = g.float()
-        bounds = [j * width for j in range(comm.world_size + 1)]
-        state.at_step(step)  # density schedules
-        kind = "dense" if step < state.warmup_steps else state.kind
-        codec: StreamCodec = EXACT
-        if kind == "dense":
-            stream = SparseStream.dense(g)
-        elif kind == "nonzeros":
-            stream = SparseStream.from_dense(g)
-        elif kind == "quantized":
-            op = state.operator(("fsdp", self.name))
-            assert isinstance(op, Quantizer)
-            codec = StreamCodec(
-                op, "contributions", index_coding=getattr(state.config, "index_coding", "fixed")
-            )
-            stream = SparseStream.dense(g)
-        else:  # sparse, with error feedback
-            op = state.operator(("fsdp", self.name))
-            selector: Selector = op.selector if isinstance(op, Composed) else op
-            if isinstance(op, Composed):
-                codec = StreamCodec(
-                    op.quantizer,
-                    "contributions",
-                    index_coding=getattr(state.config, "index_coding", "fixed"),
-                )
-            r = state.residuals.get(self.name)
-            acc = g + r if state.error_feedback and r is not None and r.numel() == g.numel() else g
-            stream = selector.select(acc)
-            if state.error_feedback:
-                res = acc.clone()
-                if stream.is_dense:
-                    res.zero_()
-                elif stream.nnz:
-                    res[stream.indices] -= stream.values
-                state.residuals[self.name] = res
-        if codec is not EXACT:
-            codec = codec.with_call(comm.next_sequence(), comm.rank)
-        compress_s = time.perf_counter() - t0  # selection, residual (the local part)
-        mine, _, _ = split_and_reduce(stream, comm, codec, bounds)
-        out = mine.to_dense()
-        p, n = comm.world_size, g.numel()
-        sparse = kind == "sparse" and not stream.is_dense
-        state.stats.record(
-            step,
-            n,
-            comm.stats.bytes_sent - before,
-            (p - 1) / p * n * elem,  # a ring reduce-scatter of the gradient as it came
-            compress_s,
-            max(0.0, time.perf_counter() - t0 - compress_s),
-            stream.nnz if sparse else None,
-            max(1, round(state.density * n)) if sparse and n else None,
-        )
-        return out
+            g = g.float()  # compressed in float32, the shard cast back by the caller
+        bounds = [j * width for j in range(state.comm.world_size + 1)]
+        state.at_step(step)
+        bucket = Bucket((self.name,), (g.numel(),), g, step, op_key=("fsdp", self.name))
+        return reduce_group(state.groups[0], bucket, bounds)
 
 
 def _apply_op(total: torch.Tensor, op: Any, p: int) -> torch.Tensor:
@@ -230,7 +176,7 @@ def _has_grads(module: Any) -> bool:
 
 def register_fsdp(
     model: torch.nn.Module,
-    method: str | Mapping[str, Any] | os.PathLike[str] = "topk",
+    method: str | MethodConfig | Mapping[str, Any] | os.PathLike[str] | None = None,
     state: SparcmlState | None = None,
     **hyper: Any,
 ) -> SparcmlState:
@@ -262,17 +208,17 @@ def register_fsdp(
             f"register_fsdp() expects the root module after fully_shard(model), got "
             f"{type(model).__name__}"
         )
-    if state is None:
-        name, options = resolve_method(method, hyper)
-        state = SparcmlState(name, **options)
-    elif hyper or method != "topk":
-        raise ValueError("give either a state or method/hyperparameters, not both")
-    if state.kind not in FSDP_METHODS:
+    built = state_or_method(method, state, hyper)
+    if built is not None:
+        state = SparcmlState(built[0], **built[1])
+    assert state is not None
+    if state.groups[0].spec.scatter is None:
         raise ValueError(
             f"method {state.method!r} has no FSDP reduce-scatter; use dense, nonzeros, "
             "a quantizer (natural, qsgd, dithering) or a selector (topk, topk+natural)"
         )
-    if state.momentum or state.clip_norm is not None or state.nan_policy != "propagate":
+    settings = state.settings
+    if settings.momentum or settings.clip_norm is not None or settings.nan_policy != "propagate":
         raise ValueError(
             "register_fsdp supports neither momentum correction, clip_norm nor "
             "nan_policy='raise' (use the optimizer's momentum and torch's clipping)"
@@ -288,8 +234,9 @@ def register_fsdp(
     cls = type("SparcmlFsdpReduceScatter", (SparcmlReduceScatter, _base_class()), {})
     modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     expected = sum(1 for _, m in modules if _has_grads(m))
+    steps = StepCounter(state, max(1, expected))
     for name, module in modules:
-        module.set_custom_reduce_scatter(cls(state, name or "<root>", max(1, expected)))
+        module.set_custom_reduce_scatter(cls(state, name or "<root>", steps))
     count = len(modules)
     state.registered = f"fsdp:{type(model).__name__}"
     log.info("sparcml: %s reduce-scatter on %d fully_shard modules", state.method, count)

@@ -36,8 +36,9 @@ import torch.distributed as dist
 
 from ..comm.engine import complete_future, device_future
 from ..errors import RankMismatchError
-from .config import resolve_method
+from .config import resolve_method, state_or_method
 from .layout import reduce_ddp_bucket
+from .methods import MethodConfig
 from .peers import PeerState, pytorch_method, register_peer
 from .reduce import Bucket, check_sparse_gradient_method
 from .state import SparcmlState
@@ -151,7 +152,7 @@ def check_settings(state: SparcmlState) -> None:
     comm = state.comm
     if comm.world_size == 1:
         return
-    mine = json.dumps(state.settings(), sort_keys=True).encode()
+    mine = json.dumps(state.settings_dict(), sort_keys=True).encode()
     with comm.control():
         got = comm.allgatherv(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
     table: list[dict[str, Any]] = []
@@ -263,7 +264,7 @@ def named_parameters_of(
 
 def register(
     model: Any,
-    method: str | Mapping[str, Any] | os.PathLike[str] = "topk",
+    method: str | MethodConfig | Mapping[str, Any] | os.PathLike[str] | None = None,
     state: SparcmlState | None = None,
     **hyper: Any,
 ) -> SparcmlState | PeerState:
@@ -303,16 +304,16 @@ def register(
         )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("the DDP hook needs an initialised torch.distributed process group")
-    if state is None:
-        name, options = resolve_method(method, hyper)
-        if pytorch_method(name):
+    built = state_or_method(method, state, hyper)
+    if built is not None:
+        name, options = built
+        if isinstance(name, str) and pytorch_method(name):
             return register_peer(model, name, start_iter=_peer_warmup(name, options))
         state = SparcmlState(name, **options)
-    elif hyper or method != "topk":
-        raise ValueError("give either a state or method/hyperparameters, not both")
+    assert state is not None
     if state.registered is not None:
         raise ValueError(f"this state is already registered with {state.registered}")
-    if state.clip_norm is not None and state.clip_scope == "model":
+    if state.settings.clip_norm is not None and state.settings.clip_scope == "model":
         raise ValueError(
             "clip_scope='model' needs the whole gradient, which a DDP hook never sees "
             "(it gets one bucket at a time); use clip_scope='bucket' with DDP, or "
@@ -355,7 +356,9 @@ class HookState:
     :func:`register`.
     """
 
-    def __init__(self, method: str | Mapping[str, Any] = "topk", **options: Any) -> None:
+    def __init__(
+        self, method: str | MethodConfig | Mapping[str, Any] = "topk", **options: Any
+    ) -> None:
         from ..comm import SelfCommunicator
 
         method, options = resolve_method(method, options)
@@ -420,7 +423,7 @@ _comm_hook.__annotations__ = {  # as sparcml_hook's: DDP checks them as objects
 
 
 def comm_hook(
-    method: str | Mapping[str, Any] | os.PathLike[str] = "topk", **options: Any
+    method: str | MethodConfig | Mapping[str, Any] | os.PathLike[str] = "topk", **options: Any
 ) -> tuple[HookState, Any]:
     """``(state, hook)`` for PyTorch's ``model.register_comm_hook(state, hook)``.
 

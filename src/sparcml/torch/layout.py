@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def _record(state: SparcmlState, keys: list[tuple[str, ...]], is_last: bool) -> None:
-    current: list[tuple[str, ...]] = state.__dict__.setdefault("_layout_now", [])
+    current = state.layout_now
     current.extend(keys)
     if is_last:
         state.layout = list(current)

@@ -30,6 +30,14 @@ DGC's additions as RedSync sec. 3.5 describes them):
 
 Residuals and momenta are kept per parameter name, so they survive DDP bucket
 rebuilds (the bucket's view is assembled from them each step).
+
+Every entry point is an adapter that cuts the gradient into buckets and hands them
+here: the DDP hook (:mod:`sparcml.torch.hook`), :func:`~sparcml.torch.sync_gradients`
+and ``DistributedOptimizer`` (:mod:`sparcml.torch.sync`), FSDP2's reduce-scatter
+(:mod:`sparcml.torch.fsdp`: step 5 is the method's ``scatter``, step 7 is FSDP's)
+and the one-tensor steps :func:`~sparcml.torch.topk_sgd_step` /
+:func:`~sparcml.torch.oktopk_sgd_step` (:mod:`sparcml.torch.steps`). What differs
+between methods is a fact in their registration (:mod:`sparcml.torch.methods`).
 """
 
 from __future__ import annotations
@@ -44,12 +52,21 @@ import torch
 from ..collectives import sparse_allreduce
 from ..comm import Communicator
 from ..compress.base import all_finite
+from ..compress.selection import k_of
 from ..errors import NonFiniteError
 from ..stream import SparseStream
-from .methods import method_spec
+from .methods import MethodResult
+from .runtime import Group
 from .state import SparcmlState
 
-__all__ = ["Bucket", "check_sparse_gradient_method", "reduce_bucket", "reduce_sparse_gradient"]
+__all__ = [
+    "Bucket",
+    "check_sparse_gradient_method",
+    "count_bytes",
+    "reduce_bucket",
+    "reduce_group",
+    "reduce_sparse_gradient",
+]
 
 log = logging.getLogger("sparcml")
 
@@ -62,10 +79,12 @@ class Bucket:
     sizes: tuple[int, ...]
     grad: torch.Tensor  # flat
     step: int
+    op_key: tuple[str, ...] | None = None  # where its operators are kept, if not names
 
     @property
     def key(self) -> tuple[str, ...]:
-        return self.names
+        """The key of the bucket's operators and per-bucket method state."""
+        return self.names if self.op_key is None else self.op_key
 
 
 def _sent_and_mask(
@@ -84,8 +103,7 @@ def _sent_and_mask(
     return sent, torch.ones_like(like, dtype=torch.bool)
 
 
-def _check_finite(state: SparcmlState, bucket: Bucket, g: torch.Tensor) -> None:
-    comm = state.comm
+def _check_finite(comm: Communicator, bucket: Bucket, g: torch.Tensor) -> None:
     bad = [i for i, part in enumerate(g.split(list(bucket.sizes))) if not all_finite(part)]
     flags = torch.zeros(comm.world_size, dtype=torch.int64)
     flags[comm.rank] = 1 if bad else 0
@@ -100,35 +118,36 @@ def _check_finite(state: SparcmlState, bucket: Bucket, g: torch.Tensor) -> None:
 
 
 def _dense_for_nonfinite(comm: Communicator, bucket: Bucket, g: torch.Tensor) -> torch.Tensor:
-    """``nan_policy="propagate"``: the bucket's dense average, NaN/Inf where dense has them."""
+    """``nan_policy="propagate"``: the bucket's dense sum, NaN/Inf where dense has them."""
     log.warning(
         "NaN/Inf gradient at step %d (bucket %s): reduced densely, the average "
         "is non-finite (nan_policy='propagate')",
         bucket.step,
         bucket.names[0] if bucket.names else "?",
     )
-    return comm.allreduce(g) / comm.world_size
+    return comm.allreduce(g)
 
 
-def _any_nonfinite(state: SparcmlState, g: torch.Tensor) -> bool:
+def _any_nonfinite(comm: Communicator, g: torch.Tensor) -> bool:
     """Whether any rank's bucket holds NaN/Inf (a collective: every rank gets the answer)."""
     bad = torch.tensor([0 if all_finite(g) else 1], dtype=torch.int64)
-    return bool(int(state.comm.allreduce(bad)))
+    return bool(int(comm.allreduce(bad)))
 
 
 def reduce_bucket(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
     """Steps 0-7 above for one bucket; returns the averaged flat gradient.
 
-    Step 0: with layer rules, the bucket's parameters are grouped by the state
+    Step 0: with layer rules, the bucket's parameters are grouped by the group
     that reduces them (``state.routes``), and each group runs steps 1-7 with its
     own method, in the order of its first parameter (the same on every rank).
     """
     comm = state.comm
     before = comm.stats.bytes_sent
+    state.at_step(bucket.step)
     try:
         routes = state.routes(bucket.names, bucket.sizes, bucket.step)
         if len(routes) == 1:
-            return _reduce(routes[0][0], bucket)
+            return reduce_group(routes[0][0], bucket)
         flat = bucket.grad.reshape(-1)
         offsets = [0]
         for size in bucket.sizes:
@@ -142,30 +161,27 @@ def reduce_bucket(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
                 torch.cat(parts) if len(parts) > 1 else parts[0],
                 bucket.step,
             )
-            avg = _reduce(group, sub)
+            avg = reduce_group(group, sub)
             for i, part in zip(where, avg.split(list(sub.sizes)), strict=True):
                 out[offsets[i] : offsets[i + 1]] = part
         return out
     finally:
-        _count(state, bucket.step, comm.stats.bytes_sent - before)
+        count_bytes(state, bucket.step, comm.stats.bytes_sent - before)
 
 
-def _count(state: SparcmlState, step: int, sent_bytes: int) -> None:
+def count_bytes(state: SparcmlState, step: int, sent_bytes: int) -> None:
+    """Add one bucket's bytes to the state's counters (total and per step)."""
     state.bytes_sent += sent_bytes
     while len(state.step_bytes) <= step:
         state.step_bytes.append(0)
     state.step_bytes[step] += sent_bytes
 
 
-# methods that reduce a sparse (COO) gradient: exactly, or selecting from its residual
-SPARSE_GRADIENT_KINDS = ("dense", "nonzeros", "sparse")
-
-
 def check_sparse_gradient_method(state: SparcmlState, name: str, numel: int, step: int) -> None:
     """Raise ``ValueError`` if the method that reduces parameter ``name`` at ``step``
     cannot take its sparse gradient (naming the parameter and the choices)."""
     group = state.group_of(name, numel, step)
-    if group.kind not in SPARSE_GRADIENT_KINDS:
+    if not group.spec.sparse_gradients:
         raise ValueError(
             f"parameter {name!r} has a sparse gradient (nn.Embedding/EmbeddingBag with "
             f"sparse=True), which method {group.method!r} cannot reduce; sparse gradients "
@@ -179,160 +195,200 @@ def reduce_sparse_gradient(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
     """The average of one parameter's sparse COO gradient (``bucket.grad``, the
     parameter's shape), as a coalesced COO tensor of the same layout.
 
-    ``dense`` and ``nonzeros`` (and warm-up steps) reduce the stored entries exactly
-    through the sparse allreduce, never densifying (SparCML sec. 8.2's use case:
-    sparse embeddings and linear models; what plain DDP does for sparse gradients,
-    but with sparcml's algorithms). Selector methods keep a dense residual (error
-    feedback needs one), select from ``residual + g`` and send the selection.
+    Exact methods (``dense``, ``nonzeros``, and warm-up steps) reduce the stored
+    entries exactly through the sparse allreduce, never densifying (SparCML sec.
+    8.2's use case: sparse embeddings and linear models; what plain DDP does for
+    sparse gradients, but with sparcml's algorithms). Selector methods keep a dense
+    residual (error feedback needs one), select from ``residual + g`` and send the
+    selection.
     """
     comm = state.comm
     before = comm.stats.bytes_sent
+    state.at_step(bucket.step)
     try:
         name, numel = bucket.names[0], bucket.sizes[0]
         check_sparse_gradient_method(state, name, numel, bucket.step)
         return _reduce_sparse(state.group_of(name, numel, bucket.step), bucket)
     finally:
-        _count(state, bucket.step, comm.stats.bytes_sent - before)
+        count_bytes(state, bucket.step, comm.stats.bytes_sent - before)
 
 
-def _reduce_sparse(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
+def _reduce_sparse(group: Group, bucket: Bucket) -> torch.Tensor:
     g = bucket.grad.detach().coalesce()
     shape, sparse_dim = tuple(g.shape), g.sparse_dim()
-    if state.momentum or (state.kind == "sparse" and bucket.step >= state.warmup_steps):
+    settings = group.settings
+    if settings.momentum or (not group.spec.lossless and bucket.step >= settings.warmup_steps):
         flat = g.to_dense().reshape(-1)
-        avg = _reduce(state, Bucket(bucket.names, bucket.sizes, flat, bucket.step))
+        avg = reduce_group(group, Bucket(bucket.names, bucket.sizes, flat, bucket.step))
         return SparseStream.from_dense(avg).to_torch_sparse(shape, sparse_dim)
-    comm = state.comm
+    comm = group.comm
     p = comm.world_size
-    state.at_step(bucket.step)
     before = comm.stats.bytes_sent
     t0 = time.perf_counter()
     try:
         stream = SparseStream.from_torch_sparse(g)
-        if state.nan_policy == "raise":
+        if settings.nan_policy == "raise":
             _check_finite(
-                state,
-                Bucket(bucket.names, (stream.nnz,), stream.values, bucket.step),
-                stream.values,
+                comm, Bucket(bucket.names, (stream.nnz,), stream.values, bucket.step), stream.values
             )
-        algorithm = state.config.algorithm if state.kind == "nonzeros" else "auto"
+        algorithm = getattr(group.config, "algorithm", "auto")
         total = sparse_allreduce(stream, comm, algorithm=algorithm, call_id=bucket.step)
         if total.is_dense:
             total = SparseStream.from_dense(total.to_dense())
         avg = SparseStream.from_sorted(total.indices, total.values / p, total.size)
         return avg.to_torch_sparse(shape, sparse_dim)
     finally:
-        state.stats.record(
+        group.stats.record(
             bucket.step, g.numel(), comm.stats.bytes_sent - before,
             2 * (p - 1) / p * g.numel() * g.element_size(), 0.0,
             time.perf_counter() - t0, None, None,
         )  # fmt: skip
 
 
-def _work_dtype(state: SparcmlState, g: torch.Tensor) -> torch.dtype:
+def _work_dtype(group: Group, g: torch.Tensor) -> torch.dtype:
     """The dtype residuals and momenta are kept in (``residual_precision``)."""
-    if state.residual_precision == "float32" and g.dtype in (torch.float16, torch.bfloat16):
+    if group.settings.residual_precision == "float32" and g.dtype in (
+        torch.float16,
+        torch.bfloat16,
+    ):
         return torch.float32
     return g.dtype
 
 
-def _reduce(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
-    """Steps 1-7 for one bucket whose parameters all belong to ``state``'s group."""
-    comm = state.comm
+def reduce_group(
+    group: Group, bucket: Bucket, bounds: list[int] | None = None, average: bool = True
+) -> torch.Tensor:
+    """Steps 1-7 for one bucket whose parameters all belong to ``group``.
+
+    Returns the average over ranks (flat), or with ``average=False`` the sum (step 7
+    left to the caller: the one-tensor SGD steps return Alg. 1's ``g``). With
+    ``bounds`` (FSDP2's chunk boundaries, ``P + 1`` offsets) step 5 is the method's
+    reduce-scatter and the result is this rank's chunk of the sum (FSDP applies its
+    own division).
+    """
+    comm = group.comm
+    settings = group.settings
+    spec = group.spec
     p = comm.world_size
     g = bucket.grad.detach().reshape(-1)
-    state.at_step(bucket.step)
     before = comm.stats.bytes_sent
     t0 = time.perf_counter()
     compress_s = 0.0
-    state.select_s = 0.0
     sent: torch.Tensor | SparseStream | None = None
     try:
         # Step 1: dense warm-up.
-        if bucket.step < state.warmup_steps or state.kind == "dense":
-            if state.nan_policy == "raise":
-                _check_finite(state, bucket, g)
-            if state.momentum:
+        if bucket.step < settings.warmup_steps or spec.reference:
+            if settings.nan_policy == "raise":
+                _check_finite(comm, bucket, g)
+            if bounds is not None:
+                result = _dense_scatter(group, bucket, g, bounds)
+                compress_s = result.select_s
+                return result.total
+            if settings.momentum:
                 # with momentum correction the optimizer has no momentum: warm-up
                 # steps (and a layer rule's dense parameters) are dense momentum
                 # SGD, u = m u + g, averaged (no masking)
-                work = g.to(_work_dtype(state, g))
-                u = state.momentum_correction.accumulate(bucket.names, bucket.sizes, work)
-                state.momentum_correction.keep(bucket.names, bucket.sizes, u)
-                return (comm.allreduce(u.to(g.dtype)) / p).to(g.dtype)
-            return comm.allreduce(g) / p
+                work = g.to(_work_dtype(group, g))
+                u = group.momentum_correction.accumulate(bucket.names, bucket.sizes, work)
+                group.momentum_correction.keep(bucket.names, bucket.sizes, u)
+                total = comm.allreduce(u.to(g.dtype))
+                return (total / p).to(g.dtype) if average else total
+            total = comm.allreduce(g)
+            return total / p if average else total
         # Step 2: NaN policy.
-        spec = method_spec(state.kind)
-        if state.nan_policy == "raise":
-            _check_finite(state, bucket, g)
+        if settings.nan_policy == "raise":
+            _check_finite(comm, bucket, g)
         elif (
-            state.kind != "nonzeros"
+            bounds is None
+            and settings.nan_policy == "propagate"
+            and not spec.lossless
             and not (spec.checks_nonfinite or spec.carries_nonfinite)
-            and _any_nonfinite(state, g)
+            and _any_nonfinite(comm, g)
         ):
             # propagate: compressed methods cannot place NaN/Inf where dense would
             # (selectors may drop them into the residual, quantizers cannot encode
             # them): this bucket goes dense for this step, residuals untouched
-            return _dense_for_nonfinite(comm, bucket, g)
+            total = _dense_for_nonfinite(comm, bucket, g)
+            return total / p if average else total
         t_local = time.perf_counter()
         # Step 3: local gradient clipping (DGC: threshold scaled by P^-1/2).
-        if state.clip_norm is not None and state.clip_scope == "bucket":
-            limit = state.clip_norm / math.sqrt(p)
+        if settings.clip_norm is not None and settings.clip_scope == "bucket":
+            limit = settings.clip_norm / math.sqrt(p)
             norm = float(torch.linalg.vector_norm(g.double())) if g.numel() else 0.0
             if norm > limit:
                 g = g * (limit / (norm + 1e-12))
         # Step 4: accumulation (residuals and momenta in float32 for 16-bit gradients
         # unless residual_precision="gradient"; what is sent stays in g's dtype).
         names, sizes = bucket.names, bucket.sizes
-        work = g.to(_work_dtype(state, g))
-        after = bool(state.momentum) and spec.lossless  # momentum after the exact sum
-        if state.momentum and not after:
-            u = state.momentum_correction.accumulate(names, sizes, work)
-            acc = state.feedback.compensate_bucket(names, sizes, u) if state.error_feedback else u
-        elif state.error_feedback:
-            acc = state.feedback.compensate_bucket(names, sizes, work)
+        work = g.to(_work_dtype(group, g))
+        after = bool(settings.momentum) and spec.lossless  # momentum after the exact sum
+        if settings.momentum and not after:
+            u = group.momentum_correction.accumulate(names, sizes, work)
+            acc = group.feedback.compensate_bucket(names, sizes, u) if group.error_feedback else u
+        elif group.error_feedback:
+            acc = group.feedback.compensate_bucket(names, sizes, work)
         else:
             acc = g.clone()
         send = acc if acc.dtype == g.dtype else acc.to(g.dtype)
         compress_s = time.perf_counter() - t_local
         # Step 5: the method's collective (sparcml.torch.methods).
         try:
-            sent, total = spec.run(state, bucket, send)
+            if bounds is None:
+                result = spec.run(group, bucket, send)
+            else:
+                assert spec.scatter is not None
+                result = spec.scatter(group, bucket, send, bounds)
         except NonFiniteError:
             # (checks_nonfinite: refused on every rank before any state changed)
-            if state.nan_policy != "propagate" or not spec.checks_nonfinite:
+            if settings.nan_policy != "propagate" or not spec.checks_nonfinite:
                 raise
-            return _dense_for_nonfinite(comm, bucket, g)
-        compress_s += state.select_s
+            total = _dense_for_nonfinite(comm, bucket, g)
+            return total / p if average else total
+        sent, total = result.sent, result.total
+        compress_s += result.select_s
         # Step 6: residuals (and momentum factor masking).
-        if state.error_feedback:
+        if group.error_feedback:
             assert sent is not None
             sent_dense, mask = _sent_and_mask(sent, send)
-            state.feedback.update_bucket(names, sizes, acc, sent_dense.to(acc.dtype))
-            if state.momentum:
-                state.momentum_correction.keep(names, sizes, u, mask)
-        elif state.momentum and not after:
-            state.momentum_correction.keep(names, sizes, u)  # every entry was sent
+            group.feedback.update_bucket(names, sizes, acc, sent_dense.to(acc.dtype))
+            if settings.momentum:
+                group.momentum_correction.keep(names, sizes, u, mask)
+        elif settings.momentum and not after:
+            group.momentum_correction.keep(names, sizes, u)  # every entry was sent
+        if bounds is not None or not average:
+            return total  # Step 7 is the caller's (FSDP's reduce op, Alg. 1's g)
         # Step 7: the average (a lossless method's momentum applied to it).
         avg = total if spec.averages else total / p
         if after:
-            u = state.momentum_correction.accumulate(names, sizes, avg.to(work.dtype))
-            state.momentum_correction.keep(names, sizes, u)
+            u = group.momentum_correction.accumulate(names, sizes, avg.to(work.dtype))
+            group.momentum_correction.keep(names, sizes, u)
             return u.to(g.dtype)
         return avg.to(g.dtype)
     finally:
         elapsed = time.perf_counter() - t0
         selected = k = None
-        if isinstance(sent, SparseStream) and not sent.is_dense:
+        density = group.density
+        if isinstance(sent, SparseStream) and not sent.is_dense and density is not None:
             selected = sent.nnz
-            k = max(1, round(state.density * g.numel())) if g.numel() else 0
-        state.stats.record(
+            k = k_of(density, g.numel())
+        # a dense ring allreduce sends 2 (P-1)/P of the bucket, a reduce-scatter half
+        ring = (p - 1) / p * g.numel() * g.element_size()
+        group.stats.record(
             bucket.step,
             g.numel(),
             comm.stats.bytes_sent - before,
-            2 * (p - 1) / p * g.numel() * g.element_size(),
+            ring if bounds is not None else 2 * ring,
             compress_s,
             max(0.0, elapsed - compress_s),
             selected,
             k,
         )
+
+
+def _dense_scatter(
+    group: Group, bucket: Bucket, g: torch.Tensor, bounds: list[int]
+) -> MethodResult:
+    """Warm-up under FSDP2: the dense chunks through the split (the ``dense`` method's)."""
+    from .methods.dense import scatter_dense
+
+    return scatter_dense(group, bucket, g, bounds)

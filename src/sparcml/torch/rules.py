@@ -53,10 +53,13 @@ def check_density(value: float, what: str = "density") -> float:
     return d
 
 
-def describe_schedule(density: Density) -> Any:
+def describe_schedule(density: Density | None) -> Any:
     """What every rank must agree on about a density (compared at registration):
     the number, or the schedule's ``repr`` (dataclasses such as
-    :class:`DensityWarmup` print their parameters; a function its qualified name)."""
+    :class:`DensityWarmup` print their parameters; a function its qualified name);
+    None for none."""
+    if density is None:
+        return None
     if callable(density):
         if dataclasses.is_dataclass(density):
             return repr(density)

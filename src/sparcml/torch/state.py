@@ -1,9 +1,18 @@
-"""The state object of sparcml's gradient synchronisation (DDP hook and explicit sync).
+"""The state of sparcml's gradient synchronisation (DDP hook, explicit sync, FSDP2).
 
-Modelled on PyTorch's ``PowerSGDState``: hyperparameters are constructor
-arguments, checked at once; internal fields (residuals, momenta, per-tensor
-selector and Ok-Topk states, the step counter, traffic counters) live on the
-object and persist across steps.
+Modelled on PyTorch's ``PowerSGDState``, with its arguments in three groups:
+
+* the **method's config**, typed and passed whole (``TopK(density=0.01)``,
+  ``OkTopk(tau=64)``; :mod:`sparcml.torch.methods`), or a method name with its
+  options as keywords (``SparcmlState("topk", density=0.01)``), resolved once, at
+  construction, into the typed config;
+* the **pipeline settings** (:class:`~sparcml.torch.settings.PipelineSettings`:
+  warm-up, clipping, NaN policy, momentum correction, residual precision,
+  statistics), frozen;
+* the **runtime**: one :class:`~sparcml.torch.runtime.Group` per parameter group
+  (the state's method, and one per layer rule) with its residuals, momenta,
+  operators and statistics, and the state's counters (step, bytes), kept across
+  steps and saved by :meth:`SparcmlState.state_dict`.
 """
 
 from __future__ import annotations
@@ -11,161 +20,73 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..collectives import OkTopkState
 from ..comm import Communicator, SelfCommunicator, TorchDistCommunicator
 from ..comm import refuse_silent_world_of_one as _refuse_silent_world_of_one
-from ..compress import get
-from ..compress.base import operator_class
 from ..merge import warm_kernels
 from ..sgd.feedback import ErrorFeedback, MomentumCorrection
 from .config import resolve_method
-from .methods import MethodConfig, method_kind, method_spec, methods, valid_algorithms
-from .rules import Density, LayerRule, check_density, describe_schedule, rules_from
-from .stats import GroupStats
+from .methods import MethodConfig, config_of, method_spec, methods
+from .rules import Density, LayerRule, describe_schedule, rules_from
+from .runtime import Group
+from .settings import PipelineSettings
+from .stats import GroupStats, residual_norm
 
-__all__ = [
-    "SparcmlState",
-    "method_kind",
-    "methods",
-    "needs_momentum_correction",
-    "valid_algorithms",
-]
+__all__ = ["SparcmlState", "methods", "needs_momentum_correction"]
 
 log = logging.getLogger("sparcml")
 
-PIPELINE = (
-    "error_feedback",
-    "warmup_steps",
-    "momentum",
-    "momentum_masking",
-    "clip_norm",
-    "clip_scope",
-    "nan_policy",
-    "bucket_bytes",
-    "seed",
-    "layers",
-    "dense_below",
-    "residual_precision",
-    "stats_every",
-    "stats_ranks",
-)
-
-RESIDUAL_PRECISIONS = ("float32", "gradient")
+#: checkpoint format; version 2 named the method options with a prefix
+CHECKPOINT_VERSION = 3
+_V2_NAMES = {
+    "oktopk_tau": "tau",
+    "oktopk_tau_prime": "tau_prime",
+    "redsync_asq": "asq",
+    "redsync_asq_feedback": "asq_feedback",
+    "redsync_output_layer": "output_layer",
+    "redsync_min_bytes": "min_bytes",
+    "redsync_bsearch_numel": "bsearch_numel",
+    "ina_server": "server",
+    "ina_job": "job",
+    "ina_mode": "mode",
+    "ina_secret": "secret",
+}
 
 
-def needs_momentum_correction(method: str) -> bool:
+def needs_momentum_correction(method: str | MethodConfig) -> bool:
     """True for methods that keep a residual (error feedback): selectors, ``oktopk``,
     ``redsync``. Their residual and an optimizer's momentum amplify each other and
     training diverges; give the momentum to the state (``momentum=0.9``, DGC momentum
     correction) and use the optimizer without momentum."""
-    return not method_spec(method_kind(method)).unbiased
-
-
-def _route(method: str, config: type[MethodConfig], options: dict[str, Any]) -> MethodConfig:
-    """The method's config from the keyword arguments that name its fields.
-
-    Options of *other* methods are ignored (one set of hyperparameters may serve a
-    sweep over methods), logged at debug level; a name no method takes raises.
-    """
-    from .methods.base import all_options
-
-    fields = {f.name for f in dataclasses.fields(config)}
-    if "algorithm" in options and "algorithm" not in fields and options["algorithm"] != "auto":
-        raise ValueError(
-            f"algorithm={options['algorithm']!r} does not apply to method {method!r}: only "
-            "selector methods ('topk', 'topk+natural', ...) and 'nonzeros' run a sparse "
-            "allreduce algorithm; leave algorithm='auto'"
-        )
-    owners = all_options()
-    unknown = sorted(o for o in options if o not in fields and o not in owners)
-    if unknown:
-        takes = ", ".join(sorted(fields)) or "none"
-        raise ValueError(
-            f"unknown option(s) {', '.join(unknown)} for method {method!r}; its own options: "
-            f"{takes}; other methods': {', '.join(sorted(set(owners) - fields))}; the "
-            f"pipeline's: density, {', '.join(PIPELINE)}, comm, timeout"
-        )
-    ignored = sorted(set(options) - fields)
-    if ignored:
-        log.debug("method %r ignores %s (options of other methods)", method, ", ".join(ignored))
-    return config(**{k: v for k, v in options.items() if k in fields})
+    return method_spec(method).needs_momentum_correction
 
 
 class SparcmlState:
-    """Hyperparameters and internal state of sparcml's gradient synchronisation.
+    """Method config, pipeline settings and runtime of sparcml's gradient synchronisation.
 
     Args:
-        method: what to run per bucket (see :func:`methods`): ``"dense"``, ``"topk"``
-            (any selector; SparCML's TopK SGD, Alg. 1), ``"topk+natural"`` (any
-            selector+quantizer: quantized TopK SGD), ``"oktopk"``, ``"redsync"``,
-            ``"qsgd"``, ``"natural"``, ``"natural_dithering"``, ``"dithering"``, and
-            ``"nonzeros"`` (lossless: the gradient's own non-zeros, no selection).
+        method: a method config (``sparcml.torch.TopK(density=0.01)``, ``OkTopk``,
+            ``RedSync``, ``Quantized``, ``Nonzeros``, ``NaturalIna``, ``Dense``,
+            ``Fp16``, ``Bf16``), or a method name (:func:`methods`): ``"dense"``,
+            ``"topk"`` (any selector; SparCML's TopK SGD, Alg. 1), ``"topk+natural"``
+            (any selector+quantizer), ``"oktopk"``, ``"redsync"``, ``"qsgd"``,
+            ``"natural"``, ``"natural_dithering"``, ``"dithering"``, ``"nonzeros"``,
+            ``"fp16"``, ``"bf16"``, ``"natural_ina"``; its options are then keyword
+            arguments by the config's field names (``tau=``, ``algorithm=``, ...).
         density: fraction of each bucket's (or layer's, for ``redsync``) entries a
-            rank selects (sparse methods). Default 0.01. A callable ``step ->
-            density`` is a schedule (:class:`~sparcml.torch.rules.DensityWarmup` is
-            DGC's warm-up); assigning ``state.density`` between steps takes effect
-            at the next step.
-
-    The method's own options (``algorithm``, ``compressor_params``, ``quantize``,
-    ``index_coding``, ``oktopk_*``, ``redsync_*``, ``ina_*``) are keyword arguments
-    routed by name to the method's config dataclass (:mod:`sparcml.torch.methods`;
-    ``state.config``, also readable as ``state.<option>``); options of other methods
-    are ignored, unknown names refused. They are:
-
-        algorithm: sparse allreduce algorithm of the selector methods and ``nonzeros``
-            (:func:`sparcml.algorithms`, default ``"auto"``).
-        compressor_params: extra hyperparameters of the selector/quantizer
-            (``{"bits": 4, "bucket": 512}`` for QSGD, ``{"levels": 8}`` ...).
-        error_feedback: keep what was not sent and add it to the next gradient.
-            Default: on for sparse methods (they are biased), off for unbiased
-            quantizers (``qsgd``, ``natural``, dithering).
-        warmup_steps: the first steps synchronise densely (RedSync sec. 3.5; DGC).
-        momentum: DGC momentum correction (paper 002 sec. 3.5): accumulate
-            ``u = m u + g; v = v + u`` locally and send from ``v``. Use a plain SGD
-            optimizer (no momentum) with it. 0 disables it.
-        momentum_masking: DGC momentum factor masking: zero ``u`` where ``v`` was sent.
-        clip_norm: DGC/RedSync local gradient clipping: each rank clips its bucket's
-            gradient to ``clip_norm / sqrt(P)`` before accumulating it (the hook sees
-            one bucket at a time, so the norm is the bucket's; ``sync_gradients``
-            with one bucket clips the whole model).
-        clip_scope: ``"bucket"`` (default; per bucket, a deviation from RedSync where
-            a model has several buckets) or ``"model"``: RedSync's sec. 3.5 local
-            clipping of the whole local gradient, for :func:`sync_gradients` and
-            ``DistributedOptimizer`` (the DDP hook refuses it: it never sees the
-            whole gradient).
-        nan_policy: ``"propagate"`` (NaN/Inf travel like in dense allreduce) or
-            ``"raise"``: every rank checks its gradient and all ranks raise the same
-            :class:`FloatingPointError` naming the ranks and parameters (costs one
-            tiny allreduce per bucket).
-        oktopk_tau / oktopk_tau_prime: Ok-Topk's re-estimation periods (paper 001).
-        redsync_asq: RedSync's alternating-sign quantization on top of the selection.
-        redsync_asq_feedback: what an ASQ-sent entry leaves in the residual:
-            ``"paper"`` (default; RedSync Alg. 1: the entries outside the
-            communication set become the new residual, the sent ones restart at
-            zero) or ``"quantization_error"`` (``x - mean``: the quantization error
-            is fed back too; beyond the paper).
-        redsync_output_layer: the layer RedSync leaves unquantized under ASQ ("we
-            also do not quantify the output layer"): ``"auto"`` (the module of the
-            last registered parameter), a parameter-name prefix, or None (quantize
-            every compressed layer). It is still sparsified.
-        quantize: for ``selector+quantizer`` methods, which messages are quantized:
-            ``"contributions"`` (default, SparCML's Alg. 1: each rank's selection
-            quantized once, partial sums exact, the same error whatever algorithm
-            ``auto`` picks), ``"all"`` (partial sums re-quantized at every stage:
-            fewer bytes, 1.4-3.3x the squared error) or ``"dense"``.
-        index_coding: ``"delta"``: indices of quantized sparse messages (``topk+natural``
-            and other ``selector+quantizer`` methods) as varints of their gaps.
-        redsync_min_bytes: layers smaller than this are not compressed (sent dense),
-            RedSync's 128 KB (sec. 3.2's hybrid strategy).
-        redsync_bsearch_numel: layers with at least this many entries use threshold
-            binary search (sampled, unless ASQ), smaller ones trimmed top-k.
-        bucket_bytes: bucket size of :func:`~sparcml.torch.sync_gradients`.
+            rank selects, for the methods that select; default 0.01. A callable
+            ``step -> density`` is a schedule (:class:`~sparcml.torch.rules.DensityWarmup`
+            is DGC's warm-up); assigning ``state.density`` between steps takes effect
+            at the next step. Methods that send every entry ignore it (layer rules
+            inherit it).
+        settings: the pipeline settings, whole; or give them as keywords
+            (``warmup_steps=``, ``momentum=``, ``clip_norm=``, ... see
+            :class:`~sparcml.torch.settings.PipelineSettings`).
         layers: per-layer rules (:class:`~sparcml.torch.rules.LayerRule`, or
             ``(pattern, method)`` pairs), first match wins: e.g.
             ``[("*.bias", "dense"), ("embed.*", "nonzeros")]``. Each rule's
@@ -173,34 +94,22 @@ class SparcmlState:
             statistics of their own (:meth:`group_stats`).
         dense_below: parameters with fewer entries are sent dense (CGX's
             ``layer_min_size``; a last rule after ``layers``). Default 0: none.
-        residual_precision: ``"float32"`` (default): with float16/bfloat16
-            gradients the error-feedback residuals and DGC momenta are kept in
-            float32 (4 bytes per compressed parameter instead of 2; what is sent
-            is still 16-bit, so ``sent + residual == accumulated`` holds exactly
-            in float32); ``"gradient"``: in the gradient's dtype (half the memory,
-            small residual entries are lost to rounding).
-        stats_every: log :meth:`group_stats` through ``logging`` (logger
-            ``sparcml.stats``, INFO) every this many steps, under every entry point
-            (the DDP hook, ``sync_gradients``, ``DistributedOptimizer``); 0: never.
-        stats_ranks: which ranks log them: ``"first"`` (rank 0, the default) or
-            ``"all"`` (every rank its own line).
-        ina_server / ina_job / ina_mode: ``natural_ina``'s aggregator (``"host:port"``),
-            a label mixed into the rounding seed (jobs on one aggregator are told
-            apart by a random session the ranks agree on at the first step, not by
-            this number), ``"natural"`` (8-bit codes) or ``"fixed"`` (int32 fixed point).
-        ina_secret: the aggregator's secret (``sparcml ina-server --secret-file``),
-            the same on every rank: every packet is then tagged with a per-session
-            key each rank derives from it (docs/ina.md's threat model); ranks with
-            different secrets all fail at the first step.
-        seed: seed of random selectors/quantizers (ranks agree where they must).
         comm: the communicator. Default: a dedicated process group of its own when
             torch.distributed is initialised (a collective call: create states in
             the same order on every rank), otherwise a world of one.
         timeout: seconds to wait for a peer in the dedicated group.
+        **options: the pipeline settings and the method's options by name.
+
+    Raises:
+        ValueError: an unknown method, an option neither the pipeline nor the method
+            takes (naming the method's real options), or a bad value.
 
     Attributes:
+        config: the method's typed config; ``settings``: the pipeline settings.
         step: completed synchronisation steps.
         bytes_sent: bytes this rank sent for gradients so far; ``step_bytes`` per step.
+        groups: the parameter groups' runtime (the state's method first, then one
+            per layer rule).
     """
 
     @classmethod
@@ -221,88 +130,37 @@ class SparcmlState:
 
     def __init__(
         self,
-        method: str = "topk",
-        density: float = 0.01,
+        method: str | MethodConfig = "topk",
+        density: Density | None = None,
         *,
-        error_feedback: bool | None = None,
-        warmup_steps: int = 0,
-        momentum: float = 0.0,
-        momentum_masking: bool = True,
-        clip_norm: float | None = None,
-        clip_scope: str = "bucket",
-        nan_policy: str = "propagate",
-        bucket_bytes: int = 25 * 1024 * 1024,
-        seed: int = 0,
+        settings: PipelineSettings | None = None,
         layers: Sequence[LayerRule | tuple[str, str]] | None = None,
         dense_below: int = 0,
-        residual_precision: str = "float32",
-        stats_every: int = 0,
-        stats_ranks: str = "first",
         comm: Communicator | None = None,
         timeout: float = 300.0,
-        _parent: SparcmlState | None = None,
-        **method_options: Any,
+        **options: Any,
     ) -> None:
-        self.kind = method_kind(method)
-        self.method = method
-        spec = method_spec(self.kind)
-        # the method's own hyperparameters, by name (before anything communicates)
-        self.config = _route(method, spec.config, method_options)
-        self.config.validate(method)
-        self._schedule_step = 0
-        self.density = density  # type: ignore[assignment]  # (a number or a schedule)
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        if clip_norm is not None and not clip_norm > 0:
-            raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
-        if clip_scope not in ("bucket", "model"):
-            raise ValueError(f"clip_scope must be 'bucket' or 'model', got {clip_scope!r}")
-        if nan_policy not in ("propagate", "raise"):
-            raise ValueError(f"nan_policy must be 'propagate' or 'raise', got {nan_policy!r}")
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        if residual_precision not in RESIDUAL_PRECISIONS:
+        pipeline = {k: options.pop(k) for k in PipelineSettings.names() if k in options}
+        if settings is not None and pipeline:
             raise ValueError(
-                f"residual_precision must be one of {RESIDUAL_PRECISIONS}, "
-                f"got {residual_precision!r}"
+                f"give the pipeline settings as settings= or as keywords, not both "
+                f"({', '.join(sorted(pipeline))})"
             )
-        if not isinstance(stats_every, int) or stats_every < 0:
-            raise ValueError(f"stats_every must be a non-negative integer, got {stats_every!r}")
-        self.residual_precision = residual_precision
-        if stats_ranks not in ("first", "all"):
-            raise ValueError(f"stats_ranks must be 'first' or 'all', got {stats_ranks!r}")
-        self.stats_every = stats_every
-        self.stats_ranks = stats_ranks
-        unbiased = spec.unbiased
-        if error_feedback and unbiased:
-            raise ValueError(
-                f"error feedback applies to sparse methods; {method!r} sends every entry "
-                "(unbiased quantizers need none)"
-            )
-        self.error_feedback = (not unbiased) if error_feedback is None else bool(error_feedback)
-        if momentum and unbiased and _parent is None:
+        if settings is None:
+            settings = PipelineSettings(**pipeline)
+        extra = (*PipelineSettings.names(), "layers", "dense_below", "comm", "timeout")
+        config = config_of(method, density, options, extra)
+        spec = method_spec(config)
+        if settings.momentum and spec.unbiased:
             # (a rule's unbiased method under a momentum-corrected state runs dense
             # momentum SGD: u = m u + g, sent whole, as warm-up steps do)
             raise ValueError(
                 "momentum correction applies to sparse methods; use the optimizer's momentum"
             )
-        self.warmup_steps = warmup_steps
-        # residuals and DGC momenta per parameter name (sparcml.sgd.feedback)
-        self.feedback = ErrorFeedback()
-        self.momentum_correction = MomentumCorrection(momentum, momentum_masking)
-        self.clip_norm = clip_norm
-        self.clip_scope = clip_scope
-        self.nan_policy = nan_policy
-        self.bucket_bytes = bucket_bytes
-        self.seed = seed
-        self.ina_calls = 0
-        self.select_s = 0.0  # the selector's time in the bucket being reduced (statistics)
-        self.ina_session: Any = None  # an InaSession, agreed at the first call
-        # Build one operator now so that bad parameters fail here, not mid-training.
-        if spec.operator:
-            self._make_operator()
-        if comm is None and _parent is not None:
-            comm = _parent.comm
+        self.settings = settings
+        rules = rules_from(layers, dense_below)
+        inherited = getattr(config, "density", density)
+        configs = [config] + [_rule_config(r, config, inherited) for r in rules]
         if comm is None:
             if dist.is_available() and dist.is_initialized():
                 comm = TorchDistCommunicator.dedicated(timeout=timeout)
@@ -310,124 +168,127 @@ class SparcmlState:
                 _refuse_silent_world_of_one()
                 comm = SelfCommunicator()
         self.comm = comm
-        if comm.world_size > 1 and _parent is None:
+        if comm.world_size > 1:
             # the compiled kernels' first load, here rather than inside a step's
             # collective, where it would stall every rank at an unknown step
             warm_kernels()
-        # ------------------------------------------------------------- internal fields
+        self.rules = rules
+        #: parameter names by id (registration), shared by every group
+        self.param_names: dict[int, str] = {}
+        self.groups = [
+            Group(config, settings, comm, "default", self.param_names, settings.error_feedback)
+        ] + [
+            Group(c, settings, comm, r.name, self.param_names)
+            for r, c in zip(rules, configs[1:], strict=True)
+        ]
+        # ------------------------------------------------------------- counters
         self.step = 0
         self.bytes_sent = 0
         self.step_bytes: list[int] = []
-        self.operators: dict[tuple[str, ...], Any] = {}
-        self.oktopk_states: dict[tuple[str, ...], OkTopkState] = {}
-        self.param_names: dict[int, str] = {}
         self.param_shapes: dict[str, tuple[int, ...]] = {}  # by name, once registered
-        self._checkpoint_parameters: dict[str, tuple[int, ...]] | None = None
+        self.checkpoint_parameters: dict[str, tuple[int, ...]] | None = None
+        # ------------------------------------------------------------- registration
         self.registered: str | None = None
+        self.sync_ids: list[int] | None = None  # sync_gradients' parameters
+        self.sparse_ids: set[int] = set()  # parameters with sparse gradients
         self.hook_error: BaseException | None = None  # raised at the end of backward
         self.hook_armed = False
         self.hook_works: list[Any] = []
-        # the DDP bucket keys of the last step, and after a resume the checkpoint's
-        # (sparcml.torch.layout)
+        # the DDP bucket keys of the last step (and of the step being reduced), and
+        # after a resume the checkpoint's (sparcml.torch.layout)
         self.layout: list[tuple[str, ...]] = []
+        self.layout_now: list[tuple[str, ...]] = []
         self.replay_layout: list[tuple[str, ...]] | None = None
-        # per-layer rules: a child state per rule, on the same communicator
-        self.parent = _parent
-        if _parent is not None and (layers or dense_below):
-            raise ValueError("a layer rule's method cannot have layer rules of its own")
-        self.rules = rules_from(layers, dense_below)
-        self.children = [self._child(r, method_options) for r in self.rules]
-        self.stats = GroupStats("default" if _parent is None else "", method)
-        for rule, child in zip(self.rules, self.children, strict=True):
-            child.stats = GroupStats(rule.name, rule.method)
-        self._routes: dict[tuple[str, ...], list[tuple[SparcmlState, list[int]]]] = {}
+        self._routes: dict[tuple[str, ...], list[tuple[Group, list[int]]]] = {}
 
-    def __getattr__(self, name: str) -> Any:
-        """The chosen method's hyperparameters read as attributes (``state.algorithm``,
-        ``state.redsync_asq``, ...): they live in ``state.config``."""
-        config = self.__dict__.get("config")
-        if config is not None and name in {f.name for f in dataclasses.fields(config)}:
-            return getattr(config, name)
-        raise AttributeError(
-            f"{type(self).__name__} of method {self.__dict__.get('method')!r} has no attribute "
-            f"{name!r}"
-        )
-
-    # ------------------------------------------------------------------ density
+    # ------------------------------------------------------------------ the method
     @property
-    def density(self) -> float:
-        """The density of the step being reduced (the schedule's value, if one is set)."""
-        d = self._density
-        if callable(d):
-            return check_density(d(self._schedule_step), f"density at step {self._schedule_step}")
-        return d
+    def config(self) -> MethodConfig:
+        """The method's typed config (the default group's)."""
+        return self.groups[0].config
+
+    @property
+    def method(self) -> str:
+        """The method's name (``"topk+natural"``, ...)."""
+        return self.config.name
+
+    @property
+    def kind(self) -> str:
+        """The method's registered kind (``"sparse"``, ``"oktopk"``, ...)."""
+        return self.groups[0].spec.kind
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.groups[0].error_feedback
+
+    @property
+    def density(self) -> float | None:
+        """The density of the step being reduced (the schedule's value, if one is set);
+        None for a method that sends every entry."""
+        return self.groups[0].density
 
     @density.setter
     def density(self, value: Density) -> None:
         """A number in (0, 1] or a schedule ``step -> density``; takes effect at the next
         step (operators built for another density are rebuilt)."""
-        if callable(value):
-            check_density(value(self._schedule_step), "density schedule at step 0")
-            self._density: Density = value
-        else:
-            self._density = check_density(value)
+        group = self.groups[0]
+        if getattr(group.config, "density", None) is None:
+            raise ValueError(f"method {self.method!r} selects nothing: it has no density")
+        group.config = dataclasses.replace(group.config, density=value)  # type: ignore[type-var]
 
     @property
-    def density_schedule(self) -> Density:
-        """The density as given: a number or a schedule."""
-        return self._density
+    def children(self) -> list[Group]:
+        """The layer rules' groups (in the order of the rules)."""
+        return self.groups[1:]
+
+    @property
+    def stats(self) -> GroupStats:
+        return self.groups[0].stats
+
+    @property
+    def feedback(self) -> ErrorFeedback:
+        return self.groups[0].feedback
+
+    @property
+    def momentum_correction(self) -> MomentumCorrection:
+        return self.groups[0].momentum_correction
+
+    @property
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """The default group's error-feedback residuals by parameter name."""
+        return self.groups[0].feedback.buffers
+
+    @property
+    def momenta(self) -> dict[str, torch.Tensor]:
+        """The default group's DGC momenta ``u`` by parameter name."""
+        return self.groups[0].momentum_correction.buffers
 
     def at_step(self, step: int) -> None:
-        """Evaluate schedules at ``step`` (the pipeline calls it before each bucket)."""
-        self._schedule_step = step
+        """Evaluate density schedules at ``step`` (the pipeline calls it per bucket)."""
+        for group in self.groups:
+            group.schedule_step = step
 
     # ------------------------------------------------------------------ layer rules
-    def _child(self, rule: LayerRule, options: dict[str, Any]) -> SparcmlState:
-        """The state that reduces a rule's parameters: the parent's pipeline settings,
-        the rule's method, density and options (the parent's method options that the
-        rule's method takes are inherited)."""
-        try:
-            config = method_spec(method_kind(rule.method)).config
-            fields = {f.name for f in dataclasses.fields(config)}
-            inherited = {k: v for k, v in options.items() if k in fields}
-            return SparcmlState(
-                rule.method,
-                self._density if rule.density is None else rule.density,
-                warmup_steps=self.warmup_steps,
-                momentum=self.momentum,
-                momentum_masking=self.momentum_masking,
-                clip_norm=self.clip_norm,
-                clip_scope=self.clip_scope,
-                nan_policy=self.nan_policy,
-                bucket_bytes=self.bucket_bytes,
-                seed=self.seed,
-                residual_precision=self.residual_precision,
-                _parent=self,
-                **{**inherited, **dict(rule.options)},
-            )
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"layer rule {rule.name!r}: {e}") from None
-
-    def group_of(self, name: str, numel: int, step: int) -> SparcmlState:
-        """The state (this one or a rule's) that reduces parameter ``name`` at ``step``."""
-        for rule, child in zip(self.rules, self.children, strict=True):
+    def group_of(self, name: str, numel: int, step: int) -> Group:
+        """The group (the state's method, or a rule's) that reduces parameter ``name``."""
+        for rule, group in zip(self.rules, self.groups[1:], strict=True):
             if rule.matches(name, numel, step):
-                return child
-        return self
+                return group
+        return self.groups[0]
 
     def routes(
         self, names: tuple[str, ...], sizes: tuple[int, ...], step: int
-    ) -> list[tuple[SparcmlState, list[int]]]:
-        """A bucket's parameters grouped by the state that reduces them, groups in
+    ) -> list[tuple[Group, list[int]]]:
+        """A bucket's parameters grouped by the group that reduces them, groups in
         order of their first parameter (the same on every rank); cached per bucket
         unless a rule depends on the step."""
         timed = any(r.when is not None for r in self.rules)
         got = None if timed else self._routes.get(names)
         if got is None:
-            groups: dict[int, tuple[SparcmlState, list[int]]] = {}
+            groups: dict[int, tuple[Group, list[int]]] = {}
             for i, (name, n) in enumerate(zip(names, sizes, strict=True)):
-                st = self.group_of(name, n, step)
-                groups.setdefault(id(st), (st, []))[1].append(i)
+                g = self.group_of(name, n, step)
+                groups.setdefault(id(g), (g, []))[1].append(i)
             got = list(groups.values())
             if not timed:
                 self._routes[names] = got
@@ -436,87 +297,13 @@ class SparcmlState:
     def group_stats(self) -> dict[str, GroupStats]:
         """Statistics per parameter group (the state's own method: ``"default"``; one
         per layer rule): bytes, compression ratio, selected count vs k, time split."""
-        from .stats import residual_norm
-
         out = {}
-        for st in (self, *self.children):
-            st.stats.residual_norm = residual_norm(st)
-            out[st.stats.label] = st.stats
+        for group in self.groups:
+            group.stats.residual_norm = residual_norm(group.feedback.buffers)
+            out[group.stats.label] = group.stats
         return out
 
-    # ------------------------------------------------------------------ feedback
-    @property
-    def momentum(self) -> float:
-        """DGC momentum correction's ``m`` (0: off)."""
-        return self.momentum_correction.momentum
-
-    @property
-    def momentum_masking(self) -> bool:
-        return self.momentum_correction.masking
-
-    @property
-    def residuals(self) -> dict[str, torch.Tensor]:
-        """The error-feedback residuals by parameter name (``self.feedback``'s)."""
-        return self.feedback.buffers
-
-    @residuals.setter
-    def residuals(self, value: dict[str, torch.Tensor]) -> None:
-        self.feedback.buffers = value
-
-    @property
-    def momenta(self) -> dict[str, torch.Tensor]:
-        """DGC's momenta ``u`` by parameter name (``self.momentum_correction``'s)."""
-        return self.momentum_correction.buffers
-
-    @momenta.setter
-    def momenta(self, value: dict[str, torch.Tensor]) -> None:
-        self.momentum_correction.buffers = value
-
-    @property
-    def ina_address(self) -> tuple[str, int] | None:
-        return self.config.address if self.kind == "natural_ina" else None
-
-    # ------------------------------------------------------------------ operators
-    def _make_operator(self) -> Any:
-        """A fresh selector / ``selector+quantizer`` / quantizer for this method."""
-        params = dict(getattr(self.config, "compressor_params", {}))
-        accepted = _init_params(self.method)
-        if self.kind == "sparse" and "k" not in params and "density" in accepted:
-            params.setdefault("density", self.density)
-        if "seed" in accepted:
-            params.setdefault("seed", self.seed)
-        return get(self.method, **params)
-
-    def operator(self, key: tuple[str, ...]) -> Any:
-        """The selector (or composition / quantizer) of one bucket; selectors that
-        reuse thresholds across calls keep their state per bucket."""
-        if self.kind == "sparse":
-            return self.cached_operator(key, self._make_operator)
-        op = self.operators.get(key)
-        if op is None:
-            op = self._make_operator()
-            self.operators[key] = op
-        return op
-
-    def cached_operator(self, key: tuple[str, ...], build: Callable[[], Any]) -> Any:
-        """The operator kept under ``key``, rebuilt when the density changed since it
-        was built (a threshold reused from another density would be wrong)."""
-        d = self.density
-        op = self.operators.get(key)
-        if op is None or getattr(op, "sparcml_density", d) != d:
-            op = build()
-            if op is not None:
-                op.sparcml_density = d
-            self.operators[key] = op
-        return op
-
-    def oktopk_state(self, key: tuple[str, ...]) -> OkTopkState:
-        st = self.oktopk_states.get(key)
-        if st is None:
-            st = OkTopkState(tau=self.oktopk_tau, tau_prime=self.oktopk_tau_prime)
-            self.oktopk_states[key] = st
-        return st
-
+    # ------------------------------------------------------------------ registration
     def name_of(self, param: torch.Tensor, position: int, bucket: int) -> str:
         """The name a parameter's residual is kept under (stable across bucket rebuilds)."""
         name = self.param_names.get(id(param))
@@ -530,41 +317,30 @@ class SparcmlState:
         Raises:
             ValueError: a loaded checkpoint's parameters differ, naming the first.
         """
-        self.param_names = {id(p): n for n, p in named}
+        self.param_names.clear()
+        self.param_names.update({id(p): n for n, p in named})
         self.param_shapes = {n: tuple(p.shape) for n, p in named}
-        expected, self._checkpoint_parameters = self._checkpoint_parameters, None
+        expected, self.checkpoint_parameters = self.checkpoint_parameters, None
         if expected is not None:
             _check_parameters(expected, self.param_shapes)
+
+    def settings_dict(self) -> dict[str, Any]:
+        """The hyperparameters every rank must share (compared at registration):
+        the pipeline's, the method's own and the layer rules' (secrets excluded)."""
+        return {
+            **_group_settings(self.groups[0], self.settings),
+            "layers": [
+                {**r.describe(), "settings": {**_group_settings(g, self.settings), "layers": []}}
+                for r, g in zip(self.rules, self.groups[1:], strict=True)
+            ],
+        }
 
     def _checkpoint_settings(self) -> dict[str, Any]:
         """What a checkpoint must be resumed with: every setting that changes what is
         computed (the aggregator's address and the statistics cadence do not)."""
-        out = self.settings()
-        out.pop("ina_server", None)
+        out = self.settings_dict()
+        out.pop("server", None)
         return out
-
-    def settings(self) -> dict[str, Any]:
-        """The hyperparameters every rank must share (compared at registration):
-        the pipeline's and the method's own (secrets excluded)."""
-        return {
-            "method": self.method,
-            "density": describe_schedule(self._density),
-            "error_feedback": self.error_feedback,
-            "warmup_steps": self.warmup_steps,
-            "momentum": self.momentum,
-            "momentum_masking": self.momentum_masking,
-            "clip_norm": self.clip_norm,
-            "clip_scope": self.clip_scope,
-            "nan_policy": self.nan_policy,
-            "bucket_bytes": self.bucket_bytes,
-            "seed": self.seed,
-            "residual_precision": self.residual_precision,
-            "layers": [
-                {**r.describe(), "settings": c.settings()}
-                for r, c in zip(self.rules, self.children, strict=True)
-            ],
-            **self.config.settings(),
-        }
 
     def check(self) -> None:
         """Raise (once) the error a DDP hook call stored, if backward has not raised it.
@@ -577,42 +353,33 @@ class SparcmlState:
             raise err
 
     def reset(self) -> None:
-        """Forget residuals, momenta and reused thresholds (e.g. after loading a checkpoint)."""
-        self.feedback.reset()
-        self.momentum_correction.reset()
-        self.operators.clear()
-        self.oktopk_states.clear()
-        for child in self.children:
-            child.reset()
+        """Forget residuals, momenta, reused thresholds and methods' runtime state
+        (e.g. after loading a checkpoint)."""
+        for group in self.groups:
+            group.reset()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """This rank's compression state as tensors and plain data (per-rank: save
         one per rank; see :mod:`sparcml.torch.checkpoint`). Call it between steps."""
-        from . import checkpoint as ck
-
         return {
-            "version": 2,
+            "version": CHECKPOINT_VERSION,
             # every setting that changes what is computed, and the parameters:
             # load_state_dict refuses another configuration (strict=True)
             "settings": self._checkpoint_settings(),
             "parameters": {n: list(s) for n, s in self.param_shapes.items()},
             "method": self.method,
-            "density": describe_schedule(self._density),
+            "density": describe_schedule(getattr(self.config, "density", None)),
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,
             "step": self.step,
             "bytes_sent": self.bytes_sent,
             "step_bytes": list(self.step_bytes),
-            "ina_calls": self.ina_calls,
             # the collective call number: quantizers' rounding seeds derive from it
             "comm_sequence": self.comm.sequence,
-            "residuals": ck.tensors(self.residuals),
-            "momenta": ck.tensors(self.momenta),
-            "operators": ck.keyed(self.operators),
-            "oktopk_states": ck.keyed(self.oktopk_states),
             "layout": [list(k) for k in self.layout],
-            "groups": [c.state_dict() for c in self.children],
+            **_group_dict(self.groups[0]),
+            "groups": [_group_dict(g) for g in self.groups[1:]],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
@@ -626,15 +393,14 @@ class SparcmlState:
                 seed, layer rules, ...) or other parameters (names, shapes), naming
                 what differs. ``False`` loads it anyway (logged as a warning): for a
                 deliberate change of settings between runs. A checkpoint of another
-                world size or rank is refused either way. Checkpoints of version 1
-                (before settings were saved) load with a warning that nothing could
-                be checked.
+                world size or rank is refused either way. Checkpoints of version 2
+                (method options named ``oktopk_tau``, ``redsync_asq``, ...) load with
+                their names translated; version 1 (before settings were saved) loads
+                with a warning that nothing could be checked.
 
         Raises:
             ValueError: a setting, the parameters, the world size or the rank differ.
         """
-        from . import checkpoint as ck
-
         sd = state_dict
         mine = (self.comm.world_size, self.comm.rank)
         theirs = (sd["world_size"], sd["rank"])
@@ -642,51 +408,121 @@ class SparcmlState:
             raise ValueError(
                 f"sparcml checkpoint of (world size, rank) = {theirs}, this state is {mine}"
             )
+        version = int(sd.get("version", 1))
+        if version > CHECKPOINT_VERSION:
+            raise ValueError(
+                f"sparcml checkpoint of format version {version}: this sparcml reads "
+                f"versions 1-{CHECKPOINT_VERSION}; upgrade sparcml to load it"
+            )
         saved = sd.get("settings")
         if saved is None:
             old = {"method": sd["method"], "density": sd["density"]}
-            now = {"method": self.method, "density": describe_schedule(self._density)}
+            now = {
+                "method": self.method,
+                "density": describe_schedule(getattr(self.config, "density", None)),
+            }
             _check_settings(old, now, strict)
             log.warning("sparcml checkpoint of version %s carries no settings: only its "
                         "method and density could be checked", sd.get("version"))  # fmt: skip
         else:
+            if version < 3:
+                saved = _v2_settings(saved)
             _check_settings(saved, self._checkpoint_settings(), strict)
         params = {n: tuple(v) for n, v in sd.get("parameters", {}).items()}
         if params and strict:
             if self.param_shapes:
                 _check_parameters(params, self.param_shapes)
             else:  # checked when the model is registered (set_parameters)
-                self._checkpoint_parameters = params
+                self.checkpoint_parameters = params
         self.step = int(sd["step"])
         self.bytes_sent = int(sd["bytes_sent"])
         self.step_bytes = [int(b) for b in sd["step_bytes"]]
-        self.ina_calls = int(sd["ina_calls"])
-        # the aggregator binds results to (session, call): a rewound call counter in
-        # the same session would reuse call numbers, so the next call agrees a new one
-        self.ina_session = None
         self.comm.sequence = int(sd["comm_sequence"])
-        self.residuals = ck.tensors(sd["residuals"])
-        self.momenta = ck.tensors(sd["momenta"])
-        self.operators = ck.unkeyed(sd["operators"])
-        self.oktopk_states = ck.unkeyed(sd["oktopk_states"])
         self.layout = [tuple(k) for k in sd["layout"]]
         self.replay_layout = list(self.layout) or None
         groups = sd.get("groups", [])
-        if len(groups) != len(self.children):
+        if len(groups) != len(self.groups) - 1:
             raise ValueError(
                 f"sparcml checkpoint with {len(groups)} layer rule groups, this state has "
-                f"{len(self.children)}"
+                f"{len(self.groups) - 1}"
             )
-        for child, child_sd in zip(self.children, groups, strict=True):
-            child.load_state_dict(child_sd, strict)
+        for group, group_sd in zip(self.groups, [sd, *groups], strict=True):
+            _load_group(group, group_sd)
 
     def __repr__(self) -> str:
         return (
-            f"SparcmlState(method={self.method!r}, density={describe_schedule(self._density)}, "
-            f"config={self.config!r}, error_feedback={self.error_feedback}, "
-            f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, step={self.step}, "
-            f"world_size={self.comm.world_size})"
+            f"SparcmlState(config={self.config!r}, settings={self.settings!r}, "
+            f"layers={len(self.rules)}, step={self.step}, world_size={self.comm.world_size})"
         )
+
+
+def _rule_config(rule: LayerRule, parent: MethodConfig, density: Density | None) -> MethodConfig:
+    """A layer rule's config: the rule's method, density and options; the parent
+    method's options that the rule's method also takes are inherited."""
+    try:
+        takes = set(method_spec(rule.method).config.field_names())
+        inherited = {k: v for k, v in parent.options().items() if k in takes}
+        d = density if rule.density is None else rule.density
+        return config_of(rule.method, d, {**inherited, **dict(rule.options)})
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"layer rule {rule.name!r}: {e}") from None
+
+
+def _group_settings(group: Group, settings: PipelineSettings) -> dict[str, Any]:
+    """One group's settings as plain data (the pipeline's, its method's)."""
+    pipeline = dataclasses.asdict(settings)
+    for volatile in ("stats_every", "stats_ranks", "error_feedback"):
+        pipeline.pop(volatile)
+    return {
+        "method": group.config.name,
+        "density": describe_schedule(getattr(group.config, "density", None)),
+        "error_feedback": group.error_feedback,
+        **pipeline,
+        **group.config.settings(),
+    }
+
+
+def _group_dict(group: Group) -> dict[str, Any]:
+    from . import checkpoint as ck
+
+    return {
+        "residuals": ck.tensors(group.feedback.buffers),
+        "momenta": ck.tensors(group.momentum_correction.buffers),
+        "operators": ck.keyed(group.operators),
+        "method_state": ck.to_plain(group.method_state),
+    }
+
+
+def _load_group(group: Group, sd: dict[str, Any]) -> None:
+    from . import checkpoint as ck
+
+    group.feedback.buffers = ck.tensors(sd["residuals"])
+    group.momentum_correction.buffers = ck.tensors(sd["momenta"])
+    group.operators = ck.unkeyed(sd["operators"])
+    if "method_state" in sd:
+        state = ck.from_plain(sd["method_state"])
+    else:  # version 2: Ok-Topk's states and the aggregator's call counter by name
+        state = group.spec.runtime() if group.spec.runtime else None
+        if isinstance(state, dict):
+            state.update(ck.unkeyed(sd.get("oktopk_states", [])))
+        elif state is not None and hasattr(state, "calls"):
+            state.calls = int(sd.get("ina_calls", 0))
+    group.method_state = state
+
+
+def _v2_settings(saved: dict[str, Any]) -> dict[str, Any]:
+    """Version 2's settings with today's option names (and without the settings
+    version 3 no longer compares)."""
+    out = {_V2_NAMES.get(k, k): v for k, v in saved.items()}
+    method = out.get("method")
+    if isinstance(method, str) and "density" not in method_spec(method).config.field_names():
+        out["density"] = None  # (version 2 recorded one for every method)
+    for gone in ("ina_server", "server"):
+        out.pop(gone, None)
+    out["layers"] = [
+        {**rule, "settings": _v2_settings(rule["settings"])} for rule in out.get("layers", [])
+    ]
+    return out
 
 
 def _check_settings(saved: dict[str, Any], now: dict[str, Any], strict: bool) -> None:
@@ -729,14 +565,3 @@ def _check_parameters(saved: dict[str, tuple[int, ...]], now: dict[str, tuple[in
         + "; ".join(parts)
         + "): it belongs to another model. load_state_dict(..., strict=False) skips this check"
     )
-
-
-def _init_params(method: str) -> set[str]:
-    import inspect
-
-    names: set[str] = set()
-    for part in method.split("+"):
-        cls = operator_class(part)
-        if cls is not None:
-            names |= set(inspect.signature(cls.__init__).parameters)
-    return names

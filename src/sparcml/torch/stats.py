@@ -104,7 +104,7 @@ def compression_stats(state: Any, dense_bytes: float | None = None) -> dict[str,
     ``dense_bytes`` (per step), ``ratio`` (dense bytes / bytes per step)."""
     steps = len(state.step_bytes)
     per_step = state.bytes_sent / steps if steps else 0.0
-    squares = sum(residual_norm(s) ** 2 for s in (state, *getattr(state, "children", ())))
+    squares = sum(residual_norm(g.feedback.buffers) ** 2 for g in state.groups)
     out = {
         "step": float(state.step),
         "bytes_last_step": float(state.step_bytes[-1]) if steps else 0.0,
@@ -116,12 +116,12 @@ def compression_stats(state: Any, dense_bytes: float | None = None) -> dict[str,
     return out
 
 
-def residual_norm(state: Any) -> float:
-    """The L2 norm of one state's error-feedback residuals (float64)."""
+def residual_norm(residuals: dict[str, torch.Tensor]) -> float:
+    """The L2 norm of a group's error-feedback residuals (float64)."""
     return math.sqrt(
         sum(
             float(torch.linalg.vector_norm(r.detach(), dtype=torch.float64)) ** 2
-            for r in state.residuals.values()
+            for r in residuals.values()
         )
     )
 
@@ -144,11 +144,12 @@ def log_every(state: Any, every: int, dense_bytes: float | None = None) -> bool:
 
 
 def log_step(state: Any) -> None:
-    """After a step: ``state.stats_every``'s line per group, on rank 0 (every rank
+    """After a step: ``state.settings.stats_every``'s line per group, on rank 0 (every rank
     with ``stats_ranks="all"``). Every entry point calls it once per step."""
-    if not state.stats_every or state.step % state.stats_every:
+    every = state.settings.stats_every
+    if not every or state.step % every:
         return
-    if state.stats_ranks == "first" and state.comm.rank != 0:
+    if state.settings.stats_ranks == "first" and state.comm.rank != 0:
         return
     log_groups(state)
 

@@ -9,7 +9,7 @@ For training loops that do not use DDP, and for the MPI transport::
     sparcml.torch.sync_gradients(model, state)   # grads now hold the average
     optimizer.step()
 
-Parameters are grouped into buckets of about ``state.bucket_bytes`` in
+Parameters are grouped into buckets of about ``state.settings.bucket_bytes`` in
 registration order; every bucket goes through the same pipeline as the DDP hook
 (:func:`~sparcml.torch.reduce.reduce_bucket`), submitted to the engine so the
 buckets' collectives run back to back.
@@ -53,19 +53,19 @@ def _attach(state: SparcmlState, named: list[tuple[str, torch.Tensor]], model: A
     ids = [id(p) for _, p in named]
     if state.registered is None:
         sparse = sparse_gradient_parameters(model)
-        if sparse and state.clip_norm is not None and state.clip_scope == "model":
+        if sparse and state.settings.clip_norm is not None and state.settings.clip_scope == "model":
             raise ValueError(
                 f"clip_scope='model' with the sparse-gradient parameter {sparse[0][0]!r}: "
                 "clip per bucket (clip_scope='bucket') or densify the embedding"
             )
-        state._sparse_ids = {id(p) for _, p in sparse}  # type: ignore[attr-defined]
+        state.sparse_ids = {id(p) for _, p in sparse}
         check_sparse_gradients(state, model)
         check_settings(state)
         check_parameters(state, named, values=True)
         state.set_parameters(named)
         state.registered = "sync_gradients"
-        state._sync_ids = ids  # type: ignore[attr-defined]
-    elif getattr(state, "_sync_ids", None) != ids:
+        state.sync_ids = ids
+    elif state.sync_ids != ids:
         raise ValueError(
             "this state synchronises another set of parameters (or the DDP hook); "
             "use one SparcmlState per model"
@@ -95,9 +95,10 @@ def _model_clip_scale(
 ) -> float | None:
     """RedSync's local clipping (sec. 3.5) of the whole local gradient to
     ``clip_norm / sqrt(P)``: the factor, or None (not clipping this step)."""
-    if state.clip_norm is None or state.clip_scope != "model":
+    settings = state.settings
+    if settings.clip_norm is None or settings.clip_scope != "model":
         return None
-    if step < state.warmup_steps or state.kind == "dense":
+    if step < settings.warmup_steps or state.groups[0].spec.reference:
         return None  # (dense steps are not clipped, as in the per-bucket pipeline)
     grads = [
         p.grad.detach().reshape(-1) for _, p in named if p.grad is not None and not p.grad.is_sparse
@@ -107,7 +108,7 @@ def _model_clip_scale(
     norm = float(torch.linalg.vector_norm(torch.stack(
         [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
     )))  # fmt: skip
-    limit = state.clip_norm / math.sqrt(state.comm.world_size)
+    limit = settings.clip_norm / math.sqrt(state.comm.world_size)
     return limit / (norm + 1e-12) if norm > limit else None
 
 
@@ -160,17 +161,17 @@ def _plan(state: SparcmlState, named: list[tuple[str, torch.Tensor]]) -> list[_I
     of its own), reduced last first, as backward produces the gradients (DDP's
     order): :class:`DistributedOptimizer` can then start each as soon as it is
     ready, and gives the same results as :func:`sync_gradients`."""
-    sparse_ids: set[int] = state.__dict__.get("_sparse_ids", set())
+    sparse_ids = state.sparse_ids
     items: list[_Item] = []
     run: list[tuple[str, torch.Tensor]] = []
     for name, p in named:
         if id(p) in sparse_ids or _has_sparse_grad(p):
-            items += [_Item(b, False) for b in _buckets(run, state.bucket_bytes)]
+            items += [_Item(b, False) for b in _buckets(run, state.settings.bucket_bytes)]
             items.append(_Item([(name, p)], True))
             run = []
         else:
             run.append((name, p))
-    items += [_Item(b, False) for b in _buckets(run, state.bucket_bytes)]
+    items += [_Item(b, False) for b in _buckets(run, state.settings.bucket_bytes)]
     return items[::-1]
 
 
@@ -329,7 +330,8 @@ class DistributedOptimizer:
         self.model = model if isinstance(model, torch.nn.Module) else list(model)
         self.state = state
         self.backward_passes_per_step = backward_passes_per_step
-        self.overlap = overlap and not (state.clip_norm is not None and state.clip_scope == "model")
+        clips_model = state.settings.clip_norm is not None and state.settings.clip_scope == "model"
+        self.overlap = overlap and not clips_model
         if overlap and not self.overlap:
             log.info("sparcml DistributedOptimizer: clip_scope='model' needs the whole "
                      "gradient; reducing in step(), without overlap")  # fmt: skip

@@ -48,6 +48,7 @@ from ...collectives.autotune import auto_choices, measuring
 from ...collectives.registry import algorithm_info, predict
 from ...comm import Communicator
 from ...comm.launch import run_processes
+from ...compress.selection import k_of
 from ...costmodel import CostModel
 from ...stream import SparseStream
 from .harness import Case, Timing, percentiles, time_case, write_csv, write_json
@@ -168,7 +169,7 @@ def gradient_like(
     a seed all ranks share (heavy-hitter coordinates that many workers select),
     the rest uniformly at random per rank.
     """
-    k = round(density * size)
+    k = k_of(density, size)
     k_common = round(overlap * k)
     shared = torch.Generator().manual_seed(seed * 7_919 + 17)
     own = torch.Generator().manual_seed(seed * 7_919 + 1_000_003 * (rank + 1))

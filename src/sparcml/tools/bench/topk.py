@@ -43,6 +43,7 @@ from ...collectives.registry import algorithm_info, algorithms, predict
 from ...comm import Communicator
 from ...comm.launch import run_processes
 from ...compress.gaussiank import GaussianK
+from ...compress.selection import k_of
 from ...compress.topk import TopK
 from ...costmodel import CostModel
 from ...stream import SparseStream, index_bytes
@@ -173,7 +174,7 @@ def oktopk_error(
 
 def rank_main(comm: Communicator, cfg: TopkBenchConfig) -> list[dict[str, Any]] | None:
     n, p = cfg.size, comm.world_size
-    k = max(1, round(cfg.density * n))
+    k = k_of(cfg.density, n)
     g = torch.Generator().manual_seed(cfg.seed * 7919 + comm.rank)
     acc = torch.randn(n, generator=g)
     show = cfg.progress and comm.rank == 0

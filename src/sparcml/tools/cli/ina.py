@@ -35,8 +35,8 @@ def ina_server(args: argparse.Namespace) -> int:
     host, port = srv.address
     print(f"sparcml ina-server: listening on {host}:{port} (epoch {srv.epoch}, "
           f"{'keyed sessions' if secret else 'token sessions'}, state at most "
-          f"{srv.state_bound / 2**20:.0f} MiB); workers use ina_server='{host}:{port}'"
-          f"{' and ina_secret' if secret else ''}; Ctrl-C stops", flush=True)  # fmt: skip
+          f"{srv.state_bound / 2**20:.0f} MiB); workers use server='{host}:{port}'"
+          f"{' and secret' if secret else ''}; Ctrl-C stops", flush=True)  # fmt: skip
     import signal
 
     def stop(signum: int, frame: object) -> None:
@@ -161,7 +161,7 @@ def add_parsers(sub: Any) -> None:
     ina.add_argument(
         "--secret-file",
         help="a file holding the aggregator's secret (1..64 bytes): every session is then "
-        "keyed and every packet must carry a valid tag (workers: ina_secret=...)",
+        "keyed and every packet must carry a valid tag (workers: secret=...)",
     )
     ina.add_argument("--master-rounding", choices=["stochastic", "nearest"], default="stochastic")
     ina.add_argument("--stats-every", type=float, default=10.0, help="seconds between counters")

@@ -15,7 +15,6 @@ def train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ...torch.peers import is_peer
-    from ...torch.state import methods as known_methods
     from ..recipes import RECIPES
     from ..recipes.data import DataMissingError
     from ..recipes.train import CONFIG_PREFIX, format_table, run_recipe, write_report
@@ -27,16 +26,10 @@ def train(args: argparse.Namespace) -> int:
             return checked
     default = [] if args.config else list(recipe.methods)  # --config alone: its run only
     chosen = args.methods.split(",") if args.methods else default
-    valid = known_methods()
     for m in chosen:
         if m.startswith(CONFIG_PREFIX):
             continue
-        parts = m.split("+")
-        if (
-            m not in valid
-            and not is_peer(m)
-            and not (len(parts) == 2 and all(p in valid for p in parts))
-        ):
+        if not is_peer(m) and not _is_method(m):
             print(
                 f"sparcml train: unknown method {m!r}; see `sparcml methods` (PyTorch's own: "
                 "ddp, fp16, bf16, powersgd, powersgdR)",
@@ -68,13 +61,12 @@ def train(args: argparse.Namespace) -> int:
               "drop --fsdp", file=sys.stderr)  # fmt: skip
         return 2
     if args.fsdp:
-        from ...torch.fsdp import FSDP_METHODS
-        from ...torch.state import method_kind
+        from ...torch.methods import method_spec
 
         if not args.methods:
-            chosen = [m for m in chosen if method_kind(m) in FSDP_METHODS]
+            chosen = [m for m in chosen if method_spec(m).scatter is not None]
         for m in chosen:
-            if method_kind(m) not in FSDP_METHODS:
+            if method_spec(m).scatter is None:
                 print(f"sparcml train: {m!r} has no FSDP reduce-scatter", file=sys.stderr)
                 return 2
         options["fsdp"] = True
@@ -131,9 +123,19 @@ def _check_config(args: argparse.Namespace) -> int | None:
     return None
 
 
+def _is_method(name: str) -> bool:
+    from ...torch.methods import method_kind
+
+    try:
+        method_kind(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _layer_rules(text: str) -> list[tuple[str, str]]:
     """``"*.bias=dense,emb.*=nonzeros"`` as (pattern, method) pairs, methods checked."""
-    from ...torch.state import method_kind
+    from ...torch.methods import method_kind
 
     rules = []
     for part in text.split(","):

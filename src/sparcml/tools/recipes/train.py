@@ -127,7 +127,7 @@ def train_worker(
         state = st.register(model, registered, **hyper)
         inner = model.module
     # DGC momentum correction moves the momentum from the optimizer into the state
-    opt = recipe.optimizer(model.parameters(), momentum=peer or not state.momentum)
+    opt = recipe.optimizer(model.parameters(), momentum=peer or not state.settings.momentum)
     steps = recipe.steps_per_epoch()
     total = epochs * steps
     if eval_every < 0:
@@ -277,6 +277,11 @@ def method_hyper(method: str, hyper: dict[str, Any], fsdp: bool = False) -> dict
     """
     from ...torch.peers import is_peer
 
+    def method_options(name: str) -> tuple[str, ...]:
+        from ...torch.methods import method_spec
+
+        return method_spec(name).config.field_names()
+
     h = dict(hyper)
     config = h.pop("config", None)  # sparcml train --config: the file's path
     if method.startswith(CONFIG_PREFIX):  # that run: the file says it all
@@ -292,7 +297,7 @@ def method_hyper(method: str, hyper: dict[str, Any], fsdp: bool = False) -> dict
         # error feedback and the optimizer's momentum amplify each other: sparse
         # methods get DGC momentum correction (the optimizer then runs without)
         h["momentum"] = 0.9
-    if h.get("index_coding") and "+" not in method:
+    if h.get("index_coding") and "index_coding" not in method_options(method):
         h.pop("index_coding")  # index coding applies to quantized sparse messages only
     return h
 
@@ -319,11 +324,11 @@ def run_recipe(
     for method in methods:
         h = method_hyper(method, hyper or {}, fsdp=bool((options or {}).get("fsdp")))
         server = None
-        if method == "natural_ina" and "ina_server" not in h:
+        if method == "natural_ina" and "server" not in h:
             from ...ina import AggregatorServer
 
             server = AggregatorServer().start()  # an aggregator for this run, on loopback
-            h["ina_server"] = f"{server.address[0]}:{server.address[1]}"
+            h["server"] = f"{server.address[0]}:{server.address[1]}"
         t0 = time.monotonic()
         try:
             out = run_processes(
@@ -333,7 +338,7 @@ def run_recipe(
         finally:
             if server is not None:
                 h["aggregator_counters"] = server.snapshot()
-                h.pop("ina_server")
+                h.pop("server")
                 server.stop()
         run = out[0]
         run["wall_s"] = time.monotonic() - t0

@@ -2,21 +2,43 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from .base import MethodSpec, register_method
+from ...stream import SparseStream
+from .base import MethodConfig, MethodResult, MethodSpec, register_method
+from .sparse import scatter
 
 if TYPE_CHECKING:
     from ..reduce import Bucket
-    from ..state import SparcmlState
+    from ..runtime import Group
 
-__all__ = ["DENSE"]
+__all__ = ["DENSE", "Dense"]
 
 
-def run(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
-    return acc, state.comm.allreduce(acc)
+@dataclasses.dataclass(frozen=True)
+class Dense(MethodConfig):
+    """The backend's dense allreduce (no options)."""
+
+
+def run(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+    return MethodResult(acc, group.comm.allreduce(acc))
+
+
+def scatter_dense(
+    group: Group, bucket: Bucket, acc: torch.Tensor, bounds: list[int]
+) -> MethodResult:
+    """FSDP2's reference reduce-scatter: the dense chunks through the split, summed
+    in rank order."""
+    from ...collectives.codec import EXACT
+
+    t0 = time.perf_counter()
+    stream = SparseStream.dense(acc)  # (its local part: the stream over the chunks)
+    local_s = time.perf_counter() - t0
+    return MethodResult(acc, scatter(stream, group.comm, EXACT, bounds), local_s)
 
 
 DENSE = register_method(
@@ -24,8 +46,12 @@ DENSE = register_method(
         "dense",
         "dense allreduce (the baseline; what DDP does without a hook)",
         run,
+        config=Dense,
         names=("dense",),
         unbiased=True,
         lossless=True,
+        reference=True,
+        sparse_gradients=True,
+        scatter=scatter_dense,
     )
 )

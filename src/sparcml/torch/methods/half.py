@@ -18,24 +18,35 @@ baselines they are compared with.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
-from .base import MethodSpec, register_method
+from .base import MethodConfig, MethodResult, MethodSpec, register_method
 
 if TYPE_CHECKING:
     from ..reduce import Bucket
-    from ..state import SparcmlState
+    from ..runtime import Group
 
-__all__ = ["BF16", "FP16"]
+__all__ = ["BF16", "FP16", "Bf16", "Fp16"]
 
 
-def _spec(name: str, dtype: torch.dtype, hook: str) -> MethodSpec:
-    def run(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
+@dataclasses.dataclass(frozen=True)
+class Fp16(MethodConfig):
+    """float16 allreduce of the bucket divided by P (no options)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Bf16(MethodConfig):
+    """bfloat16 allreduce of the bucket divided by P (no options)."""
+
+
+def _spec(name: str, dtype: torch.dtype, hook: str, config: type[MethodConfig]) -> MethodSpec:
+    def run(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
         # Steps 1-3 (the pipeline casts the average back to the gradient's dtype)
-        low = acc.to(dtype).div_(state.comm.world_size)
-        return None, state.comm.allreduce(low)
+        low = acc.to(dtype).div_(group.comm.world_size)
+        return MethodResult(None, group.comm.allreduce(low))
 
     return register_method(
         MethodSpec(
@@ -43,6 +54,7 @@ def _spec(name: str, dtype: torch.dtype, hook: str) -> MethodSpec:
             f"{str(dtype).removeprefix('torch.')} allreduce of the bucket divided by P "
             f"(PyTorch's {hook})",
             run,
+            config=config,
             names=(name,),
             unbiased=True,
             carries_nonfinite=True,
@@ -51,5 +63,5 @@ def _spec(name: str, dtype: torch.dtype, hook: str) -> MethodSpec:
     )
 
 
-FP16 = _spec("fp16", torch.float16, "fp16_compress_hook")
-BF16 = _spec("bf16", torch.bfloat16, "bf16_compress_hook")
+FP16 = _spec("fp16", torch.float16, "fp16_compress_hook", Fp16)
+BF16 = _spec("bf16", torch.bfloat16, "bf16_compress_hook", Bf16)

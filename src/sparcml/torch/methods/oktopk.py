@@ -8,36 +8,52 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...collectives import OkTopkState, oktopk_allreduce
+from ...compress.selection import k_of
 from ...stream import SparseStream
-from .base import MethodConfig, MethodSpec, register_method
+from ..rules import Density
+from .base import MethodConfig, MethodResult, MethodSpec, register_method
 
 if TYPE_CHECKING:
     from ..reduce import Bucket
-    from ..state import SparcmlState
+    from ..runtime import Group
 
-__all__ = ["OKTOPK", "OkTopkConfig"]
+__all__ = ["OKTOPK", "OkTopk"]
 
 
-@dataclasses.dataclass
-class OkTopkConfig(MethodConfig):
-    """Attributes:
-    oktopk_tau: calls between re-estimations of the region boundaries (tau).
-    oktopk_tau_prime: calls between exact threshold refreshes (tau').
+@dataclasses.dataclass(frozen=True)
+class OkTopk(MethodConfig):
+    """Ok-Topk SGD (paper 001).
+
+    Example:
+        >>> OkTopk(density=0.01, tau=64).tau_prime
+        32
+
+    Attributes:
+        density: fraction of each bucket's entries selected locally and kept
+            globally (``k``), or a schedule.
+        tau: calls between re-estimations of the region boundaries (tau).
+        tau_prime: calls between exact threshold refreshes (tau').
     """
 
-    oktopk_tau: int = 64
-    oktopk_tau_prime: int = 32
+    density: Density = 0.01
+    tau: int = 64
+    tau_prime: int = 32
 
-    def validate(self, method: str) -> None:
-        OkTopkState(tau=self.oktopk_tau, tau_prime=self.oktopk_tau_prime)  # validates them
+    def validate(self) -> None:
+        OkTopkState(tau=self.tau, tau_prime=self.tau_prime)  # validates them
 
 
-def run(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
-    k = min(acc.numel(), max(1, round(state.density * acc.numel())))  # as the selectors count
-    result = oktopk_allreduce(acc, k, state.comm, state.oktopk_state(bucket.key))
+def run(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+    cfg = group.config
+    assert isinstance(cfg, OkTopk)
+    states: dict[tuple[str, ...], OkTopkState] = group.method_state
+    st = states.get(bucket.key)
+    if st is None:
+        st = states[bucket.key] = OkTopkState(tau=cfg.tau, tau_prime=cfg.tau_prime)
+    result = oktopk_allreduce(acc, k_of(group.density, acc.numel()), group.comm, st)
     idx = result.local_indices
     sent = SparseStream.from_sorted(idx, acc[idx], acc.numel())
-    return sent, result.stream.to_dense()
+    return MethodResult(sent, result.stream.to_dense())
 
 
 OKTOPK = register_method(
@@ -45,7 +61,8 @@ OKTOPK = register_method(
         "oktopk",
         "Ok-Topk SGD: O(k) sparse allreduce with global top-k (paper 001)",
         run,
-        config=OkTopkConfig,
+        config=OkTopk,
         names=("oktopk",),
+        runtime=dict,  # an OkTopkState per bucket (its thresholds and regions)
     )
 )

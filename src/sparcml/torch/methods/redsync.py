@@ -3,10 +3,10 @@
 Per bucket, on every rank (the residual accumulation and update are the shared
 pipeline's steps 4 and 6, :mod:`sparcml.torch.reduce`):
 
-1. Hybrid selection per layer (sec. 3.2): layers smaller than ``redsync_min_bytes``
+1. Hybrid selection per layer (sec. 3.2): layers smaller than ``min_bytes``
    (RedSync: 128 KB; biases, norms) are not compressed and go whole; middle-size
    layers use trimmed top-k (Alg. 2, exactly ``k`` entries); layers of at least
-   ``redsync_bsearch_numel`` entries use threshold binary search (Alg. 3, between
+   ``bsearch_numel`` entries use threshold binary search (Alg. 3, between
    ``k`` and ``2k`` entries), sampled (threshold reused for 5 calls) unless ASQ is
    on, since "sampled threshold binary search cannot be used with quantization".
 2. Optional ASQ (sec. 2.2): instead, every compressed layer but the output layer
@@ -15,7 +15,7 @@ pipeline's steps 4 and 6, :mod:`sparcml.torch.reduce`):
    by trimmed top-k or (large layers) the non-sampled threshold binary search.
    The sent entries' residual restarts at zero (Alg. 1: "remaining elements
    outside the communication-set are assigned as new residuals"); with
-   ``redsync_asq_feedback="quantization_error"`` it keeps ``x - mean`` instead.
+   ``asq_feedback="quantization_error"`` it keeps ``x - mean`` instead.
 3. Pack (sec. 3.4): this rank's whole bucket becomes one message — the exact
    wire encoding of the uncompressed layers and the non-ASQ selections, plus one
    ASQ payload per layer — "instead of two Allgather operations for indices and
@@ -43,52 +43,58 @@ from ...compress import get
 from ...compress.asq import ASQ
 from ...compress.base import Context
 from ...stream import SparseStream
-from .base import MethodConfig, MethodSpec, register_method
+from ..rules import Density
+from .base import MethodConfig, MethodResult, MethodSpec, register_method
 
 if TYPE_CHECKING:
     from ..reduce import Bucket
-    from ..state import SparcmlState
+    from ..runtime import Group
 
-__all__ = ["REDSYNC", "RedSyncConfig", "redsync_allgather", "redsync_selector"]
+__all__ = ["REDSYNC", "RedSync", "redsync_allgather", "redsync_selector"]
 
 
-@dataclasses.dataclass
-class RedSyncConfig(MethodConfig):
-    """RedSync's hyperparameters.
+@dataclasses.dataclass(frozen=True)
+class RedSync(MethodConfig):
+    """RedSync's residual gradient compression (paper 002).
+
+    Example:
+        >>> RedSync(density=0.01, asq=True).min_bytes
+        131072
 
     Attributes:
-        redsync_asq: alternating-sign quantization on top of the selection.
-        redsync_asq_feedback: what an ASQ-sent entry leaves in the residual:
+        density: fraction of each layer's entries selected (or a schedule).
+        asq: alternating-sign quantization on top of the selection.
+        asq_feedback: what an ASQ-sent entry leaves in the residual:
             ``"paper"`` (Alg. 1: the sent entries restart at zero) or
             ``"quantization_error"`` (``x - mean``; beyond the paper).
-        redsync_output_layer: the layer left unquantized under ASQ: ``"auto"`` (the
+        output_layer: the layer left unquantized under ASQ: ``"auto"`` (the
             module of the last registered parameter), a name prefix, or None.
-        redsync_min_bytes: layers smaller than this go uncompressed (RedSync: 128 KB).
-        redsync_bsearch_numel: layers with at least this many entries use threshold
+        min_bytes: layers smaller than this go uncompressed (RedSync: 128 KB).
+        bsearch_numel: layers with at least this many entries use threshold
             binary search (sampled, unless quantized), smaller ones trimmed top-k.
     """
 
-    redsync_asq: bool = False
-    redsync_asq_feedback: str = "paper"
-    redsync_output_layer: str | None = "auto"
-    redsync_min_bytes: int = 128 * 1024
-    redsync_bsearch_numel: int = 1 << 20
+    density: Density = 0.01
+    asq: bool = False
+    asq_feedback: str = "paper"
+    output_layer: str | None = "auto"
+    min_bytes: int = 128 * 1024
+    bsearch_numel: int = 1 << 20
 
-    def validate(self, method: str) -> None:
-        if self.redsync_asq_feedback not in ("paper", "quantization_error"):
+    def validate(self) -> None:
+        if self.asq_feedback not in ("paper", "quantization_error"):
             raise ValueError(
-                "redsync_asq_feedback must be 'paper' or 'quantization_error', "
-                f"got {self.redsync_asq_feedback!r}"
+                f"asq_feedback must be 'paper' or 'quantization_error', got {self.asq_feedback!r}"
             )
-        if self.redsync_min_bytes < 0 or self.redsync_bsearch_numel < 1:
-            raise ValueError("redsync_min_bytes must be >= 0 and redsync_bsearch_numel >= 1")
+        if self.min_bytes < 0 or self.bsearch_numel < 1:
+            raise ValueError("min_bytes must be >= 0 and bsearch_numel >= 1")
 
 
-def is_output_layer(state: SparcmlState, name: str) -> bool:
+def is_output_layer(group: Group, name: str) -> bool:
     """Whether ``name`` belongs to the layer RedSync leaves unquantized."""
-    prefix = state.config.redsync_output_layer
+    prefix = group.config.output_layer
     if prefix == "auto":
-        names = list(state.param_names.values())  # in registration order
+        names = list(group.param_names.values())  # in registration order
         if not names:
             return False
         last = names[-1]
@@ -98,32 +104,30 @@ def is_output_layer(state: SparcmlState, name: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def redsync_selector(state: SparcmlState, name: str, numel: int, element_size: int) -> Any:
+def redsync_selector(group: Group, name: str, numel: int, element_size: int) -> Any:
     """Step 1's per-layer choice: None (uncompressed), ASQ, trimmed top-k or binary search.
 
     Selectors keep state across calls (ASQ's sign, the sampled threshold), so one
     instance is kept per parameter name.
     """
-    if numel * element_size < state.config.redsync_min_bytes:
+    if numel * element_size < group.config.min_bytes:
         return None
 
     def build() -> Any:
-        large = numel >= state.config.redsync_bsearch_numel
-        if state.config.redsync_asq and not is_output_layer(state, name):
+        large = numel >= group.config.bsearch_numel
+        if group.config.asq and not is_output_layer(group, name):
             selector = "threshold_bsearch" if large else "trimmed_topk"
-            return ASQ(density=state.density, selector=selector)
+            return ASQ(density=group.density, selector=selector)
         if large:
-            return get("sampled_threshold_bsearch", density=state.density)
-        return get("trimmed_topk", density=state.density)
+            return get("sampled_threshold_bsearch", density=group.density)
+        return get("trimmed_topk", density=group.density)
 
-    return state.cached_operator(("redsync", name), build)
+    return group.cached_operator(("redsync", name), build)
 
 
-def redsync_allgather(
-    state: SparcmlState, bucket: Bucket, acc: torch.Tensor
-) -> tuple[SparseStream, torch.Tensor]:
+def redsync_allgather(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
     """Steps 1-4 for one bucket; returns (this rank's sent part, the sum over ranks)."""
-    comm = state.comm
+    comm = group.comm
     n = acc.numel()
     offsets = [0]
     for size in bucket.sizes:
@@ -135,7 +139,7 @@ def redsync_allgather(
     # Step 1 (and 2): per-layer selection.
     for j, (name, lo, hi) in enumerate(zip(bucket.names, offsets[:-1], offsets[1:], strict=True)):
         layer = acc[lo:hi]
-        op = redsync_selector(state, name, hi - lo, acc.element_size())
+        op = redsync_selector(group, name, hi - lo, acc.element_size())
         if op is None:
             idx = torch.arange(lo, hi, device=acc.device)
             plain_idx.append(idx)
@@ -149,7 +153,7 @@ def redsync_allgather(
             sent_idx.append(nz + lo)
             # what the residual update subtracts: the entries themselves (paper), or
             # the mean that travelled (the quantization error stays in the residual)
-            paper = state.config.redsync_asq_feedback == "paper"
+            paper = group.config.asq_feedback == "paper"
             sent_val.append(layer[nz] if paper else mine[nz])
         else:
             s = op.select(layer)
@@ -173,7 +177,7 @@ def redsync_allgather(
         plain = SparseStream.empty(n, acc.dtype, acc.device)
     # Steps 3-4: one packed message per rank, allgathered and summed in rank order
     total = packed_allgather(plain, asq_parts, offsets, comm)
-    return SparseStream.from_sorted(all_idx, all_val, n), total
+    return MethodResult(SparseStream.from_sorted(all_idx, all_val, n), total)
 
 
 REDSYNC = register_method(
@@ -182,7 +186,7 @@ REDSYNC = register_method(
         "RedSync RGC: per-layer trimmed top-k / threshold binary search, optional ASQ, "
         "one packed allgather message per rank (paper 002)",
         redsync_allgather,
-        config=RedSyncConfig,
+        config=RedSync,
         names=("redsync",),
     )
 )

@@ -13,22 +13,25 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ...collectives import algorithms, sparse_allreduce
-from ...collectives.codec import QUANTIZE_MODES
+from ...collectives import algorithms, sparse_allreduce, split_and_reduce
+from ...collectives.codec import EXACT, QUANTIZE_MODES, StreamCodec
 from ...collectives.registry import algorithm_info
-from ...compress.base import Composed, Selector, all_finite
+from ...comm import Communicator
+from ...compress.base import Composed, Selector, all_finite, check_kind, split_composition
 from ...stream import SparseStream
-from .base import MethodConfig, MethodSpec, register_method
+from ..rules import Density
+from .base import MethodConfig, MethodResult, MethodSpec, register_method
 
 if TYPE_CHECKING:
     from ..reduce import Bucket
-    from ..state import SparcmlState
+    from ..runtime import Group
 
-__all__ = ["NONZEROS", "SPARSE", "NonzerosConfig", "SparseConfig", "valid_algorithms"]
+__all__ = ["NONZEROS", "SPARSE", "Nonzeros", "TopK", "scatter", "valid_algorithms"]
 
 
 def valid_algorithms(kind: str, method: str) -> list[str]:
@@ -64,11 +67,21 @@ def check_algorithm(kind: str, method: str, algorithm: str) -> None:
         )
 
 
-@dataclasses.dataclass
-class SparseConfig(MethodConfig):
-    """Hyperparameters of the selector methods.
+@dataclasses.dataclass(frozen=True)
+class TopK(MethodConfig):
+    """SparCML's (quantized) TopK SGD: any selector, optionally with a value quantizer.
+
+    Example:
+        >>> TopK(density=0.01, selector="trimmed_topk", quantizer="natural").name
+        'trimmed_topk+natural'
 
     Attributes:
+        density: fraction of each bucket's entries a rank selects (a number in
+            (0, 1], or a schedule ``step -> density``).
+        selector: the selector (:func:`sparcml.compress.available`: ``topk``,
+            ``trimmed_topk``, ``randomk``, ``gaussiank``, ...).
+        quantizer: a value quantizer for the selected values (``natural``,
+            ``qsgd``, ...), or None.
         algorithm: the sparse allreduce algorithm (:func:`sparcml.algorithms`) or ``"auto"``.
         compressor_params: extra hyperparameters of the selector/quantizer
             (``{"bits": 4}`` for QSGD, ...).
@@ -79,13 +92,30 @@ class SparseConfig(MethodConfig):
             their gaps; ``"fixed"``: ``c``-byte words.
     """
 
+    NAME_FIELDS: ClassVar[tuple[str, ...]] = ("selector", "quantizer")
+
+    density: Density = 0.01
+    selector: str = "topk"
+    quantizer: str | None = None
     algorithm: str = "auto"
     compressor_params: dict[str, Any] = dataclasses.field(default_factory=dict)
     quantize: str = "contributions"
     index_coding: str = "fixed"
 
-    def validate(self, method: str) -> None:
-        check_algorithm("sparse", method, self.algorithm)
+    @property
+    def name(self) -> str:
+        return self.selector if self.quantizer is None else f"{self.selector}+{self.quantizer}"
+
+    @classmethod
+    def from_name(cls, name: str, options: Mapping[str, Any]) -> TopK:
+        selector, quantizer = split_composition(name)
+        return cls(selector=selector, quantizer=quantizer, **options)
+
+    def validate(self) -> None:
+        check_kind(self.selector, "selector")
+        if self.quantizer is not None:
+            check_kind(self.quantizer, "quantizer")
+        check_algorithm("sparse", self.name, self.algorithm)
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(
                 f"quantize must be one of {', '.join(map(repr, QUANTIZE_MODES))}, "
@@ -93,11 +123,11 @@ class SparseConfig(MethodConfig):
             )
         if self.index_coding not in ("fixed", "delta"):
             raise ValueError(f"index_coding must be 'fixed' or 'delta', got {self.index_coding!r}")
-        self.compressor_params = dict(self.compressor_params or {})
+        object.__setattr__(self, "compressor_params", dict(self.compressor_params or {}))
 
 
-def run_sparse(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
-    op = state.operator(bucket.key)
+def run_sparse(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+    op = group.operator(bucket.key)
     selector: Selector = op.selector if isinstance(op, Composed) else op
     quantizer = op.quantizer if isinstance(op, Composed) else None
     t0 = time.perf_counter()
@@ -105,16 +135,17 @@ def run_sparse(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type:
     # collective's own header (checks_nonfinite), not agreed in a round of their
     # own; a flagged rank selects nothing (its selector never sees them), and every
     # rank raises NonFiniteError, on which the bucket goes dense for this step
-    nonfinite = state.nan_policy == "propagate" and not all_finite(acc)
+    nonfinite = group.settings.nan_policy == "propagate" and not all_finite(acc)
     if nonfinite:
         selected = SparseStream.empty(acc.numel(), acc.dtype, acc.device)
     else:
         selected = selector.select(acc)
-    state.select_s += time.perf_counter() - t0  # (statistics: compress vs communicate)
-    cfg = state.config
+    select_s = time.perf_counter() - t0
+    cfg = group.config
+    assert isinstance(cfg, TopK)
     total = sparse_allreduce(
         selected,
-        state.comm,
+        group.comm,
         algorithm=cfg.algorithm,
         quantizer=quantizer,
         quantize=cfg.quantize if quantizer is not None else "dense",
@@ -122,7 +153,35 @@ def run_sparse(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type:
         call_id=bucket.step,
         nonfinite=nonfinite,
     )
-    return selected, total.to_dense()
+    return MethodResult(selected, total.to_dense(), select_s)
+
+
+def scatter_sparse(
+    group: Group, bucket: Bucket, acc: torch.Tensor, bounds: list[int]
+) -> MethodResult:
+    """FSDP2's reduce-scatter: ``TopK(acc)`` split by owner (quantized once with a
+    quantizer), rank ``j`` summing chunk ``j`` (paper 000 sec. 5.3.2's split phase)."""
+    op = group.operator(bucket.key)
+    selector: Selector = op.selector if isinstance(op, Composed) else op
+    t0 = time.perf_counter()
+    selected = selector.select(acc)
+    select_s = time.perf_counter() - t0
+    codec = EXACT
+    if isinstance(op, Composed):
+        cfg = group.config
+        assert isinstance(cfg, TopK)
+        codec = StreamCodec(op.quantizer, "contributions", index_coding=cfg.index_coding)
+    return MethodResult(selected, scatter(selected, group.comm, codec, bounds), select_s)
+
+
+def scatter(
+    stream: SparseStream, comm: Communicator, codec: StreamCodec, bounds: list[int]
+) -> torch.Tensor:
+    """This rank's chunk of the sum of ``stream`` over ranks (the split phase alone)."""
+    if codec is not EXACT:
+        codec = codec.with_call(comm.next_sequence(), comm.rank)
+    mine, _, _ = split_and_reduce(stream, comm, codec, bounds)
+    return mine.to_dense()
 
 
 SPARSE = register_method(
@@ -130,33 +189,43 @@ SPARSE = register_method(
         "sparse",
         "a selector (maybe + quantizer) with error feedback through the sparse allreduce",
         run_sparse,
-        config=SparseConfig,
+        config=TopK,
         operator=True,
         checks_nonfinite=True,
+        sparse_gradients=True,
+        scatter=scatter_sparse,
     )
 )
 
 
-@dataclasses.dataclass
-class NonzerosConfig(MethodConfig):
-    """Attributes:
-    algorithm: the (exact) sparse allreduce algorithm, or ``"auto"``.
+@dataclasses.dataclass(frozen=True)
+class Nonzeros(MethodConfig):
+    """Lossless: the gradient's own non-zeros through the sparse allreduce.
+
+    Attributes:
+        algorithm: the (exact) sparse allreduce algorithm, or ``"auto"``.
     """
 
     algorithm: str = "auto"
 
-    def validate(self, method: str) -> None:
-        check_algorithm("nonzeros", method, self.algorithm)
+    def validate(self) -> None:
+        check_algorithm("nonzeros", "nonzeros", self.algorithm)
 
 
-def run_nonzeros(state: SparcmlState, bucket: Bucket, acc: torch.Tensor):  # type: ignore[no-untyped-def]
+def run_nonzeros(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+    cfg = group.config
+    assert isinstance(cfg, Nonzeros)
     total = sparse_allreduce(
-        SparseStream.from_dense(acc),
-        state.comm,
-        algorithm=state.config.algorithm,
-        call_id=bucket.step,
+        SparseStream.from_dense(acc), group.comm, algorithm=cfg.algorithm, call_id=bucket.step
     )
-    return None, total.to_dense()
+    return MethodResult(None, total.to_dense())
+
+
+def scatter_nonzeros(
+    group: Group, bucket: Bucket, acc: torch.Tensor, bounds: list[int]
+) -> MethodResult:
+    """Each chunk's non-zeros as a sparse message, summed by its owner (exact)."""
+    return MethodResult(None, scatter(SparseStream.from_dense(acc), group.comm, EXACT, bounds))
 
 
 NONZEROS = register_method(
@@ -165,9 +234,11 @@ NONZEROS = register_method(
         "lossless sparse allreduce of the gradient's non-zeros (SparCML on naturally "
         "sparse gradients, e.g. linear models on hashed features)",
         run_nonzeros,
-        config=NonzerosConfig,
+        config=Nonzeros,
         names=("nonzeros",),
         unbiased=True,
         lossless=True,
+        sparse_gradients=True,
+        scatter=scatter_nonzeros,
     )
 )
