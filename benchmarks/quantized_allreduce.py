@@ -29,7 +29,7 @@ from sparcml import SparseStream, sparse_allreduce
 from sparcml.collectives import allreduce as allreduce_module
 from sparcml.comm import torchdist
 from sparcml.compress import get
-from sparcml.compress.base import all_finite
+from sparcml.finite import all_finite
 
 WARMUP = 3
 SHIPPED_DIRECT_BYTES = torchdist.DIRECT_ALLGATHER_BYTES

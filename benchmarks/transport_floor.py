@@ -33,6 +33,7 @@ import torch.distributed as dist
 from sparcml import SparseStream
 from sparcml.collectives import sparse_allreduce
 from sparcml.comm import TorchDistCommunicator
+from sparcml.compress.selection import k_of
 from sparcml.stream import index_bytes
 from sparcml.tools.cli.common import size_arg
 
@@ -71,7 +72,7 @@ def main() -> None:
     p, me = dist.get_world_size(), dist.get_rank()
     comm = TorchDistCommunicator()
     timeit = _timer(args.calls)
-    n, k = args.size, max(int(args.size * args.density), 1)
+    n, k = args.size, k_of(args.density, args.size)
     if me == 0:
         thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
         print(f"P={p} N={n:,} k={k:,} per rank, THP_MEM_ALLOC_ENABLE={thp}", flush=True)

@@ -12,12 +12,10 @@ import pytest
 import torch
 
 from sparcml import SparseStream
-from sparcml.collectives import (
-    dense_allreduce,
-    dsar_split_allgather,
-    ssar_recursive_double,
-    ssar_split_allgather,
-)
+from sparcml.collectives.dense import dense_allreduce
+from sparcml.collectives.dsar_split_allgather import dsar_split_allgather
+from sparcml.collectives.ssar_recursive_double import ssar_recursive_double
+from sparcml.collectives.ssar_split_allgather import ssar_split_allgather
 from sparcml.comm import run_ranks
 
 PAIR = 6

@@ -165,7 +165,7 @@ def test_check_takes_log_p_messages_and_names_an_absent_rank_beyond_the_partners
     """The header exchange is recursive doubling: 3 messages per rank at P = 8. Rank 3
     stays away at P = 4: rank 2 waits on it directly, ranks 0 and 1 wait on ranks 2
     and 3 in the second round; every one of them names rank 3."""
-    from sparcml.collectives import check_consistent
+    from sparcml.collectives.headers import check_consistent
 
     def count(comm):  # type: ignore[no-untyped-def]
         check_consistent(SparseStream.empty(10), comm)

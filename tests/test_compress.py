@@ -15,9 +15,9 @@ import torch
 
 from sparcml import compress as C
 from sparcml.compress.asq import ASQ
-from sparcml.compress.base import all_finite
 from sparcml.compress.packing import pack_bits, packed_nbytes, unpack_bits
 from sparcml.errors import WireFormatError
+from sparcml.finite import all_finite
 from sparcml.stream import SUPPORTED_DTYPES
 
 
@@ -542,3 +542,34 @@ def test_select_above_is_the_comparison_it_replaces(dtype: torch.dtype, n: int) 
             ref = ((mag > tt if strict else mag >= tt) | mag.isnan()).nonzero().flatten()
             got = select_above(x, t, strict=strict)
             assert torch.equal(got, ref), (t, strict)
+
+
+def _params(name: str) -> dict[str, object]:
+    """A density for the operators that take one (the others: their defaults)."""
+    import inspect
+
+    cls = C.base.operator_class(name)
+    assert cls is not None
+    return {"density": 0.05} if "density" in inspect.signature(cls.__init__).parameters else {}
+
+
+@pytest.mark.parametrize("name", sorted(C.available()))
+def test_every_registered_operator_keeps_the_contract(name: str) -> None:
+    """Every operator in the registry (a new module is picked up here): a selector
+    returns a stream over its input (sorted unique indices, the input's own values,
+    nothing from an empty input); every operator's payload decompresses to the
+    input's shape and dtype, finite, and the same payload decodes the same way."""
+    x = _x(1000, seed=3)
+    op = C.get(name, **_params(name))
+    if C.available()[name] == "selector":
+        s = op.select(x)
+        assert s.size == x.numel() and 0 < s.nnz <= x.numel()
+        if not s.is_dense:
+            assert bool((s.indices[1:] > s.indices[:-1]).all())
+            assert torch.equal(s.values, x[s.indices])
+        assert C.get(name, **_params(name)).select(torch.empty(0)).nnz == 0
+    payload, ctx = op.compress(x.reshape(20, 50))
+    assert payload.dtype == torch.uint8 and payload.dim() == 1
+    y = op.decompress(payload, ctx)
+    assert y.shape == (20, 50) and y.dtype == x.dtype and all_finite(y)
+    assert torch.equal(op.decompress(payload, ctx), y)

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from sparcml import CostModel
-from sparcml.collectives.registry import choose, predict
+from sparcml.collectives.autotune import choose
+from sparcml.collectives.registry import predict
 from sparcml.costmodel import expected_fill_in
 
 

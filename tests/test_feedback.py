@@ -7,8 +7,8 @@ import torch
 
 from inputs import dense_reference, make_stream
 from sparcml import ErrorFeedback, SparseStream, compress, sparse_allreduce
-from sparcml.collectives import dsar_split_allgather
 from sparcml.collectives.codec import StreamCodec
+from sparcml.collectives.dsar_split_allgather import dsar_split_allgather
 from sparcml.comm import run_ranks
 from sparcml.torch import topk_sgd_step
 

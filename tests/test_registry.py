@@ -18,8 +18,9 @@ import torch
 
 from sparcml import CostModel, SparseStream, sparse_allreduce
 from sparcml.collectives import choose_algorithm, registry
+from sparcml.collectives.autotune import choose
 from sparcml.collectives.codec import EXACT, StreamCodec
-from sparcml.collectives.registry import algorithm_info, algorithms, choose, predict, register
+from sparcml.collectives.registry import algorithm_info, algorithms, predict, register
 from sparcml.collectives.topka import topka
 from sparcml.comm import Communicator, run_ranks
 from sparcml.tools.bench.topk import topk_algorithms

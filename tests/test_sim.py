@@ -45,7 +45,7 @@ def test_charge_of_streams_bundles_and_records() -> None:
 
 
 def test_control_traffic_is_not_scaled() -> None:
-    from sparcml.collectives.allreduce import check_consistent
+    from sparcml.collectives.headers import check_consistent
 
     def fn(comm):  # type: ignore[no-untyped-def]
         check_consistent(SparseStream.empty(1000), comm)

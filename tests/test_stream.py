@@ -236,7 +236,7 @@ def test_merge_positions_match_a_sort(span: int, runs: int) -> None:
 
 _CACHE_PROBE = """
 from sparcml import cpu_kernels as k
-from sparcml.merge import warm_kernels
+from sparcml.compress.warmup import warm_kernels
 warm_kernels()
 names = k.__all__  # every compiled kernel
 print({n: (sum(getattr(k, n).stats.cache_hits.values()),
@@ -270,15 +270,15 @@ def test_compiled_kernels_are_found_in_the_disk_cache_by_the_next_process(tmp_pa
 
 @pytest.mark.parametrize("c", range(1, 9))
 def test_widen_increasing_checks_in_the_same_pass(c: int) -> None:
-    from sparcml.merge import widen_increasing
     from sparcml.reinterpret import index_low_bytes, indices_from_low_bytes
+    from sparcml.wire import widen_increasing
 
     size = min(256**c, 1 << 62) - 3  # the top byte of the widest index in use
     idx = torch.tensor([0, 7, 9, size - 1], dtype=torch.int64)
     words = index_low_bytes(idx, c)
     assert words.numel() == 4 * c
     # the compiled narrowing on CPU writes the bytes torch's copy writes, at any offset
-    from sparcml.merge import write_index_field
+    from sparcml.wire import write_index_field
 
     for start in (0, 1):
         field = torch.full((start + 4 * c,), 0xAB, dtype=torch.uint8)

@@ -3,8 +3,9 @@
 Imported by :mod:`sparcml.merge` on first use only (importing numba and
 loading the kernels takes a moment). The kernels live at module level, their
 constants as module globals: numba's on-disk cache can then find them again in
-the next process (kernels defined inside a function, closing over their
-constants, were compiled anew by every process: 0.8 s on a rank's first merge).
+the next process (a kernel defined inside a function, closing over its
+constants, is compiled anew by every process, inside whichever collective first
+needs it: docs/training.md).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def merge2(a: Any, b: Any, pos: Any, union: Any) -> int:  # pragma: no cover - c
     la, lb = a.shape[0], b.shape[0]
     i = j = n = 0
     # branch-free: both positions written every step; the one whose run
-    # does not advance is written again when it is taken (1.6x faster
-    # than branching on random indices)
+    # does not advance is written again when it is taken (faster than
+    # branching on random indices, where the branch is unpredictable)
     while i < la and j < lb:
         x, y = a[i], b[j]
         union[n] = min(x, y)
@@ -125,7 +126,7 @@ def merge_bitmap(  # pragma: no cover - compiled
 @numba.njit(cache=True, nogil=True, inline="always")
 def _field(raw: Any, base: int, c: int) -> int:  # pragma: no cover - compiled
     # the little-endian c-byte field at raw[base:base + c]; 3 bytes (the common
-    # width that is not a word: N up to 2^24) spelled out: about 4x faster than the loop
+    # width that is not a word: N up to 2^24) spelled out: much faster than the loop
     if c == 3:
         return np.int64(raw[base]) | np.int64(raw[base + 1]) << 8 | np.int64(raw[base + 2]) << 16
     x = np.int64(0)
@@ -198,7 +199,7 @@ def bracket_band(  # pragma: no cover - compiled
     # one pass over magnitudes (no NaN): how many lie above t_hi, and those in
     # [t_lo, t_hi] copied into band; returns (above, band count). Blocks of
     # BAND_BLOCK: a branch-free count (vectorises), then the copy only in blocks
-    # that hold band entries (a narrow band: few blocks; 29 -> 7.5 ms at 16M)
+    # that hold band entries (a narrow band: few blocks, so the copy is rarely paid)
     m = mag.shape[0]
     full = m - m % BAND_BLOCK
     above = 0
@@ -236,8 +237,8 @@ def natural9_encode(  # pragma: no cover - compiled
     # 31-bit draw below the mantissa; deterministic: iff the mantissa's top bit
     # is set), clipped to 254; then the sign bits packed 8 per byte, first in the
     # lowest bit. Two branch-free loops (the first vectorises; one fused loop with
-    # the packing in it ran 1.9x slower). Returns the largest exponent before
-    # rounding (255: NaN/Inf present) and how many rounded up to 255 or more.
+    # the packing in it is slower: docs/benchmarks.md). Returns the largest exponent
+    # before rounding (255: NaN/Inf present) and how many rounded up to 255 or more.
     n = bits.shape[0]
     top = 0
     clipped = 0

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 import torch
 
 from .errors import WireFormatError
-from .merge import widen_increasing, write_index_field
-from .reinterpret import as_bytes, bytes_as, dense_1d, indices_from_low_bytes
+from .kernels import compiled
+from .reinterpret import as_bytes, bytes_as, dense_1d, indices_from_low_bytes, write_low_bytes
 from .stream import SparseStream, index_bytes
 
 __all__ = [
@@ -52,6 +52,8 @@ __all__ = [
     "peek_bundle",
     "unpack",
     "widen_checked",
+    "widen_increasing",
+    "write_index_field",
 ]
 
 MAGIC = b"SpS"
@@ -414,3 +416,64 @@ def unpack(buf: torch.Tensor, world_size: int) -> list[tuple[int, torch.Tensor]]
     if offset != buf.numel():
         raise WireFormatError(f"trailing bytes in bundle: {buf.numel() - offset}")
     return out
+
+
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MASKS = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFF_FFFF, 8: -1}
+
+
+def widen_increasing(
+    words: torch.Tensor, c: int, size: int, out: torch.Tensor, offset: int = 0
+) -> int:
+    """``out = words + offset`` as int64 from unsigned ``c``-byte words, checked in one pass.
+
+    The wire's index fields (``c`` = 1 to 8 bytes, little-endian, unsigned; an 8-byte
+    field is read as a signed ``int64``) are widened into ``out`` (int64, same length)
+    while the same pass checks that they strictly increase and lie in ``[0, size)``.
+
+    Returns:
+        ``-1`` when they do; else where they stop: ``i > 0`` not increasing at
+        ``i``, ``0`` a negative first index, ``len(words)`` the last one ``>= size``
+        (``out`` then holds a prefix only).
+
+    One implementation per device: the compiled pass on CPU, torch ops elsewhere.
+    """
+    if not words.numel():
+        return -1
+    assembled = c not in _SIGNED  # 3, 5, 6 or 7 bytes: no machine word of that width
+    if not assembled:
+        words = words.view(_SIGNED[c])
+    if words.device.type == "cpu":
+        return int(
+            compiled().widen_increasing(
+                words.numpy(), c, assembled, _MASKS.get(c, -1), out.numpy(), offset, size
+            )
+        )
+    if assembled:
+        wide = indices_from_low_bytes(words, c)
+    else:
+        wide = words.to(torch.int64)
+        if c < 8:
+            wide &= _MASKS[c]
+    n = wide.numel()
+    if n > 1:
+        bad = torch.nonzero(wide[1:] <= wide[:-1])
+        if bad.numel():
+            return int(bad[0]) + 1
+    if int(wide[0]) < 0:
+        return 0
+    torch.add(wide, offset, out=out)
+    return n if int(wide[-1]) >= size else -1
+
+
+def write_index_field(out: torch.Tensor, indices: torch.Tensor, c: int) -> None:
+    """The wire's index field: the low ``c`` bytes of each index into the uint8 ``out``.
+
+    :func:`~sparcml.reinterpret.write_low_bytes`, with one compiled pass on CPU for a
+    width that is not a machine word (3, 5, 6, 7), where torch would copy byte by
+    byte through strides.
+    """
+    if c in _SIGNED or out.device.type != "cpu" or out.stride(0) != 1 or not out.numel():
+        write_low_bytes(out, indices, c)
+        return
+    compiled().narrow_bytes(indices.to(torch.int64).contiguous().numpy(), c, out.numpy())

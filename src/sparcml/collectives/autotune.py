@@ -1,4 +1,13 @@
-"""``algorithm="auto"`` without a calibration file: measure on first use.
+"""``algorithm="auto"``: the plan (which algorithm a call runs) and what it remembers.
+
+This module owns every decision ``auto`` makes: :func:`choose` (the cost model's
+pick), :func:`plan` (model or measurement, below), :func:`carrying_choice` (when a
+settled choice lets the headers travel inside the algorithm's own messages) and
+:func:`choose_algorithm` (the public question "what would auto run?"). The
+registry (:mod:`.registry`) holds the facts it reads; the headers it reads the
+ranks' nnz from are :mod:`.headers`'.
+
+Without a calibration file, measure on first use.
 
 The alpha-beta-gamma model (:mod:`sparcml.costmodel`) ranks the algorithms well
 when its constants describe the machine; its defaults describe a network, not
@@ -47,7 +56,9 @@ import torch
 
 from ..comm import Communicator
 from ..costmodel import CostModel, calibration_path
-from .registry import algorithms, choose, predict
+from ..stream import SparseStream
+from .headers import check_consistent
+from .registry import algorithm_info, algorithms, predict
 
 __all__ = [
     "MEASURE_ABOVE_S",
@@ -57,6 +68,9 @@ __all__ = [
     "AutoClass",
     "auto_choices",
     "auto_mode",
+    "carrying_choice",
+    "choose",
+    "choose_algorithm",
     "common_choice",
     "measuring",
     "plan",
@@ -266,3 +280,72 @@ def run_auto(
             ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in best.items()),
         )
     return out
+
+
+def choose(
+    model: CostModel,
+    world_size: int,
+    size: int,
+    ks: Sequence[int],
+    isize: int,
+    candidates: Sequence[str] | None = None,
+) -> str:
+    """The candidate (default: ``auto``'s) with the smallest predicted time.
+
+    Ties go to the candidate with the lower ``auto_priority``.
+    """
+    names = list(candidates) if candidates is not None else algorithms(auto=True)
+    names.sort(key=lambda a: algorithm_info(a).auto_priority)
+    return min(names, key=lambda a: predict(model, a, world_size, size, ks, isize))
+
+
+def choose_algorithm(
+    stream: SparseStream,
+    comm: Communicator,
+    cost_model: CostModel | None = None,
+    exclude_dense: bool = False,
+) -> str:
+    """The algorithm ``"auto"`` picks for this call (a collective: every rank must call it).
+
+    Checks consistency like :func:`sparse_allreduce` and returns the same name on
+    every rank: the measured winner of the call's class once ``auto`` has measured
+    it (:mod:`.autotune`), else the cost model's choice. ``exclude_dense`` leaves out
+    the dense allreduce (it cannot quantize).
+    """
+    ks = check_consistent(stream, comm)
+    isize = stream.values.element_size()
+    if auto_mode(cost_model) == "measure":
+        cls = AutoClass.of(comm.world_size, stream.size, ks, isize, exclude_dense)
+        done = next((c for c in auto_choices(comm) if c.cls == cls and c.winner), None)
+        if done is not None and done.winner is not None:
+            return done.winner
+    model = cost_model if cost_model is not None else CostModel.load()
+    candidates = [a for a in algorithms(auto=True) if not (exclude_dense and a == "dense")]
+    return choose(model, comm.world_size, stream.size, ks, isize, candidates)
+
+
+def carrying_choice(comm: Communicator, key: tuple[int, int, bool]) -> str | None:
+    """The algorithm ``auto`` may run with the headers in its own messages, skipping
+    their exchange (None: exchange first).
+
+    Every rank must then run the same messages, also when the call's arguments
+    differ between ranks (the error must be the same everywhere, never a hang):
+
+    * every ``auto`` call on ``comm`` so far settled on one algorithm that carries
+      headers (:func:`~.autotune.common_choice`): chosen from the shared history
+      alone, so the same on every rank whatever its arguments;
+    * else the previous call of this ``key`` settled on recursive doubling
+      (``header_in_rounds``): a rank whose key says otherwise exchanges first,
+      which sends the same messages as recursive doubling, and its header's
+      "carried" bit makes every rank refuse the mix (on a communicator whose
+      exchange is recursive doubling: one that agrees on failures).
+    """
+    common = common_choice(comm)
+    if common is not None:
+        info = algorithm_info(common)
+        if info.header_in_first_round or info.header_in_rounds:
+            return common
+    settled = previous_choice(comm, key)
+    if settled is not None and comm.agrees_on_failures and algorithm_info(settled).header_in_rounds:
+        return settled
+    return None

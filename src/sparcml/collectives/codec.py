@@ -49,7 +49,7 @@ from ..wire import decode, decode_concat, encode
 __all__ = ["EXACT", "HEADER_BYTES", "QUANTIZE_MODES", "CarriedHeaders", "FirstRound", "StreamCodec"]
 
 HEADER_BYTES = 48
-"""Size of a rank's consistency header (:func:`~sparcml.collectives.check_consistent`)."""
+"""Size of a rank's consistency header (:func:`~sparcml.collectives.headers.check_consistent`)."""
 
 QUANTIZE_MODES = ("dense", "contributions", "all")
 
@@ -92,7 +92,7 @@ class CarriedHeaders:
     """Consistency headers riding in recursive doubling's messages (``header_in_rounds``).
 
     Recursive doubling (with Appendix A's fold) sends exactly the messages of the
-    header exchange (:func:`~sparcml.collectives.gather_headers`): rank ``r``'s
+    header exchange (:func:`~sparcml.collectives.headers.gather_headers`): rank ``r``'s
     round-``t`` message goes to ``r XOR 2^(t-1)`` and can carry the headers of the
     ranks whose partial sum it holds. So every message starts with those headers
     (:meth:`wrap`), and after the last round (the unfold) every rank holds all

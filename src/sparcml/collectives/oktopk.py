@@ -49,8 +49,8 @@ from ..merge import merge_positions
 from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from ..stream import SparseStream, index_bytes
 from ._common import log2_ceil, split_and_reduce
-from .allreduce import CallSettings, check_consistent
 from .codec import EXACT, StreamCodec
+from .headers import CallSettings, check_consistent
 from .registry import register
 from .sparse_allgather import allgather_buffers
 
@@ -142,7 +142,7 @@ def _global_kth(values: torch.Tensor, k: int, comm: Communicator) -> tuple[float
     distributed radix select on the bit pattern finds the largest ``t`` with
     ``count(|v| >= t) >= k`` exactly, moving no values: one 256-bin histogram per
     byte of the pattern, 4 rounds for float32 (float16 and bfloat16 are exact in
-    float32), 8 for float64 (the bisection this replaces took 31 allreduces of one
+    float32), 8 for float64 (a bisection on the bits would take 31 allreduces of one
     count). The first rounds allreduce the histogram; the last one allgathers every
     rank's histogram with its count above the prefix so far (beyond the paper: every
     rank then knows every rank's count ``|v| >= t``, which step 5 needs, without an

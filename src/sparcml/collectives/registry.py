@@ -15,7 +15,8 @@ their cost formulas), the simulator (what to run, what to check, which
 algorithms do ``P^2`` local work), ``sparcml bench`` / ``bench-topk`` (which
 algorithms to time, what input they take, how to check them) and the tests
 parameterised over algorithms all read this registry. Adding a collective is one
-new file plus its import in ``collectives/__init__.py``.
+new file: ``collectives/__init__.py`` imports every module of the package. The
+registry holds facts; what ``auto`` makes of them (the plan) is :mod:`.autotune`'s.
 
 Facts (:class:`AlgorithmInfo`):
 
@@ -69,7 +70,6 @@ __all__ = [
     "algorithm_info",
     "algorithms",
     "check_options",
-    "choose",
     "get_algorithm",
     "predict",
     "register",
@@ -104,8 +104,7 @@ class AlgorithmInfo:
     @property
     def options(self) -> tuple[str, ...]:
         """Keyword options beyond ``(stream, comm, codec)``, e.g. ``("k", "state")``."""
-        params = inspect.signature(self.fn).parameters
-        return tuple(p for p in params if p not in ("stream", "comm", "codec"))
+        return options_of(self.fn)
 
     @property
     def summary(self) -> str:
@@ -184,7 +183,7 @@ def get_algorithm(name: str) -> Algorithm:
 
 
 @functools.cache
-def _options_of(fn: Algorithm) -> tuple[str, ...]:
+def options_of(fn: Algorithm) -> tuple[str, ...]:
     """The keyword options ``fn`` takes (its signature is read once, not per call)."""
     params = inspect.signature(fn).parameters
     return tuple(p for p in params if p not in ("stream", "comm", "codec"))
@@ -194,7 +193,7 @@ def check_options(fn: Algorithm, name: str, options: dict[str, object]) -> None:
     """Raise a clear error for options the algorithm does not take."""
     if not options:
         return
-    takes = _options_of(fn)
+    takes = options_of(fn)
     unknown = sorted(set(options) - set(takes))
     if unknown:
         hint = f"it takes {', '.join(takes)}" if takes else "it takes no options"
@@ -242,23 +241,6 @@ def predict(
     if world_size == 1:
         return 0.0
     return info.cost(model, world_size, size, ks, isize)
-
-
-def choose(
-    model: CostModel,
-    world_size: int,
-    size: int,
-    ks: Sequence[int],
-    isize: int,
-    candidates: Sequence[str] | None = None,
-) -> str:
-    """The candidate (default: ``auto``'s) with the smallest predicted time.
-
-    Ties go to the candidate with the lower ``auto_priority``.
-    """
-    names = list(candidates) if candidates is not None else algorithms(auto=True)
-    names.sort(key=lambda a: algorithm_info(a).auto_priority)
-    return min(names, key=lambda a: predict(model, a, world_size, size, ks, isize))
 
 
 def describe() -> list[dict[str, Any]]:

@@ -3,8 +3,9 @@
 Ok-Topk's slides call SparCML's dynamic sparse allreduce "TopkDSA": the split
 phase sends each range to its owner, the owner reduces it, and the sparse
 allgather carries the reduced ranges, each switching to dense past ``delta``.
-That is exactly :func:`~sparcml.collectives.ssar_split_allgather` (whose streams
-switch representation by themselves), registered again under this name.
+That is exactly :func:`~sparcml.collectives.ssar_split_allgather.ssar_split_allgather`
+(whose streams switch representation by themselves), registered again under this
+name.
 
 Bandwidth ``[4k (P-1)/P, (2k + n)(P-1)/P] beta``.
 """

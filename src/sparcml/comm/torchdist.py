@@ -27,11 +27,10 @@ On CPU backends an allgather of at most ``DIRECT_ALLGATHER_BYTES`` per rank is
 one ``all_to_all_single`` of the piece repeated P times instead: every rank
 sends its piece to every other rank directly, one round where gloo's ring
 all_gather waits P - 1 times (the same bytes per rank). On an oversubscribed
-host each wait is a scheduling delay: with 8 gloo processes on 2 cores a 45 KB
-piece took 7.8 ms direct against 14.8 ms by ring; from about 256 KiB the two
-are even and at 8 MiB the ring's pipelining wins (348 vs 237 ms), so larger
-pieces keep ``all_gather`` (``benchmarks/allgather_direct.py``; the table is in
-docs/benchmarks.md).
+host each wait is a scheduling delay, so a small piece goes faster direct; from
+about ``DIRECT_ALLGATHER_BYTES`` the two are even and beyond it the ring's
+pipelining wins, so larger pieces keep ``all_gather`` (measured by
+``benchmarks/allgather_direct.py``; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import WireFormatError
+from ..finite import all_finite
 from ..reinterpret import as_bytes, bytes_as, dense_1d, index_low_bytes, indices_from_low_bytes
 from ..stream import SUPPORTED_DTYPES, SparseStream, index_bytes
 from ..wire import check_indices
@@ -45,7 +46,6 @@ __all__ = [
     "Context",
     "Quantizer",
     "Selector",
-    "all_finite",
     "available",
     "check_kind",
     "get",
@@ -116,24 +116,6 @@ def check_input(tensor: torch.Tensor, what: str) -> torch.Tensor:
             f"{what} compresses float32, float16, bfloat16 or float64 tensors, got {tensor.dtype}"
         )
     return dense_1d(tensor.detach())
-
-
-def all_finite(values: torch.Tensor) -> bool:
-    """Whether every element of ``values`` is finite (no NaN, no +-Inf); True when empty.
-
-    One reduction instead of ``torch.isfinite(values).all()``, which writes a boolean
-    tensor as large as the input and reads it again (0.48 vs 0.03 ms at 180k float32
-    elements, 10.2 vs 0.54 ms at 4M on this project's 2-core machine): the minimum and
-    maximum are NaN when any element is NaN, and +-Inf when any element is, and are
-    finite otherwise, so two finite extremes prove the whole tensor finite. Unlike a
-    sum, finite values cannot overflow into a false alarm. Any stride; CPU or CUDA
-    (one device synchronisation); integer and bool tensors are finite.
-    """
-    if values.numel() == 0 or not (values.is_floating_point() or values.is_complex()):
-        return True
-    if values.is_complex():
-        values = torch.view_as_real(values.resolve_conj())
-    return bool(torch.isfinite(torch.stack(torch.aminmax(values))).all())
 
 
 def check_finite(values: torch.Tensor, what: str) -> None:

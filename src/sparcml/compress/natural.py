@@ -37,14 +37,14 @@ Natural-compressed values are powers of two: a sum of them is an integer sum of
 shifted ones, which is what an integer-only aggregator exploits (``summable``).
 
 Implementation (beyond the paper): the 9-bit format runs, on CPU tensors, as
-compiled passes per cache-sized chunk (:func:`sparcml.merge.natural9_encode`,
+compiled passes per cache-sized chunk (:func:`natural9_encode`,
 numba) that read the float32 bits and the chunk's random draws and write the
 exponents and the packed signs, and decodes in one pass the same way; on CUDA
 it runs the torch operations of :func:`natural_round`. Both consume the same
-draws from the generator and give the same bits (tested). ``sparcml
-bench-local -P 8 -N 16M`` on one 2M-value range: quantize 11.0 -> 8.5 ms, of
-which 6.4 ms are the generator's draws (3.1 ns per value, the floor of any
-implementation that draws from a torch generator); dequantize 11.2 -> 1.5 ms.
+draws from the generator and give the same bits (tested). Compiled, decoding is
+several times faster than the torch operations, and quantizing costs little more
+than the generator's draws, the floor of any implementation that draws from a
+torch generator (``sparcml bench-local`` times both; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import WireFormatError
-from ..merge import natural9_decode, natural9_encode
+from ..kernels import compiled
 from ..reinterpret import dense_1d
 from ._kernels import chunks, exact_bernoulli, scratch
 from .base import Quantizer, check_finite, make_header, read_header, register
 from .packing import pack_bools_into, unpack_bits
 
-__all__ = ["NaturalCompression", "natural_round"]
+__all__ = ["NaturalCompression", "natural9_decode", "natural9_encode", "natural_round"]
 
 _MANT = (1 << 23) - 1
 
@@ -234,3 +234,31 @@ class NaturalCompression(Quantizer):
             ((c >> 6) & 1).bool(), torch.zeros_like(c), torch.ones_like(c) << (c & 63)
         )
         return torch.where(((c >> 7) & 1).bool(), -mag, mag)
+
+
+def natural9_encode(
+    bits: torch.Tensor,
+    rand: torch.Tensor,
+    deterministic: bool,
+    exps: torch.Tensor,
+    plane: torch.Tensor,
+) -> tuple[int, int]:
+    """CPU only: 9-bit natural compression of float32 bit patterns in one compiled call.
+
+    ``bits`` (int32): the values' IEEE bits; ``rand`` (int32, as long, uniform in
+    ``[0, 2^31)``): the draws of :func:`sparcml.compress._kernels.exact_bernoulli`
+    (ignored when ``deterministic``). Writes the rounded biased exponents into
+    ``exps`` (uint8, as long) and the sign bits into ``plane`` (uint8,
+    ``ceil(n / 8)`` bytes). Returns ``(largest exponent before rounding, number
+    rounded up to 255 and clipped to 254)``. The same bits as the torch path of
+    :meth:`sparcml.compress.natural.NaturalCompression.quantize` given the same draws.
+    """
+    top, clipped = compiled().natural9_encode(
+        bits.numpy(), rand.numpy(), deterministic, exps.numpy(), plane.numpy()
+    )
+    return int(top), int(clipped)
+
+
+def natural9_decode(exps: torch.Tensor, plane: torch.Tensor, out: torch.Tensor) -> None:
+    """CPU only: the float32 bit patterns (into int32 ``out``) of 9-bit natural codes."""
+    compiled().natural9_decode(exps.numpy(), plane.numpy(), out.numpy())

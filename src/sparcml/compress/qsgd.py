@@ -21,8 +21,9 @@ import math
 import torch
 
 from ..errors import WireFormatError
+from ..finite import all_finite
 from ._kernels import chunks, exact_bernoulli, scratch
-from .base import Quantizer, all_finite, check_finite, make_header, read_header, register
+from .base import Quantizer, check_finite, make_header, read_header, register
 from .packing import pack_bits_into, packed_nbytes, unpack_bits
 
 __all__ = ["QSGD"]

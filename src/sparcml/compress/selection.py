@@ -6,13 +6,17 @@ import math
 
 import torch
 
-from ..merge import above_positions
+from ..kernels import compiled
 from ..reinterpret import dense_1d
 from ..stream import SparseStream
 from ._kernels import chunks, scratch
+from .base import Selector, check_input
 
 __all__ = [
     "KSpec",
+    "ReusedThreshold",
+    "above_positions",
+    "bracket_band",
     "count_above",
     "k_of",
     "magnitude",
@@ -173,3 +177,63 @@ def select_above(x: torch.Tensor, t: float, strict: bool = True, nan: bool = Tru
     if not parts:
         return torch.empty(0, dtype=torch.int64, device=x.device)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+class ReusedThreshold(Selector):
+    """A selector that finds a threshold every ``interval`` calls and reuses it in
+    between, as long as what it selects stays in its band (a drifting gradient
+    triggers a new search at once). Subclasses give :meth:`find` (the search) and
+    :meth:`reuse` (the selection with the kept threshold, None when out of band).
+
+    Args:
+        k / density: target count (exactly one).
+        interval: calls between searches (1 = search every call).
+    """
+
+    def __init__(self, k: int | None, density: float | None, interval: int) -> None:
+        self.spec = KSpec(k, density, self.name)
+        if interval < 1:
+            raise ValueError(f"{self.name}: interval must be at least 1, got {interval}")
+        self.k, self.density, self.interval = k, density, interval
+        self.calls = 0
+        self.threshold: float | None = None
+
+    def find(self, x: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
+        """A new threshold and the positions it selects."""
+        raise NotImplementedError
+
+    def reuse(self, x: torch.Tensor, k: int, threshold: float) -> torch.Tensor | None:
+        """The positions ``threshold`` selects, or None when out of the band."""
+        raise NotImplementedError
+
+    def select(self, tensor: torch.Tensor) -> SparseStream:
+        x = check_input(tensor, self.name)
+        k = self.spec.of(x.numel())
+        if k == 0:
+            return SparseStream.empty(x.numel(), x.dtype, x.device)
+        idx = None
+        if self.threshold is not None and self.calls % self.interval != 0:
+            idx = self.reuse(x, k, self.threshold)
+        if idx is None:
+            self.threshold, idx = self.find(x, k)
+        self.calls += 1
+        return SparseStream.from_sorted(idx, x[idx], x.numel())
+
+
+def above_positions(words: torch.Tensor, mask: int, tb: int, offset: int, out: torch.Tensor) -> int:
+    """CPU only: positions (plus ``offset``) of the ``words`` with ``words & mask >= tb``
+    written into ``out`` (int64, as long as ``words``), in one compiled pass; returns
+    how many. The threshold scan of :func:`sparcml.compress.selection.select_above`
+    on IEEE bit patterns (``mask`` drops the sign bit)."""
+    return int(compiled().above_positions(words.numpy(), mask, tb, offset, out.numpy()))
+
+
+def bracket_band(
+    mag: torch.Tensor, t_lo: float, t_hi: float, band: torch.Tensor
+) -> tuple[int, int]:
+    """CPU only, float32/float64 magnitudes without NaN: how many exceed ``t_hi``, and
+    the values in ``[t_lo, t_hi]`` written into ``band`` (as long as ``mag``, same
+    dtype), in one compiled pass; returns (above, band count). The counting pass of
+    :func:`sparcml.compress.threshold_reuse.kth_largest`."""
+    above, n = compiled().bracket_band(mag.numpy(), t_lo, t_hi, band.numpy())
+    return int(above), int(n)

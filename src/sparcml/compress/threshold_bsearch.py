@@ -16,12 +16,12 @@ and ``2k`` entries, the exact top-k among them; exactly ``k`` when ties stop the
 search; every non-zero entry when there are at most ``2k`` (zeros are never
 selected: they carry nothing). NaN counts as the largest magnitude.
 
-Beyond the paper: Alg. 3 stops when ``r - l < eps`` with ``eps`` absolute (this
-library used ``eps * max|x|``). With one outlier the search then stopped on
-``l = 0`` and selected *everything* (n = 2^20, density 0.1%, one entry 1e4: all
-1,048,576 entries for k = 1048). The tolerance here is relative to the current
-right border, so the search keeps halving towards the bulk of the values, and
-step 4 replaces "select ``|x| > l``", so ties cannot inflate the selection.
+Beyond the paper: Alg. 3 stops when ``r - l < eps`` with ``eps`` absolute. A
+tolerance scaled by the largest magnitude (``eps * max|x|``) lets one outlier
+stop the search on ``l = 0``, which then selects *everything* (the case is in
+docs/compression.md). The tolerance here is relative to the current right
+border, so the search keeps halving towards the bulk of the values, and step 4
+replaces "select ``|x| > l``", so ties cannot inflate the selection.
 
 *Sampled* variant (``interval > 1``, RedSync recommends 5): the threshold found
 by a search is reused for the next ``interval - 1`` calls. Beyond the paper: a
@@ -35,9 +35,8 @@ import math
 
 import torch
 
-from ..stream import SparseStream
-from .base import Selector, check_input, register
-from .selection import KSpec, max_magnitude, select_above
+from .base import register
+from .selection import ReusedThreshold, max_magnitude, select_above
 
 __all__ = ["SampledThresholdBinarySearch", "ThresholdBinarySearch", "bsearch_threshold"]
 
@@ -112,7 +111,7 @@ def bsearch_threshold(
 
 
 @register("threshold_bsearch")
-class ThresholdBinarySearch(Selector):
+class ThresholdBinarySearch(ReusedThreshold):
     """Entries above a binary-searched threshold: at least the top-k, about k..2k of them.
 
     Args:
@@ -129,31 +128,19 @@ class ThresholdBinarySearch(Selector):
         eps: float = 1e-3,
         interval: int = 1,
     ) -> None:
-        self.spec = KSpec(k, density, self.name or "threshold_bsearch")
+        super().__init__(k, density, interval)
         if not 0 < eps < 1:
             raise ValueError(f"{self.name}: eps must lie in (0, 1), got {eps}")
-        if interval < 1:
-            raise ValueError(f"{self.name}: interval must be at least 1, got {interval}")
-        self.k, self.density, self.eps, self.interval = k, density, eps, interval
-        self.calls = 0
+        self.eps = eps
         self.searches = 0
-        self.threshold: float | None = None
 
-    def select(self, tensor: torch.Tensor) -> SparseStream:
-        x = check_input(tensor, self.name)
-        k = self.spec.of(x.numel())
-        if k == 0:
-            return SparseStream.empty(x.numel(), x.dtype, x.device)
-        idx = None
-        if self.threshold is not None and self.calls % self.interval != 0:
-            idx = select_above(x, self.threshold)
-            if not k <= idx.numel() <= 2 * k:
-                idx = None  # the gradient drifted out of the band: search again now
-        if idx is None:
-            self.threshold, idx = bsearch_threshold(x, k, self.eps)
-            self.searches += 1
-        self.calls += 1
-        return SparseStream.from_sorted(idx, x[idx], x.numel())
+    def find(self, x: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
+        self.searches += 1
+        return bsearch_threshold(x, k, self.eps)
+
+    def reuse(self, x: torch.Tensor, k: int, threshold: float) -> torch.Tensor | None:
+        idx = select_above(x, threshold)
+        return idx if k <= idx.numel() <= 2 * k else None  # else: drifted, search now
 
 
 @register("sampled_threshold_bsearch")

@@ -17,10 +17,11 @@ class TopK(Selector):
     """The ``k`` entries of largest magnitude (NaN counts as largest).
 
     Large tensors on the CPU (``2^16`` entries and more): the exact k-th largest magnitude
-    ``t`` by :func:`~.threshold_reuse.kth_largest` (a bracketed search, 5x faster
-    than ``torch.topk`` on 4M floats), then every entry above ``t`` and the first
-    entries equal to ``t`` in index order; small ones, ``t = 0``, or tensors on a GPU
-    (where it measured 0.60x of ``torch.topk`` at 0.1% of 64 MB): ``torch.topk``.
+    ``t`` by :func:`~.threshold_reuse.kth_largest` (a bracketed search, faster
+    than ``torch.topk`` on large CPU tensors), then every entry above ``t`` and the
+    first entries equal to ``t`` in index order; small ones, ``t = 0``, or tensors on
+    a GPU (where ``torch.topk`` measured faster: docs/benchmarks.md, "On a GPU"):
+    ``torch.topk``.
     Either way exactly ``k`` entries of the largest magnitudes.
 
     Args:

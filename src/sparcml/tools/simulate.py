@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -85,8 +84,8 @@ class SimConfig:
         quadratic_limit: largest ``P`` at which ``P^2``-work algorithms run.
         compute: ``"model"`` (gamma per element) or ``"measured"`` local work.
         cores: with measured compute, cores of the predicted machine shared by
-            all ranks (e.g. 2 for the emulated cluster on this machine); None:
-            one core per rank.
+            all ranks (e.g. the host's core count for an emulated cluster whose
+            ranks all run on one host); None: one core per rank.
         calibration: a calibration JSON (default: the stored one, else defaults).
         seed: data seed.
         progress: print one line per row on stderr.
@@ -493,9 +492,3 @@ def quadratic_cost_note(limit: int) -> str:
         f" are simulated up to P={limit}; "
         "beyond, their rows are the closed-form model"
     )
-
-
-def fill_in_ratio(row: dict[str, Any]) -> float:
-    """Observed over expected fill-in (1 within noise for uniform indices)."""
-    e = row["expected_fill_in"]
-    return math.nan if not e or "result_nnz" not in row else row["result_nnz"] / e

@@ -51,9 +51,9 @@ import torch
 
 from ..collectives import sparse_allreduce
 from ..comm import Communicator
-from ..compress.base import all_finite
 from ..compress.selection import k_of
 from ..errors import NonFiniteError
+from ..finite import all_finite
 from ..stream import SparseStream
 from .methods import MethodResult
 from .runtime import Group

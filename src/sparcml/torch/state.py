@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..comm import Communicator, SelfCommunicator, TorchDistCommunicator
 from ..comm import refuse_silent_world_of_one as _refuse_silent_world_of_one
-from ..merge import warm_kernels
+from ..compress.warmup import warm_kernels
 from ..sgd.feedback import ErrorFeedback, MomentumCorrection
 from .config import resolve_method
 from .methods import MethodConfig, config_of, method_spec, methods

@@ -7,7 +7,7 @@ each after a warm-up, as the median of ``repeats`` runs; throughput is input
 bytes per second. Ratios are taken within the same run. Selectors run at
 density 0.1% (RedSync's setting) unless configured otherwise.
 
-Checked targets (issue #3): natural compression and QSGD at >= 30% of copy
+Checked targets: natural compression and QSGD at >= 30% of copy
 bandwidth at 64 MB; ``threshold_bsearch`` (searching every call), its sampled
 variant and ``threshold_reuse`` at >= 5x the speed of exact top-k.
 """
@@ -120,7 +120,7 @@ def _row(mb: int, name: str, params: str, t: float, copy: float, payload: int) -
 
 
 def check_targets(rows: Sequence[dict[str, Any]]) -> list[tuple[str, float, float, bool]]:
-    """The issue's targets at the largest size: (what, measured, target, met)."""
+    """The targets at the largest size: (what, measured, target, met)."""
     big = max(r["size_mb"] for r in rows)
     at = {(r["operator"], r["params"]): r for r in rows if r["size_mb"] == big}
     topk = at[("topk", "density=0.001")]["seconds"]

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ...compress import get
+from ...compress.selection import k_of
 from .local import stream_cases, uniform_stream
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ def run_gpu_benchmark(cfg: GpuBenchConfig) -> dict[str, list[dict[str, Any]]]:
 
     selection: list[dict[str, Any]] = []
     for density in cfg.densities:
-        k = max(int(n * density), 1)
+        k = k_of(density, n)
         base_s = median_s(lambda k=k: torch.topk(x.abs(), k, sorted=False), cfg.repeats)
         selection.append(_sel_row(density, "torch.topk (radix select)", base_s, base_s, k))
         say(f"{density:.1%} torch.topk: {base_s * 1e3:.3f} ms")
@@ -234,7 +235,7 @@ def _stream_rows(
     say: Callable[[str], None],
 ) -> list[dict[str, Any]]:
     p = cfg.world
-    k = max(int(n * cfg.stream_density), 1)
+    k = k_of(cfg.stream_density, n)
     a = uniform_stream(n, k, 7, device)
     bounds = [i * (n // p) for i in range(p)] + [n]
     cases = [

@@ -33,13 +33,13 @@ import torch
 
 from ...collectives import sparse_allreduce
 from ...comm import Communicator, run_ranks
-from ...compress.base import all_finite
 from ...compress.natural import NaturalCompression
+from ...compress.selection import k_of
 from ...compress.topk import TopK
-from ...merge import widen_increasing
+from ...finite import all_finite
 from ...reinterpret import index_low_bytes
 from ...stream import SparseStream, index_bytes
-from ...wire import decode, decode_concat, encode
+from ...wire import decode, decode_concat, encode, widen_increasing
 
 __all__ = ["collective_rows", "copy_bandwidth", "kernel_rows", "uniform_stream"]
 
@@ -81,7 +81,7 @@ def stream_cases(n: int, p: int, density: float, device: str | torch.device = "c
     pieces of a range, recursive doubling's last two-way merge, encode and decode of
     ``p`` reduced ranges, their concatenation, and decoding straight into the result.
     ``sparcml bench-local`` (CPU) and ``sparcml bench-gpu`` time the same cases."""
-    k = max(int(n * density), 1)
+    k = k_of(density, n)
     width = n // p
     c, isize = index_bytes(width), 4  # the ranges' indices are relative to their start
     pair = 8 + isize  # an in-memory pair: int64 index, float32 value
@@ -138,7 +138,7 @@ def stream_cases(n: int, p: int, density: float, device: str | torch.device = "c
 def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str, Any]]:
     """One row per local kernel: elements, ms, ns per element, and the memory bound."""
     bw = copy_bandwidth()
-    k = max(int(n * density), 1)
+    k = k_of(density, n)
     width = n // p
     isize = 4
     pair = 8 + isize  # an in-memory pair: int64 index, float32 value
@@ -185,7 +185,8 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
             ranks.numel() * (3 + 8),
             lambda: widen_increasing(words3, 3, width, widened),
         ),
-        # the NaN/Inf check of a header under a quantizer, before and after issue 13
+        # the NaN/Inf check of a header under a quantizer: the boolean-tensor way
+        # against all_finite's one reduction
         (
             "NaN/Inf check of the values: isfinite().all()",
             result.nnz,
@@ -261,7 +262,7 @@ def collective_rows(
 ) -> list[dict[str, Any]]:
     """Thread CPU ms per rank per call of each algorithm on ``p`` in-process ranks."""
     bw = copy_bandwidth()
-    k = max(int(n * density), 1)
+    k = k_of(density, n)
     algorithms = algorithms or ("ssar_split_allgather", "ssar_recursive_double")
     streams = [uniform_stream(n, k, r) for r in range(p)]
 

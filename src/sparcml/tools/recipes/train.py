@@ -544,7 +544,7 @@ def write_report(result: dict[str, Any], out: Path, command: str) -> list[Path]:
         "same without the first step, whose one-time work is shown on its own; compute: a "
         "step without communication, measured after training; compression and "
         "communication: the sparcml hook's own clock per step, which overlaps backward; "
-        "time per step on a shared 2-core machine running all ranks, indicative only)",
+        "time per step on the machine(s) that ran the ranks, indicative only)",
         "",
         format_table(result),
         "",

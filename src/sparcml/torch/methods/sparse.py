@@ -22,7 +22,8 @@ from ...collectives import algorithms, sparse_allreduce, split_and_reduce
 from ...collectives.codec import EXACT, QUANTIZE_MODES, StreamCodec
 from ...collectives.registry import algorithm_info
 from ...comm import Communicator
-from ...compress.base import Composed, Selector, all_finite, check_kind, split_composition
+from ...compress.base import Composed, Selector, check_kind, split_composition
+from ...finite import all_finite
 from ...stream import SparseStream
 from ..rules import Density
 from .base import MethodConfig, MethodResult, MethodSpec, register_method
@@ -44,7 +45,7 @@ def valid_algorithms(kind: str, method: str) -> list[str]:
             continue  # needs per-call options (k=, state=): not a selected stream's reducer
         if kind == "nonzeros" and not algorithm_info(name).exact:
             continue  # lossless: no algorithm that drops entries
-        if "+" in method and name == "dense":
+        if split_composition(method)[1] is not None and name == "dense":
             continue  # cannot quantize
         out.append(name)
     return out

@@ -1,0 +1,25 @@
+"""The library's compiled CPU kernels, loaded on first use.
+
+:mod:`sparcml.cpu_kernels` holds every compiled loop (numba, a declared
+dependency): the merges of :mod:`sparcml.merge`, the index widening and narrowing
+of :mod:`sparcml.wire`, the threshold scans of :mod:`sparcml.compress.selection`
+and natural compression's 9-bit codes (:mod:`sparcml.compress.natural`). Each
+sits behind a torch-facing function in the module that uses it, with torch ops on
+other devices (one implementation per device). Loading numba takes a moment, so
+the kernels are imported when first needed; :func:`sparcml.compress.warmup.warm_kernels`
+loads and runs them all up front.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+__all__ = ["compiled"]
+
+
+def compiled() -> ModuleType:
+    """:mod:`sparcml.cpu_kernels`, imported on first use (numba compiles the kernels
+    once per machine and caches them on disk)."""
+    import sparcml.cpu_kernels
+
+    return sparcml.cpu_kernels
