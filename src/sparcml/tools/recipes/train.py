@@ -256,11 +256,6 @@ def _probe(model: Any, recipe: Any, n: int, comm: Any) -> list[float]:
     return times
 
 
-DENSE_LIKE = (
-    "dense", "nonzeros", "qsgd", "natural", "natural_dithering", "dithering", "natural_ina",
-)  # fmt: skip
-
-
 #: the run of ``sparcml train --config FILE`` is named ``config:NAME`` (the file's
 #: name; its path travels as ``hyper["config"]``)
 CONFIG_PREFIX = "config:"
@@ -275,12 +270,8 @@ def method_hyper(method: str, hyper: dict[str, Any], fsdp: bool = False) -> dict
     momentum; an explicit ``momentum`` is refused there by ``register_fsdp``). PyTorch
     peers (:mod:`.peers`) take only the dense warm-up, as PowerSGD's ``start_iter``.
     """
+    from ...torch.methods import method_spec
     from ...torch.peers import is_peer
-
-    def method_options(name: str) -> tuple[str, ...]:
-        from ...torch.methods import method_spec
-
-        return method_spec(name).config.field_names()
 
     h = dict(hyper)
     config = h.pop("config", None)  # sparcml train --config: the file's path
@@ -289,7 +280,7 @@ def method_hyper(method: str, hyper: dict[str, Any], fsdp: bool = False) -> dict
     if is_peer(method):
         warm = int(h.get("warmup_steps", 0))
         return {"start_iter": warm} if method.startswith("powersgd") else {}
-    if method in DENSE_LIKE:
+    if not method_spec(method).needs_momentum_correction:  # sends every entry
         h.pop("density", None)
         h.pop("momentum", None)  # momentum correction is for sparse methods
         h.pop("index_coding", None)
@@ -297,7 +288,7 @@ def method_hyper(method: str, hyper: dict[str, Any], fsdp: bool = False) -> dict
         # error feedback and the optimizer's momentum amplify each other: sparse
         # methods get DGC momentum correction (the optimizer then runs without)
         h["momentum"] = 0.9
-    if h.get("index_coding") and "index_coding" not in method_options(method):
+    if h.get("index_coding") and "index_coding" not in method_spec(method).config.field_names():
         h.pop("index_coding")  # index coding applies to quantized sparse messages only
     return h
 
