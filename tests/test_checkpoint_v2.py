@@ -1,0 +1,69 @@
+"""Checkpoints written before the typed configs (format version 2, prefixed option
+names such as ``oktopk_tau``) load into today's states and continue bitwise.
+
+``tests/data/checkpoints_v2.pt`` was written by the code of commit a7c5a1f (2
+in-process ranks, 3 steps, ``state_dict()``, then 2 more steps recorded), with
+``SPARCML_AUTO=model`` so that ``auto`` picks by the cost model alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparcml.comm import run_ranks
+from sparcml.torch import SparcmlState
+from sparcml.torch.reduce import Bucket, reduce_bucket
+
+DATA = Path(__file__).parent / "data" / "checkpoints_v2.pt"
+SIZES = (300, 7, 1200, 40)
+NAMES = ("a.weight", "a.bias", "b.weight", "b.bias")
+#: today's options for the runs the file holds (its options had the old names)
+CASES = {
+    "topk_reuse": ("threshold_reuse", {"density": 0.05}),
+    "oktopk": ("oktopk", {"density": 0.05, "tau": 3, "tau_prime": 2}),
+    "redsync_asq": ("redsync", {"density": 0.05, "min_bytes": 0, "asq": True}),
+    "topk_natural_rules": (
+        "topk+natural",
+        {"density": 0.05, "momentum": 0.9, "layers": [("*.bias", "dense")]},
+    ),
+    "qsgd": ("qsgd", {}),
+}
+
+
+def _grads(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(sum(SIZES), generator=g)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_version_2_checkpoint_loads_and_continues_bitwise(case: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SPARCML_AUTO", "model")
+    monkeypatch.setenv("SPARCML_CALIBRATION", "/nonexistent/sparcml/calibration.json")
+    saved = torch.load(DATA, weights_only=True)[case]
+    method, options = CASES[case]
+    assert saved["method"] == method
+    assert saved["ranks"][0]["state_dict"]["version"] == 2
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState(method, comm=comm, **options)
+        state.load_state_dict(saved["ranks"][comm.rank]["state_dict"])  # strict
+        return [reduce_bucket(state, Bucket(NAMES, SIZES, _grads(comm.rank, t), t)) for t in (3, 4)]
+
+    for rank, got in enumerate(run_ranks(2, fn)):
+        for t, (mine, theirs) in enumerate(zip(got, saved["ranks"][rank]["after"], strict=True)):
+            assert torch.equal(mine, theirs), (case, rank, 3 + t)
+
+
+def test_a_version_2_checkpoint_of_other_settings_is_refused_naming_them() -> None:
+    saved = torch.load(DATA, weights_only=True)["oktopk"]["ranks"][0]["state_dict"]
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState("oktopk", density=0.05, tau=4, tau_prime=2, comm=comm)
+        if comm.rank == 0:
+            with pytest.raises(ValueError, match=r"tau \(checkpoint: 3, this state: 4\)"):
+                state.load_state_dict(saved)
+
+    run_ranks(2, fn)
