@@ -42,7 +42,6 @@ between methods is a fact in their registration (:mod:`sparcml.torch.methods`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -55,6 +54,7 @@ from ..compress.selection import k_of
 from ..errors import NonFiniteError
 from ..finite import all_finite
 from ..stream import SparseStream
+from .bucket import Bucket
 from .methods import MethodResult
 from .runtime import Group
 from .state import SparcmlState
@@ -69,22 +69,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("sparcml")
-
-
-@dataclasses.dataclass
-class Bucket:
-    """One bucket of one step: parameter names and sizes, and this rank's gradient."""
-
-    names: tuple[str, ...]
-    sizes: tuple[int, ...]
-    grad: torch.Tensor  # flat
-    step: int
-    op_key: tuple[str, ...] | None = None  # where its operators are kept, if not names
-
-    @property
-    def key(self) -> tuple[str, ...]:
-        """The key of the bucket's operators and per-bucket method state."""
-        return self.names if self.op_key is None else self.op_key
 
 
 def _sent_and_mask(

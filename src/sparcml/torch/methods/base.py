@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -58,10 +58,12 @@ from ...stream import SparseStream
 from ..rules import Density, check_density, describe_schedule
 
 if TYPE_CHECKING:
-    from ..reduce import Bucket
-    from ..runtime import Group
+    from ...comm import Communicator
+    from ..bucket import Bucket
+    from ..settings import PipelineSettings
 
 __all__ = [
+    "GroupView",
     "MethodConfig",
     "MethodResult",
     "MethodSpec",
@@ -86,8 +88,27 @@ class MethodResult:
     select_s: float = 0.0
 
 
-RunFn = Callable[["Group", "Bucket", torch.Tensor], MethodResult]
-ScatterFn = Callable[["Group", "Bucket", torch.Tensor, list[int]], MethodResult]
+class GroupView(Protocol):
+    """What a method reads from its parameter group (:class:`~sparcml.torch.runtime.Group`):
+    its config, the pipeline settings, the communicator, the density of the step,
+    its operators, its own runtime state and the parameter names."""
+
+    config: MethodConfig
+    settings: PipelineSettings
+    comm: Communicator
+    method_state: Any
+    param_names: dict[int, str]
+
+    @property
+    def density(self) -> float | None: ...
+
+    def operator(self, key: tuple[str, ...]) -> Any: ...
+
+    def cached_operator(self, key: tuple[str, ...], build: Callable[[], Any]) -> Any: ...
+
+
+RunFn = Callable[[GroupView, "Bucket", torch.Tensor], MethodResult]
+ScatterFn = Callable[[GroupView, "Bucket", torch.Tensor, list[int]], MethodResult]
 
 
 @dataclasses.dataclass(frozen=True)

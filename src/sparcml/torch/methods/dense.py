@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...stream import SparseStream
-from .base import MethodConfig, MethodResult, MethodSpec, register_method
+from .base import GroupView, MethodConfig, MethodResult, MethodSpec, register_method
 from .sparse import scatter
 
 if TYPE_CHECKING:
-    from ..reduce import Bucket
-    from ..runtime import Group
+    from ..bucket import Bucket
 
 __all__ = ["DENSE", "Dense"]
 
@@ -24,12 +23,12 @@ class Dense(MethodConfig):
     """The backend's dense allreduce (no options)."""
 
 
-def run(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+def run(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
     return MethodResult(acc, group.comm.allreduce(acc))
 
 
 def scatter_dense(
-    group: Group, bucket: Bucket, acc: torch.Tensor, bounds: list[int]
+    group: GroupView, bucket: Bucket, acc: torch.Tensor, bounds: list[int]
 ) -> MethodResult:
     """FSDP2's reference reduce-scatter: the dense chunks through the split, summed
     in rank order."""

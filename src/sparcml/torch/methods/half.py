@@ -23,11 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import MethodConfig, MethodResult, MethodSpec, register_method
+from .base import GroupView, MethodConfig, MethodResult, MethodSpec, register_method
 
 if TYPE_CHECKING:
-    from ..reduce import Bucket
-    from ..runtime import Group
+    from ..bucket import Bucket
 
 __all__ = ["BF16", "FP16", "Bf16", "Fp16"]
 
@@ -43,7 +42,7 @@ class Bf16(MethodConfig):
 
 
 def _spec(name: str, dtype: torch.dtype, hook: str, config: type[MethodConfig]) -> MethodSpec:
-    def run(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+    def run(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
         # Steps 1-3 (the pipeline casts the average back to the gradient's dtype)
         low = acc.to(dtype).div_(group.comm.world_size)
         return MethodResult(None, group.comm.allreduce(low))

@@ -13,11 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .base import MethodConfig, MethodResult, MethodSpec, register_method
+from .base import GroupView, MethodConfig, MethodResult, MethodSpec, register_method
 
 if TYPE_CHECKING:
-    from ..reduce import Bucket
-    from ..runtime import Group
+    from ..bucket import Bucket
 
 __all__ = ["NATURAL_INA", "InaRuntime", "NaturalIna"]
 
@@ -76,7 +75,7 @@ class InaRuntime:
         return {"session": None, "calls": self.calls}
 
 
-def run(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+def run(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
     from ...ina import InaStats, agree_session, ina_allreduce
 
     cfg = group.config

@@ -11,11 +11,10 @@ from ...collectives import OkTopkState, oktopk_allreduce
 from ...compress.selection import k_of
 from ...stream import SparseStream
 from ..rules import Density
-from .base import MethodConfig, MethodResult, MethodSpec, register_method
+from .base import GroupView, MethodConfig, MethodResult, MethodSpec, register_method
 
 if TYPE_CHECKING:
-    from ..reduce import Bucket
-    from ..runtime import Group
+    from ..bucket import Bucket
 
 __all__ = ["OKTOPK", "OkTopk"]
 
@@ -43,7 +42,7 @@ class OkTopk(MethodConfig):
         OkTopkState(tau=self.tau, tau_prime=self.tau_prime)  # validates them
 
 
-def run(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+def run(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
     cfg = group.config
     assert isinstance(cfg, OkTopk)
     states: dict[tuple[str, ...], OkTopkState] = group.method_state

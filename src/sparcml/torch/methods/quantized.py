@@ -18,12 +18,11 @@ from ...collectives import sparse_allreduce
 from ...collectives.codec import StreamCodec
 from ...compress.base import Quantizer, check_kind
 from ...stream import SparseStream
-from .base import MethodConfig, MethodResult, MethodSpec, register_method
+from .base import GroupView, MethodConfig, MethodResult, MethodSpec, register_method
 from .sparse import scatter
 
 if TYPE_CHECKING:
-    from ..reduce import Bucket
-    from ..runtime import Group
+    from ..bucket import Bucket
 
 __all__ = ["QUANTIZED", "Quantized"]
 
@@ -60,7 +59,7 @@ class Quantized(MethodConfig):
         object.__setattr__(self, "compressor_params", dict(self.compressor_params or {}))
 
 
-def run(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+def run(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
     op = group.operator(bucket.key)
     assert isinstance(op, Quantizer)
     # dense, whatever the gradient's zeros: a quantized value costs a byte or less,
@@ -77,7 +76,7 @@ def run(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
 
 
 def scatter_quantized(
-    group: Group, bucket: Bucket, acc: torch.Tensor, bounds: list[int]
+    group: GroupView, bucket: Bucket, acc: torch.Tensor, bounds: list[int]
 ) -> MethodResult:
     """FSDP2's reduce-scatter: every rank quantizes each piece it sends once, the
     owner decodes the ``P`` pieces and sums them in rank order."""

@@ -44,11 +44,10 @@ from ...compress.asq import ASQ
 from ...compress.base import Context
 from ...stream import SparseStream
 from ..rules import Density
-from .base import MethodConfig, MethodResult, MethodSpec, register_method
+from .base import GroupView, MethodConfig, MethodResult, MethodSpec, register_method
 
 if TYPE_CHECKING:
-    from ..reduce import Bucket
-    from ..runtime import Group
+    from ..bucket import Bucket
 
 __all__ = ["REDSYNC", "RedSync", "redsync_allgather", "redsync_selector"]
 
@@ -90,7 +89,7 @@ class RedSync(MethodConfig):
             raise ValueError("min_bytes must be >= 0 and bsearch_numel >= 1")
 
 
-def is_output_layer(group: Group, name: str) -> bool:
+def is_output_layer(group: GroupView, name: str) -> bool:
     """Whether ``name`` belongs to the layer RedSync leaves unquantized."""
     prefix = group.config.output_layer
     if prefix == "auto":
@@ -104,7 +103,7 @@ def is_output_layer(group: Group, name: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def redsync_selector(group: Group, name: str, numel: int, element_size: int) -> Any:
+def redsync_selector(group: GroupView, name: str, numel: int, element_size: int) -> Any:
     """Step 1's per-layer choice: None (uncompressed), ASQ, trimmed top-k or binary search.
 
     Selectors keep state across calls (ASQ's sign, the sampled threshold), so one
@@ -125,7 +124,7 @@ def redsync_selector(group: Group, name: str, numel: int, element_size: int) -> 
     return group.cached_operator(("redsync", name), build)
 
 
-def redsync_allgather(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+def redsync_allgather(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
     """Steps 1-4 for one bucket; returns (this rank's sent part, the sum over ranks)."""
     comm = group.comm
     n = acc.numel()

@@ -26,11 +26,10 @@ from ...compress.base import Composed, Selector, check_kind, split_composition
 from ...finite import all_finite
 from ...stream import SparseStream
 from ..rules import Density
-from .base import MethodConfig, MethodResult, MethodSpec, register_method
+from .base import GroupView, MethodConfig, MethodResult, MethodSpec, register_method
 
 if TYPE_CHECKING:
-    from ..reduce import Bucket
-    from ..runtime import Group
+    from ..bucket import Bucket
 
 __all__ = ["NONZEROS", "SPARSE", "Nonzeros", "TopK", "scatter", "valid_algorithms"]
 
@@ -127,7 +126,7 @@ class TopK(MethodConfig):
         object.__setattr__(self, "compressor_params", dict(self.compressor_params or {}))
 
 
-def run_sparse(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
     op = group.operator(bucket.key)
     selector: Selector = op.selector if isinstance(op, Composed) else op
     quantizer = op.quantizer if isinstance(op, Composed) else None
@@ -158,7 +157,7 @@ def run_sparse(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
 
 
 def scatter_sparse(
-    group: Group, bucket: Bucket, acc: torch.Tensor, bounds: list[int]
+    group: GroupView, bucket: Bucket, acc: torch.Tensor, bounds: list[int]
 ) -> MethodResult:
     """FSDP2's reduce-scatter: ``TopK(acc)`` split by owner (quantized once with a
     quantizer), rank ``j`` summing chunk ``j`` (paper 000 sec. 5.3.2's split phase)."""
@@ -213,7 +212,7 @@ class Nonzeros(MethodConfig):
         check_algorithm("nonzeros", "nonzeros", self.algorithm)
 
 
-def run_nonzeros(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
+def run_nonzeros(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
     cfg = group.config
     assert isinstance(cfg, Nonzeros)
     total = sparse_allreduce(
@@ -223,7 +222,7 @@ def run_nonzeros(group: Group, bucket: Bucket, acc: torch.Tensor) -> MethodResul
 
 
 def scatter_nonzeros(
-    group: Group, bucket: Bucket, acc: torch.Tensor, bounds: list[int]
+    group: GroupView, bucket: Bucket, acc: torch.Tensor, bounds: list[int]
 ) -> MethodResult:
     """Each chunk's non-zeros as a sparse message, summed by its owner (exact)."""
     return MethodResult(None, scatter(SparseStream.from_dense(acc), group.comm, EXACT, bounds))

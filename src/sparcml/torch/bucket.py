@@ -1,0 +1,25 @@
+"""One bucket of one step: what every entry point hands the pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["Bucket"]
+
+
+@dataclasses.dataclass
+class Bucket:
+    """One bucket of one step: parameter names and sizes, and this rank's gradient."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    grad: torch.Tensor  # flat
+    step: int
+    op_key: tuple[str, ...] | None = None  # where its operators are kept, if not names
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        """The key of the bucket's operators and per-bucket method state."""
+        return self.names if self.op_key is None else self.op_key
