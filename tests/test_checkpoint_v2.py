@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sparcml.comm import run_ranks
-from sparcml.torch import SparcmlState
+from sparcml.torch import LayerRule, SparcmlState
 from sparcml.torch.reduce import Bucket, reduce_bucket
 
 DATA = Path(__file__).parent / "data" / "checkpoints_v2.pt"
@@ -30,6 +30,10 @@ CASES = {
         {"density": 0.05, "momentum": 0.9, "layers": [("*.bias", "dense")]},
     ),
     "qsgd": ("qsgd", {}),
+    "rule_options": (
+        "topk",
+        {"density": 0.05, "layers": [LayerRule("oktopk", pattern="b.*", options={"tau": 3})]},
+    ),
 }
 
 

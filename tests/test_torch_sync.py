@@ -715,3 +715,44 @@ def _self():  # type: ignore[no-untyped-def]
     from sparcml.comm import SelfCommunicator
 
     return SelfCommunicator()
+
+
+def test_warm_up_steps_of_a_sparse_gradient_are_exact_whatever_the_selector_s_algorithm() -> None:
+    """A selector method's sparse (COO) gradient during warm-up goes through the exact
+    sparse allreduce ('auto'), not the method's own algorithm (gtopk would drop rows)."""
+    from sparcml.torch.reduce import reduce_sparse_gradient
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState("topk", 0.1, algorithm="gtopk", warmup_steps=5, comm=comm)
+        rows = torch.tensor([[2 * comm.rank, 2 * comm.rank + 1]])
+        g = torch.sparse_coo_tensor(rows, torch.ones(2, 2) * (comm.rank + 1), (8, 2))
+        return reduce_sparse_gradient(state, Bucket(("emb.weight",), (16,), g, 0)).to_dense()
+
+    for out in run_ranks(2, fn):
+        want = torch.zeros(8, 2)
+        want[0:2], want[2:4] = 0.5, 1.0
+        assert torch.equal(out, want)
+
+
+def test_config_errors_name_what_is_accepted() -> None:
+    from sparcml.comm import SelfCommunicator
+
+    comm = SelfCommunicator()
+    with pytest.raises(ValueError, match=r"warmup_step next to the config TopK.*density"):
+        SparcmlState(st.TopK(), warmup_step=5, comm=comm)
+    with pytest.raises(ValueError, match="is not the config of a registered method"):
+        import dataclasses
+
+        from sparcml.torch.methods import MethodConfig
+
+        @dataclasses.dataclass(frozen=True)
+        class Mine(MethodConfig):
+            pass
+
+        SparcmlState(Mine(), comm=comm)
+    assert SparcmlState("topk", warmup_steps=5.0, comm=comm).settings.warmup_steps == 5
+    with pytest.raises(ValueError, match="warmup_steps must be a non-negative integer"):
+        SparcmlState("topk", warmup_steps=2.5, comm=comm)
+    rule = st.LayerRule("topk", pattern="*.bias", options={"density": 0.5})
+    state = SparcmlState("topk", comm=comm, layers=[rule])
+    assert state.groups[1].density == 0.5

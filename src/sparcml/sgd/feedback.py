@@ -8,7 +8,7 @@ DDP bucket), reused in place: memory does not grow over steps.
 
 Invariant (tested in float64): ``acc == sent + residual`` after :meth:`update`.
 
-The same object serves the per-tensor SGD steps (:func:`~sparcml.sgd.topk_sgd_step`)
+The same object serves the per-tensor SGD steps (:func:`~sparcml.torch.topk_sgd_step`)
 and the training pipeline (the DDP hook, ``sync_gradients``, FSDP), which works on
 *buckets*: a flat view of several parameters. :meth:`NamedBuffers.gather` builds a
 bucket's flat view from the per-name buffers (zeros where none exists yet) and

@@ -32,7 +32,18 @@ from __future__ import annotations
 
 from .fsdp import register_fsdp
 from .hook import comm_hook, register
-from .methods import OkTopk, Quantized, RedSync, TopK, methods
+from .methods import (
+    Bf16,
+    Dense,
+    Fp16,
+    NaturalIna,
+    Nonzeros,
+    OkTopk,
+    Quantized,
+    RedSync,
+    TopK,
+    methods,
+)
 from .rules import DensityWarmup, LayerRule
 from .settings import PipelineSettings
 from .state import SparcmlState, needs_momentum_correction
@@ -45,9 +56,14 @@ from .sync import (
 )
 
 __all__ = [
+    "Bf16",
+    "Dense",
     "DensityWarmup",
     "DistributedOptimizer",
+    "Fp16",
     "LayerRule",
+    "NaturalIna",
+    "Nonzeros",
     "OkTopk",
     "PipelineSettings",
     "Quantized",

@@ -18,6 +18,9 @@ class Bucket:
     grad: torch.Tensor  # flat
     step: int
     op_key: tuple[str, ...] | None = None  # where its operators are kept, if not names
+    #: bytes per entry of a dense reduction of the bucket (statistics): the gradient's
+    #: own, where an adapter cast it (FSDP2 compresses 16-bit gradients in float32)
+    itemsize: int | None = None
 
     @property
     def key(self) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Checkpoint and resume of sparcml's per-rank compression state.
 
 Everything that determines a method's future steps lives on the
-:class:`~sparcml.torch.SparcmlState` (and :class:`~sparcml.torch.fsdp.FsdpState`):
+:class:`~sparcml.torch.SparcmlState` (for the DDP hook, sync_gradients and FSDP2 alike):
 error-feedback residuals and DGC momenta, the per-bucket selectors and quantizers
 (threshold reuse thresholds and call counters, sampled binary-search thresholds,
 ASQ's sign parity, random-k call counters, quantizers' random generators), Ok-Topk's

@@ -152,7 +152,10 @@ class SparcmlReduceScatter:  # made a ReduceScatter subclass in register_fsdp
             g = g.float()  # compressed in float32, the shard cast back by the caller
         bounds = [j * width for j in range(state.comm.world_size + 1)]
         state.at_step(step)
-        bucket = Bucket((self.name,), (g.numel(),), g, step, op_key=("fsdp", self.name))
+        bucket = Bucket(
+            (self.name,), (g.numel(),), g, step, op_key=("fsdp", self.name),
+            itemsize=grad.element_size(),
+        )  # fmt: skip
         return reduce_group(state.groups[0], bucket, bounds)
 
 

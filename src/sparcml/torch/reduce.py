@@ -215,7 +215,8 @@ def _reduce_sparse(group: Group, bucket: Bucket) -> torch.Tensor:
             _check_finite(
                 comm, Bucket(bucket.names, (stream.nnz,), stream.values, bucket.step), stream.values
             )
-        algorithm = getattr(group.config, "algorithm", "auto")
+        # warm-up steps of a selector method are exact too: its algorithm may not be
+        algorithm = getattr(group.config, "algorithm", "auto") if group.spec.lossless else "auto"
         total = sparse_allreduce(stream, comm, algorithm=algorithm, call_id=bucket.step)
         if total.is_dense:
             total = SparseStream.from_dense(total.to_dense())
@@ -356,7 +357,7 @@ def reduce_group(
             selected = sent.nnz
             k = k_of(density, g.numel())
         # a dense ring allreduce sends 2 (P-1)/P of the bucket, a reduce-scatter half
-        ring = (p - 1) / p * g.numel() * g.element_size()
+        ring = (p - 1) / p * g.numel() * (bucket.itemsize or g.element_size())
         group.stats.record(
             bucket.step,
             g.numel(),

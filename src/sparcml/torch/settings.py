@@ -64,7 +64,16 @@ class PipelineSettings:
     stats_ranks: str = "first"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+        for name in ("warmup_steps", "bucket_bytes", "seed", "stats_every"):
+            value = getattr(self, name)
+            try:
+                whole = not isinstance(value, bool) and float(value).is_integer()
+            except (TypeError, ValueError):
+                whole = False
+            if not whole:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+            object.__setattr__(self, name, int(value))  # (numpy integers, 5.0)
+        if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
@@ -84,7 +93,7 @@ class PipelineSettings:
             )
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
-        if not isinstance(self.stats_every, int) or self.stats_every < 0:
+        if self.stats_every < 0:
             raise ValueError(
                 f"stats_every must be a non-negative integer, got {self.stats_every!r}"
             )

@@ -82,8 +82,9 @@ class SparcmlState:
             rank selects, for the methods that select; default 0.01. A callable
             ``step -> density`` is a schedule (:class:`~sparcml.torch.rules.DensityWarmup`
             is DGC's warm-up); assigning ``state.density`` between steps takes effect
-            at the next step. Methods that send every entry ignore it (layer rules
-            inherit it).
+            at the next step (a method that sends every entry has none: assigning
+            raises ``ValueError``; given here, it is ignored and layer rules inherit it;
+            rules' groups keep the density they were built with).
         settings: the pipeline settings, whole; or give them as keywords
             (``warmup_steps=``, ``momentum=``, ``clip_norm=``, ... see
             :class:`~sparcml.torch.settings.PipelineSettings`).
@@ -416,7 +417,8 @@ class SparcmlState:
             )
         saved = sd.get("settings")
         if saved is None:
-            old = {"method": sd["method"], "density": sd["density"]}
+            takes_density = "density" in method_spec(sd["method"]).config.field_names()
+            old = {"method": sd["method"], "density": sd["density"] if takes_density else None}
             now = {
                 "method": self.method,
                 "density": describe_schedule(getattr(self.config, "density", None)),
@@ -520,7 +522,12 @@ def _v2_settings(saved: dict[str, Any]) -> dict[str, Any]:
     for gone in ("ina_server", "server"):
         out.pop(gone, None)
     out["layers"] = [
-        {**rule, "settings": _v2_settings(rule["settings"])} for rule in out.get("layers", [])
+        {
+            **rule,
+            "options": {_V2_NAMES.get(k, k): v for k, v in rule.get("options", {}).items()},
+            "settings": _v2_settings(rule["settings"]),
+        }
+        for rule in out.get("layers", [])
     ]
     return out
 

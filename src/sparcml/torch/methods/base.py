@@ -215,8 +215,13 @@ def register_method(spec: MethodSpec) -> MethodSpec:
     """Add a method to the registry (by its ``kind``); its config learns its kind."""
     if spec.kind in _METHODS and _METHODS[spec.kind] is not spec:
         raise ValueError(f"a training method of kind {spec.kind!r} is already registered")
-    if spec.config is not MethodConfig:
-        spec.config.kind = spec.kind
+    owner = vars(spec.config).get("kind")  # (set on this class itself, not inherited)
+    if owner and owner != spec.kind:
+        raise ValueError(
+            f"{spec.config.__name__} is already the config of method {owner!r}; "
+            f"give {spec.kind!r} a config class of its own"
+        )
+    spec.config.kind = spec.kind
     _METHODS[spec.kind] = spec
     return spec
 
@@ -227,9 +232,19 @@ def registered() -> list[MethodSpec]:
 
 
 def method_spec(method: str | MethodConfig) -> MethodSpec:
-    """The registration of a method kind, a method name or a config."""
+    """The registration of a method kind, a method name or a config.
+
+    Raises:
+        ValueError: an unknown name, or a config class no method registered.
+    """
     if isinstance(method, MethodConfig):
-        return _METHODS[method.kind]
+        spec = _METHODS.get(method.kind)
+        if spec is None or spec.config is not type(method):
+            raise ValueError(
+                f"{type(method).__name__} is not the config of a registered method "
+                "(register_method(MethodSpec(..., config=...)) registers one)"
+            )
+        return spec
     spec = _METHODS.get(method)
     return spec if spec is not None else _METHODS[method_kind(method)]
 
@@ -280,9 +295,11 @@ def config_of(
     """
     if isinstance(method, MethodConfig):
         if options:
+            fields = ", ".join(type(method).field_names()) or "none"
             raise ValueError(
-                f"give the options of {method.name!r} in its config, not as keywords "
-                f"({', '.join(sorted(options))})"
+                f"unknown option(s) {', '.join(sorted(options))} next to the config "
+                f"{type(method).__name__}: its own options go in the config ({fields})"
+                + (f"; the pipeline's settings: {', '.join(others)}" if others else "")
             )
         if density is not None and "density" in _field_set(type(method)):
             return dataclasses.replace(method, density=density)  # type: ignore[type-var]
@@ -303,7 +320,10 @@ def config_of(
                 "sparse allreduce algorithm; leave algorithm='auto'"
             )
         options = {k: v for k, v in options.items() if k != "algorithm"}
-    unknown = sorted(k for k in options if k not in takes or k == "density")
+    options = dict(options)
+    if "density" in options:  # (a layer rule's options may carry it)
+        density = options.pop("density")
+    unknown = sorted(k for k in options if k not in takes)
     if unknown:
         mine = ", ".join(k for k in takes) or "none"
         raise ValueError(
