@@ -123,3 +123,74 @@ def test_auto_measures_without_calibration_and_agrees_on_the_slowest_rank(
     cal = CostModel().save(tmp_path / "cal.json")
     monkeypatch.setenv("SPARCML_CALIBRATION", str(cal))
     assert autotune.auto_mode(None) == "model"
+
+
+def test_auto_measures_a_class_again_when_its_winner_turns_slow(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two candidates the model cannot tell apart: ``fast_then_slow`` wins the first
+    measurement, then takes 20 ms a call against ``steady``'s 5 ms; after
+    RECHECK_EVERY settled calls the ranks agree it is over RECHECK_FACTOR times the
+    runner-up's measured time, measure the two again and settle on ``steady``."""
+    from sparcml.collectives import autotune
+
+    monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 0.0)
+    monkeypatch.setattr(autotune, "PRUNE_FACTOR", 1.0)  # only the two free candidates
+    monkeypatch.setattr(autotune, "RECHECK_EVERY", 4)
+    calls: dict[int, int] = {}
+
+    @register("fast_then_slow", auto=True, cost=_free_cost, auto_priority=-2)
+    def fast_then_slow(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        calls[comm.rank] = calls.get(comm.rank, 0) + 1
+        if calls[comm.rank] > autotune.ROUNDS:  # slow once measured
+            time.sleep(0.02)
+        return topka(stream, comm, codec)
+
+    @register("steady", auto=True, cost=_free_cost, auto_priority=-1)
+    def steady(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        time.sleep(0.005)
+        return topka(stream, comm, codec)
+
+    try:
+
+        def fn(comm):  # type: ignore[no-untyped-def]
+            s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
+            first = 2 * autotune.ROUNDS  # the first measurement
+            outs = [sparse_allreduce(s, comm).to_dense() for _ in range(first)]
+            (choice,) = autotune.auto_choices(comm)
+            winner_then = choice.winner
+            outs += [sparse_allreduce(s, comm).to_dense() for _ in range(4 + first + 2)]
+            return outs, winner_then, choice.winner, choice.rechecks
+
+        got = run_ranks(2, fn)
+        for outs, then, now, rechecks in got:
+            assert all(o.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 4.0, 0.0, 0.0] for o in outs)
+            assert (then, now, rechecks) == ("fast_then_slow", "steady", 1)
+    finally:
+        del registry._REGISTRY["fast_then_slow"], registry._REGISTRY["steady"]
+
+
+def test_auto_measures_a_neighbouring_density_on_two_candidates_at_most(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A class one density step from a measured one tries only the model's best and
+    the neighbour's winner."""
+    from sparcml.collectives import autotune
+
+    monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 0.0)
+    monkeypatch.setattr(autotune, "PRUNE_FACTOR", math.inf)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        for nnz in (4, 8):  # densities 4/1024 and 8/1024: neighbouring classes
+            idx = torch.arange(nnz) * 64 + comm.rank
+            s = SparseStream(idx, torch.ones(nnz), 1024)
+            while True:
+                sparse_allreduce(s, comm)
+                if not autotune.measuring(comm):
+                    break
+        return [len(c.candidates) for c in autotune.auto_choices(comm)]
+
+    for first, second in run_ranks(3, fn):
+        assert first == len(algorithms(auto=True)) and second <= 2

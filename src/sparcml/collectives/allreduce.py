@@ -37,7 +37,7 @@ from ..comm.hostmem import device_memory_bytes
 from ..compress.base import Quantizer
 from ..costmodel import CostModel
 from ..stream import SparseStream
-from .autotune import carrying_choice, plan, remember, run_auto
+from .autotune import carrying_choice, observe, plan, remember, run_auto
 from .codec import FirstRound, StreamCodec
 from .headers import CallSettings, check_consistent, check_headers, consistency_header
 from .registry import algorithm_info, check_options, get_algorithm
@@ -91,8 +91,10 @@ def _run(
         # the next call on the nnz they bring
         first = carry(settled)
         log.debug("sparse_allreduce auto: %s, headers in its own messages", settled)
+        t0 = comm.now()
         out = get_algorithm(settled)(stream, comm, codec)
         assert first.ks is not None
+        observe(comm, stream.size, first.ks, isize, codec.lossy, settled, comm.now() - t0)
         # what the next call like this one runs without measuring (None: not settled)
         planned = plan(comm, stream.size, first.ks, isize, codec.lossy, model, create=False)
         remember(comm, key, planned[0])
@@ -106,9 +108,15 @@ def _run(
             return get_algorithm(name)(stream, comm, codec)
 
         planned = plan(comm, stream.size, ks, isize, codec.lossy, model, create=True)
+        t0 = comm.now()
         out = run_auto(comm, planned, run)
+        again = planned[0] is not None and observe(
+            comm, stream.size, ks, isize, codec.lossy, planned[0], comm.now() - t0
+        )
         # the plan's algorithm, or the class's winner once its last round decided it
-        remember(comm, key, planned[0] or (planned[1].winner if planned[1] else None))
+        # (None while the class is measured, again or for the first time)
+        settles = None if again else planned[0] or (planned[1].winner if planned[1] else None)
+        remember(comm, key, settles)
     assert isinstance(out, SparseStream)
     return out
 

@@ -49,6 +49,7 @@ import dataclasses
 import logging
 import math
 import os
+import statistics
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -63,6 +64,8 @@ from .registry import algorithm_info, algorithms, predict
 __all__ = [
     "MEASURE_ABOVE_S",
     "PRUNE_FACTOR",
+    "RECHECK_EVERY",
+    "RECHECK_FACTOR",
     "ROUNDS",
     "AutoChoice",
     "AutoClass",
@@ -73,6 +76,7 @@ __all__ = [
     "choose_algorithm",
     "common_choice",
     "measuring",
+    "observe",
     "plan",
     "previous_choice",
     "remember",
@@ -83,10 +87,18 @@ log = logging.getLogger("sparcml")
 
 #: Calls whose best predicted time is below this are decided by the model alone.
 MEASURE_ABOVE_S = 1e-3
-#: Candidates predicted more than this many times slower than the best are not tried.
-PRUNE_FACTOR = 8.0
-#: Each candidate runs this many times (round robin); its best round counts.
+#: Candidates predicted more than this many times slower than the best are not tried
+#: (the model's measured error on CPU ranks stays within it: docs/cluster.md's
+#: "meas/model" column).
+PRUNE_FACTOR = 3.0
+#: Each candidate runs this many times (round robin); its best round counts, so a
+#: cold or disturbed first call does not decide.
 ROUNDS = 2
+#: Settled calls of a class between two checks of its winner (one small allreduce).
+RECHECK_EVERY = 16
+#: A winner whose slowest-rank median over those calls exceeds this many times the
+#: runner-up's measured best is measured again against the runner-up.
+RECHECK_FACTOR = 1.5
 
 
 def auto_mode(cost_model: CostModel | None) -> str:
@@ -137,6 +149,10 @@ class AutoChoice:
     times: list[float] = dataclasses.field(default_factory=list)
     winner: str | None = None
     agreed: list[float] | None = None
+    runner_up: str | None = None  # the second best once decided, and its best time
+    runner_up_s: float = math.inf
+    recent: list[float] = dataclasses.field(default_factory=list)  # the winner's, since
+    rechecks: int = 0  # times the class was measured again
 
     @property
     def calls(self) -> int:
@@ -204,6 +220,9 @@ def plan(
     entry = table.get(cls)
     if entry is None:
         cands, best = _candidates(model, p, size, ks, isize, names)
+        near = _neighbour_winners(table, cls)
+        if near:  # a neighbouring density measured already: its winner and the model's
+            cands = [a for a in cands if a == cands[0] or a in near]
         if best < MEASURE_ABOVE_S or len(cands) == 1:
             return cands[0], None
         if not create:
@@ -271,7 +290,10 @@ def run_auto(
             agreed = comm.allreduce(torch.tensor(entry.times, dtype=torch.float64), op="max")
         entry.agreed = [float(t) for t in agreed]
         best = entry.best()
-        entry.winner = min(entry.candidates, key=lambda a: best[a])
+        ranked = sorted(entry.candidates, key=lambda a: best[a])  # (ties: earlier first)
+        entry.winner = ranked[0]
+        if len(ranked) > 1:
+            entry.runner_up, entry.runner_up_s = ranked[1], best[ranked[1]]
         log.info(
             "sparse_allreduce auto: %s -> %s (slowest rank, best of %d: %s)",
             cls,
@@ -280,6 +302,60 @@ def run_auto(
             ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in best.items()),
         )
     return out
+
+
+def _neighbour_winners(table: dict[AutoClass, AutoChoice], cls: AutoClass) -> set[str]:
+    """Winners of measured classes one density step (a factor of 2) from ``cls``."""
+    return {
+        c.winner
+        for c in table.values()
+        if c.winner is not None
+        and dataclasses.replace(c.cls, density_log2=cls.density_log2) == cls
+        and abs(c.cls.density_log2 - cls.density_log2) <= 1
+    }
+
+
+def observe(
+    comm: Communicator,
+    size: int,
+    ks: Sequence[int],
+    isize: int,
+    lossy: bool,
+    name: str,
+    seconds: float,
+) -> bool:
+    """Note the time of a settled ``auto`` call, and check the class's winner; True
+    when the class is to be measured again (from the next call on).
+
+    Every :data:`RECHECK_EVERY` calls run by a class's winner, the ranks agree (one
+    small allreduce, MAX) on the median of their times; if it exceeds
+    :data:`RECHECK_FACTOR` times the runner-up's best measured time, the class is
+    measured again against the runner-up (the winner was chosen on a disturbed
+    machine, or the conditions changed). Every rank counts the same calls (classes
+    come from agreed nnz), so every rank checks at the same call.
+    """
+    entry = _CHOICES.get(comm, {}).get(AutoClass.of(comm.world_size, size, ks, isize, lossy))
+    if entry is None or entry.winner != name or entry.runner_up is None:
+        return False
+    entry.recent.append(seconds)
+    if len(entry.recent) < RECHECK_EVERY:
+        return False
+    mine = statistics.median(entry.recent)
+    entry.recent.clear()
+    with comm.control():
+        agreed = float(comm.allreduce(torch.tensor([mine], dtype=torch.float64), op="max")[0])
+    if agreed <= RECHECK_FACTOR * entry.runner_up_s:
+        return False
+    log.info(
+        "sparse_allreduce auto: %s: %s took %.2f ms (median, slowest rank) against "
+        "%s's %.2f ms when measured: measuring them again",
+        entry.cls, name, agreed * 1e3, entry.runner_up, entry.runner_up_s * 1e3,
+    )  # fmt: skip
+    entry.candidates = [name, entry.runner_up]
+    entry.times, entry.agreed, entry.winner = [], None, None
+    entry.runner_up, entry.runner_up_s = None, math.inf
+    entry.rechecks += 1
+    return True
 
 
 def choose(
