@@ -243,3 +243,24 @@ def dead_rank_in_allgather(comm, victim):  # type: ignore[no-untyped-def]
 
 def rank_and_size(comm):  # type: ignore[no-untyped-def]
     return comm.rank, comm.world_size
+
+
+def donated_allreduce(comm):  # type: ignore[no-untyped-def]
+    """``allreduce(donate=True)`` reduces into the tensor itself; without it, and for a
+    dense stream through ``algorithm="dense"``, the caller's tensor is never written."""
+    x = torch.arange(6, dtype=torch.float32) + comm.rank
+    kept = x.clone()
+    plain = comm.allreduce(x)
+    donated = comm.allreduce(x, donate=True)
+    dense = SparseStream.dense(kept.clone())
+    before = dense.to_dense().clone()
+    total = sparse_allreduce(dense, comm, algorithm="dense").to_dense()
+    sparse = sparse_allreduce(SparseStream.from_dense(kept), comm, algorithm="dense")
+    return {
+        "same_storage": donated.data_ptr() == x.data_ptr(),
+        "plain": plain,
+        "donated": donated,
+        "dense_untouched": torch.equal(dense.to_dense(), before),
+        "total": total,
+        "sparse": sparse.to_dense(),
+    }

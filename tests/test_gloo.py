@@ -165,3 +165,14 @@ def test_a_port_taken_after_the_probe_is_retried(monkeypatch: pytest.MonkeyPatch
         taken.close()
     assert out == [(0, 2), (1, 2)]
     assert len(calls) == 2 and calls[0] == busy  # the taken port, then another
+
+
+def test_a_donated_tensor_is_reduced_in_place_and_nothing_else_is_written() -> None:
+    """The dense algorithm hands the backend the fresh vector of a sparse stream (no
+    copy of 64 MB per call) and never writes a dense stream's storage."""
+    world = 3
+    want = sum(torch.arange(6, dtype=torch.float32) + r for r in range(world))
+    for row in run_processes(world, gloo_workers.donated_allreduce, timeout=60):
+        assert row["same_storage"] and row["dense_untouched"]
+        for key in ("plain", "donated", "total", "sparse"):
+            assert torch.equal(row[key], want), key

@@ -50,4 +50,6 @@ def dense_allreduce(
             "(SparCML sec. 6 quantizes its dense phase) or no quantizer"
         )
     comm = resolve(comm)
-    return SparseStream.dense(comm.allreduce(stream.to_dense()))
+    # a sparse stream's dense vector is a fresh tensor: the backend reduces into it
+    # (a dense stream's is the caller's storage, which is never written)
+    return SparseStream.dense(comm.allreduce(stream.to_dense(), donate=not stream.is_dense))

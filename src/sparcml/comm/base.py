@@ -384,8 +384,10 @@ class Communicator(abc.ABC):
             out.append(bytes_as(g.to(tensor.device), tensor.dtype).reshape(tensor.shape))
         return out
 
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum", tag: int = 0) -> torch.Tensor:
-        """Dense allreduce; returns a new tensor, identical bits on every rank.
+    def allreduce(
+        self, tensor: torch.Tensor, op: str = "sum", tag: int = 0, *, donate: bool = False
+    ) -> torch.Tensor:
+        """Dense allreduce; returns the result, identical bits on every rank.
 
         Generic version: ring reduce-scatter then ring allgather (``2(P-1)/P``
         of the vector sent per rank). Each chunk is reduced once, in a fixed ring
@@ -393,6 +395,10 @@ class Communicator(abc.ABC):
 
         Args:
             op: ``"sum"``, ``"max"`` or ``"min"``.
+            donate: the caller hands ``tensor`` over (a fresh tensor it will not
+                read again): a backend may reduce into its storage instead of a
+                copy (torch.distributed does; the result is then ``tensor``).
+                Without it, ``tensor`` is never written.
         """
         reducer = REDUCERS.get(op)
         if reducer is None:

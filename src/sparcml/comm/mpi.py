@@ -233,8 +233,11 @@ class MPICommunicator(Communicator):
         return Handle(wait)
 
     # ------------------------------------------------------------ dense collectives
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum", tag: int = 0) -> torch.Tensor:
-        """``MPI_Iallreduce``; the result is the same on every rank (MPI-3 requires it)."""
+    def allreduce(
+        self, tensor: torch.Tensor, op: str = "sum", tag: int = 0, *, donate: bool = False
+    ) -> torch.Tensor:
+        """``MPI_Iallreduce`` into a new buffer (``donate`` changes nothing: there is no
+        copy to save); the result is the same on every rank (MPI-3 requires it)."""
         if op not in _OPS:
             raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
         if tensor.dtype in (torch.bfloat16, torch.float16):

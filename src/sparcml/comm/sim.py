@@ -376,8 +376,11 @@ class SimCommunicator(Communicator):
         data = w.is_data(numel) and not self._control
         return float(numel * element_size * (w.scale if data else 1))
 
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum", tag: int = 0) -> torch.Tensor:
-        """Dense allreduce from the last arrival, the cheaper of two algorithms.
+    def allreduce(
+        self, tensor: torch.Tensor, op: str = "sum", tag: int = 0, *, donate: bool = False
+    ) -> torch.Tensor:
+        """Dense allreduce from the last arrival, the cheaper of two algorithms
+        (``donate`` is accepted and changes nothing here).
 
         Ring: ``2(P-1) alpha + 2(P-1)/P L beta + (P-1)/P n gamma_dense``; recursive
         doubling: ``ceil(log2 P) (alpha + L beta + n gamma_dense)`` (what an MPI

@@ -302,10 +302,16 @@ class TorchDistCommunicator(Communicator):
 
         return Handle(wait)
 
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum", tag: int = 0) -> torch.Tensor:
+    def allreduce(
+        self, tensor: torch.Tensor, op: str = "sum", tag: int = 0, *, donate: bool = False
+    ) -> torch.Tensor:
+        """The backend's ``all_reduce``: of a copy, or with ``donate`` of ``tensor``
+        itself when it is contiguous and on the group's device (no copy of it)."""
         if op not in _OPS:
             raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
-        out = tensor.detach().to(self.device, copy=True).contiguous()
+        t = tensor.detach()
+        own = donate and t.device == self.device and t.is_contiguous()
+        out = t if own else t.to(self.device, copy=True).contiguous()
         p = self.world_size
         if p > 1:
             self.check_usable()
