@@ -192,5 +192,8 @@ def test_auto_measures_a_neighbouring_density_on_two_candidates_at_most(
                     break
         return [len(c.candidates) for c in autotune.auto_choices(comm)]
 
-    for first, second in run_ranks(3, fn):
-        assert first == len(algorithms(auto=True)) and second <= 2
+    # the second class measures at most two candidates, or none at all when the
+    # neighbour's winner is the model's best (one candidate: nothing to measure)
+    for counts in run_ranks(3, fn):
+        assert counts[0] == len(algorithms(auto=True)) and len(counts) in (1, 2)
+        assert len(counts) == 1 or counts[1] <= 2
