@@ -46,6 +46,7 @@ __all__ = [
     "Context",
     "Quantizer",
     "Selector",
+    "accepted_params",
     "available",
     "check_kind",
     "get",
@@ -156,6 +157,17 @@ class Compressor(abc.ABC):
     def params(self) -> dict[str, Any]:
         """The hyperparameters this operator was built with."""
         return {k: getattr(self, k) for k in _init_names(type(self)) if hasattr(self, k)}
+
+
+def accepted_params(name: str) -> set[str]:
+    """The hyperparameters the operator (or ``selector+quantizer`` composition)
+    registered as ``name`` takes; empty for an unknown name."""
+    out: set[str] = set()
+    for part in split_composition(name):
+        cls = _REGISTRY.get(part) if part is not None else None
+        if cls is not None:
+            out.update(_init_names(cls))
+    return out
 
 
 @functools.cache
@@ -421,8 +433,8 @@ def _build(name: str, params: dict[str, Any], used: set[str]) -> Compressor:
         raise ValueError(
             f"unknown compressor {name!r}; available: {', '.join(sorted(_REGISTRY))}"
         ) from None
-    sig = inspect.signature(cls.__init__)
-    mine = {k: v for k, v in params.items() if k in sig.parameters and k != "self"}
+    takes = _init_names(cls)
+    mine = {k: v for k, v in params.items() if k in takes}
     used.update(mine)
     return cls(**mine)
 

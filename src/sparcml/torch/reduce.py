@@ -55,7 +55,7 @@ from ..errors import NonFiniteError
 from ..finite import all_finite
 from ..stream import SparseStream
 from .bucket import Bucket
-from .methods import MethodResult
+from .methods.dense import scatter_dense
 from .runtime import Group
 from .state import SparcmlState
 
@@ -266,7 +266,8 @@ def reduce_group(
             if settings.nan_policy == "raise":
                 _check_finite(comm, bucket, g)
             if bounds is not None:
-                result = _dense_scatter(group, bucket, g, bounds)
+                # (warm-up under FSDP2: the dense chunks through the split)
+                result = scatter_dense(group, bucket, g, bounds)
                 compress_s = result.select_s
                 return result.total
             if settings.momentum:
@@ -368,12 +369,3 @@ def reduce_group(
             selected,
             k,
         )
-
-
-def _dense_scatter(
-    group: Group, bucket: Bucket, g: torch.Tensor, bounds: list[int]
-) -> MethodResult:
-    """Warm-up under FSDP2: the dense chunks through the split (the ``dense`` method's)."""
-    from .methods.dense import scatter_dense
-
-    return scatter_dense(group, bucket, g, bounds)

@@ -12,13 +12,12 @@ session), and the group's statistics.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 from ..comm import Communicator
 from ..compress import get
-from ..compress.base import operator_class, split_composition
+from ..compress.base import accepted_params
 from ..sgd.feedback import ErrorFeedback, MomentumCorrection
 from .methods import MethodConfig, method_spec
 from .rules import check_density
@@ -39,6 +38,8 @@ class Group:
         param_names: parameter names by ``id`` (shared with the state: RedSync's
             output layer is the last registered one).
         error_feedback: None: the method's default (on for biased methods).
+        operators: operators already built, by bucket key (the one-tensor steps
+            hand theirs over).
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class Group:
         label: str = "default",
         param_names: dict[int, str] | None = None,
         error_feedback: bool | None = None,
+        operators: dict[tuple[str, ...], Any] | None = None,
     ) -> None:
         self.config = config
         self.spec = method_spec(config)
@@ -63,12 +65,12 @@ class Group:
         self.error_feedback = (not unbiased) if error_feedback is None else bool(error_feedback)
         self.feedback = ErrorFeedback()
         self.momentum_correction = MomentumCorrection(settings.momentum, settings.momentum_masking)
-        self.operators: dict[tuple[str, ...], Any] = {}
+        self.operators: dict[tuple[str, ...], Any] = dict(operators or {})
         self.method_state: Any = self.spec.runtime() if self.spec.runtime else None
         self.stats = GroupStats(label, config.name)
         self.param_names: dict[int, str] = {} if param_names is None else param_names
         self.schedule_step = 0
-        if self.spec.operator:  # bad operator parameters fail here, not mid-training
+        if self.spec.operator and not self.operators:  # bad parameters fail here, not later
             self.make_operator()
 
     @property
@@ -88,7 +90,7 @@ class Group:
     def make_operator(self) -> Any:
         """A fresh selector / ``selector+quantizer`` / quantizer for this method."""
         params = dict(getattr(self.config, "compressor_params", {}))
-        accepted = _init_params(self.config.name)
+        accepted = accepted_params(self.config.name)
         if self.density is not None and "k" not in params and "density" in accepted:
             params.setdefault("density", self.density)
         if "seed" in accepted:
@@ -118,23 +120,3 @@ class Group:
         self.momentum_correction.reset()
         self.operators.clear()
         self.method_state = self.spec.runtime() if self.spec.runtime else None
-
-
-def _init_params(method: str) -> set[str]:
-    names: set[str] = set()
-    first, second = split_composition(method)
-    for part in (first, second):
-        cls = operator_class(part) if part is not None else None
-        if cls is not None:
-            names |= _constructor_names(cls)
-    return names
-
-
-_NAMES: dict[type, set[str]] = {}
-
-
-def _constructor_names(cls: type) -> set[str]:
-    got = _NAMES.get(cls)
-    if got is None:
-        got = _NAMES[cls] = set(inspect.signature(cls.__init__).parameters)
-    return got

@@ -105,11 +105,9 @@ def topk_sgd_step(
         quantizer=None if q is None else _name(q, "natural"),
         algorithm=algorithm,
     )
-    group = Group(config, _SETTINGS, resolve(comm))
     bucket = _bucket(grad, name, lr)
     op = selector if q is None else Composed(selector, q)  # type: ignore[arg-type]
-    op.sparcml_density = group.density
-    group.operators[bucket.key] = op
+    group = Group(config, _SETTINGS, resolve(comm), operators={bucket.key: op})
     return _run(group, bucket, feedback, grad.shape)
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...collectives.codec import EXACT
 from ...stream import SparseStream
 from .base import GroupView, MethodConfig, MethodResult, MethodSpec, register_method
 from .sparse import scatter
@@ -32,8 +33,6 @@ def scatter_dense(
 ) -> MethodResult:
     """FSDP2's reference reduce-scatter: the dense chunks through the split, summed
     in rank order."""
-    from ...collectives.codec import EXACT
-
     t0 = time.perf_counter()
     stream = SparseStream.dense(acc)  # (its local part: the stream over the chunks)
     local_s = time.perf_counter() - t0
