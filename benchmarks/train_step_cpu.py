@@ -1,16 +1,20 @@
 """Where a training step's CPU goes, per thread, for each method (issue 13).
 
-The Fashion-MNIST recipe's CNN under DDP on ``P`` local gloo processes (one
-torch thread each), the method registered as the DDP communication hook, as
-``sparcml train fmnist`` runs it. After a few warm-up steps, ``--steps`` steps
-are timed; per method it prints the slowest rank's wall milliseconds per step
-(and the ratio to dense), each rank's process CPU per step, and the CPU per step
-by thread (mean over ranks, from ``/proc/self/task``): ``MainThread`` (forward,
-backward, the hook's launch, the optimizer), ``sparcml-engine`` (the collective
-and the compression run there), gloo's own threads (the transport). With more
-ranks than cores the step is CPU-bound, so wall time follows CPU per rank.
+A recipe's model (``--recipe``, default the Fashion-MNIST CNN) under DDP on ``P``
+local gloo processes (one torch thread each), the method registered as the DDP
+communication hook with the hyperparameters ``sparcml train`` gives it. After a
+few warm-up steps, ``--steps`` steps are timed; per method it prints the slowest
+rank's wall milliseconds per step (and the ratio to dense), the hook's own clock
+per step (``local``: accumulation, selection, encoding and residual update;
+``collective``: the exchange), each rank's process CPU per step, and the CPU per
+step by thread (mean over ranks, from ``/proc/self/task``): ``MainThread``
+(forward, backward, the hook's launch, the optimizer), ``sparcml-engine`` (the
+collective and the compression run there), gloo's own threads (the transport).
+With more ranks than cores the step is CPU-bound, so wall time follows CPU per
+rank.
 
     .venv/bin/python benchmarks/train_step_cpu.py --methods dense,topk,topk+natural,natural
+    .venv/bin/python benchmarks/train_step_cpu.py --recipe wordlm -P 2 --methods topk,oktopk
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ def _threads() -> dict[str, tuple[str, float]]:
     return out
 
 
-def _rank(comm: Any, method: str, density: float, steps: int, warmup: int) -> dict[str, Any]:
+def _rank(
+    comm: Any, recipe_name: str, method: str, density: float, steps: int, warmup: int
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -53,10 +59,11 @@ def _rank(comm: Any, method: str, density: float, steps: int, warmup: int) -> di
     from sparcml.tools.recipes import RECIPES
     from sparcml.tools.recipes.train import method_hyper
 
-    recipe = RECIPES["fmnist"](comm.rank, comm.world_size, 0, limit=8000)
-    hyper = method_hyper(method, {"density": density})
+    cls = RECIPES[recipe_name]
+    recipe = cls(comm.rank, comm.world_size, 0, limit=8000)
+    hyper = method_hyper(method, {"density": density}, momentum=cls.momentum)
     model = DDP(recipe.model())
-    st.register(model, method, **hyper)  # dense too: sparcml's dense method, as the recipe
+    state = st.register(model, method, **hyper)  # dense too: sparcml's method, as the recipe
     opt = recipe.optimizer(model.parameters(), momentum=not hyper.get("momentum"))
     batches = list(recipe.batches(0))
 
@@ -64,15 +71,25 @@ def _rank(comm: Any, method: str, density: float, steps: int, warmup: int) -> di
         loss = recipe.loss(model, *batches[i % len(batches)])
         opt.zero_grad()
         loss.backward()
+        recipe.clip(model)
         opt.step()
+
+    def hook_clock() -> tuple[float, float]:
+        groups = [state, *getattr(state, "children", ())]
+        return (
+            sum(g.stats.compress_s for g in groups if hasattr(g, "stats")),
+            sum(g.stats.communicate_s for g in groups if hasattr(g, "stats")),
+        )
 
     for i in range(warmup):
         step(i)
     before, cpu0, ru0 = _threads(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+    clock0 = hook_clock()
     t0 = time.perf_counter()
     for i in range(warmup, warmup + steps):
         step(i)
     wall = (time.perf_counter() - t0) / steps * 1e3
+    clock1 = hook_clock()
     cpu = (time.process_time() - cpu0) / steps * 1e3
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     per: dict[str, float] = {}
@@ -80,6 +97,8 @@ def _rank(comm: Any, method: str, density: float, steps: int, warmup: int) -> di
         per[name] = per.get(name, 0.0) + (ms - before.get(tid, (name, 0.0))[1]) / steps
     return {
         "wall": wall,
+        "local": (clock1[0] - clock0[0]) / steps * 1e3,
+        "collective": (clock1[1] - clock0[1]) / steps * 1e3,
         "cpu": cpu,
         "threads": per,
         "voluntary": (ru1.ru_nvcsw - ru0.ru_nvcsw) / steps,
@@ -88,6 +107,7 @@ def _rank(comm: Any, method: str, density: float, steps: int, warmup: int) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", default="fmnist", help="fmnist, shakespeare, wordlm, newsgroups")
     ap.add_argument("--methods", default="dense,topk,topk+natural,natural")
     ap.add_argument("-P", "--world-size", type=int, default=4)
     ap.add_argument("-d", "--density", type=float, default=0.01)
@@ -95,10 +115,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     args = ap.parse_args()
     p = args.world_size
-    print(f"FMNIST CNN, DDP, {p} gloo processes, {args.steps} steps after {args.warmup}")
+    print(
+        f"{args.recipe}, DDP, {p} gloo processes, {args.steps} steps after {args.warmup}; "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     dense_wall = None
     for method in args.methods.split(","):
-        res = run_processes(p, _rank, method, args.density, args.steps, args.warmup, timeout=300)
+        res = run_processes(
+            p, _rank, args.recipe, method, args.density, args.steps, args.warmup, timeout=600
+        )
         wall = max(r["wall"] for r in res)
         if method == "dense":
             dense_wall = wall
@@ -107,8 +132,11 @@ def main() -> None:
         mean = {n: sum(r["threads"].get(n, 0.0) for r in res) / p for n in names}
         threads = ", ".join(f"{n} {v:.1f}" for n, v in mean.items() if v >= 0.05)
         cpus = " ".join(f"{r['cpu']:.1f}" for r in res)
+        local = sum(r["local"] for r in res) / p
+        coll = sum(r["collective"] for r in res) / p
         print(
-            f"{method:14s} wall {wall:6.1f} ms/step{ratio}; process CPU per rank {cpus} ms; "
+            f"{method:14s} wall {wall:6.1f} ms/step{ratio}; hook local {local:.1f} ms, "
+            f"collective {coll:.1f} ms; process CPU per rank {cpus} ms; "
             f"by thread (mean): {threads}; voluntary switches/step {res[0]['voluntary']:.0f}"
         )
 

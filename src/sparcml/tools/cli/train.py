@@ -54,6 +54,11 @@ def train(args: argparse.Namespace) -> int:
         return train_tta(args, chosen)
     hyper = _hyper(args)
     options: dict = {"limit": args.limit} if args.limit else {}
+    try:
+        options.update(_recipe_options(args))
+    except ValueError as e:
+        print(f"sparcml train: {e}", file=sys.stderr)
+        return 2
     if args.density_warmup:
         options["density_warmup"] = args.density_warmup
     if args.fsdp and any(is_peer(m) for m in chosen):
@@ -78,6 +83,11 @@ def train(args: argparse.Namespace) -> int:
         options["eval_every"] = -1
     if args.probe_steps:
         options["probe_steps"] = args.probe_steps
+    options.update(_stop_options(args))
+    if args.seeds:
+        print("sparcml train: --seeds runs with --cluster; use --seed on local ranks",
+              file=sys.stderr)  # fmt: skip
+        return 2
     command = "sparcml " + " ".join(
         sys.argv[1:] if args.command_line is None else args.command_line
     )
@@ -86,7 +96,7 @@ def train(args: argparse.Namespace) -> int:
             args.recipe, chosen, args.world_size, args.epochs, hyper, args.seed, options,
             progress=not args.quiet,
         )  # fmt: skip
-    except DataMissingError as e:
+    except (DataMissingError, ValueError) as e:
         print(f"sparcml train: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a rank failed: its traceback is in the message
@@ -99,6 +109,64 @@ def train(args: argparse.Namespace) -> int:
     for path in write_report(result, out, command):
         print(f"wrote {path}")
     return 0
+
+
+def _recipe_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--recipe-option KEY=VALUE`` (repeated) as the recipe's options, numbers parsed.
+
+    Raises:
+        ValueError: not KEY=VALUE, or a key the recipe does not take.
+    """
+    from ..recipes import RECIPES
+
+    allowed = RECIPES[args.recipe].options_taken
+    out: dict[str, Any] = {}
+    for item in args.recipe_option or []:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--recipe-option: expected KEY=VALUE, got {item!r}")
+        if key not in allowed:
+            raise ValueError(
+                f"--recipe-option: {args.recipe} takes no option {key!r}; it takes "
+                f"{', '.join(allowed) or 'none'}"
+            )
+        parsed: Any = value
+        for kind in (int, float):
+            try:
+                parsed = kind(value)
+                break
+            except ValueError:
+                continue
+        out[key] = parsed
+    return out
+
+
+def _stop_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--stop-after`` / ``--target`` as the harness's options."""
+    out: dict[str, Any] = {}
+    if args.stop_after:
+        out["stop_after"] = args.stop_after
+    if args.target is not None:
+        out["target"] = args.target
+    return out
+
+
+def _seeds(text: str | None, default: int) -> list[int]:
+    """``--seeds 0,1,2`` as a list (``[--seed]`` without it).
+
+    Raises:
+        ValueError: not a comma-separated list of distinct integers.
+    """
+    if not text:
+        return [default]
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--seeds: expected comma-separated integers, got {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: {text!r} names a seed twice")
+    return seeds
 
 
 def _check_config(args: argparse.Namespace) -> int | None:
@@ -153,6 +221,8 @@ def _hyper(args: argparse.Namespace) -> dict:
         hyper["warmup_steps"] = args.warmup_steps
     if args.momentum_correction is not None:
         hyper["momentum"] = args.momentum_correction
+    if args.momentum_masking is not None:
+        hyper["momentum_masking"] = args.momentum_masking
     if args.index_coding != "fixed":
         hyper["index_coding"] = args.index_coding
     if args.layers:
@@ -178,6 +248,10 @@ def _child_args(args: argparse.Namespace) -> list[str]:
     ):  # fmt: skip
         if value:
             out += [flag, str(value)]
+    if args.momentum_masking is not None:
+        out.append("--momentum-masking" if args.momentum_masking else "--no-momentum-masking")
+    for item in args.recipe_option or []:
+        out += ["--recipe-option", item]
     return out + (["-q"] if args.quiet else [])
 
 
@@ -186,7 +260,13 @@ def rewrite_report(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from ..recipes.tta import format_tta_table, load_result, parse_rate, write_tta_report
+    from ..recipes.tta import (
+        format_predictions,
+        format_tta_table,
+        load_result,
+        parse_rate,
+        write_tta_report,
+    )
 
     try:
         result = load_result(args.from_json)
@@ -197,10 +277,37 @@ def rewrite_report(args: argparse.Namespace) -> int:
     rate = result.get("link_rate")
     rate_bps = parse_rate(rate) if rate else None
     print(format_tta_table(result, rate_bps))
+    predict = _predict_rates(args, rate_bps)
+    if predict is None:
+        return 2
+    if predict:
+        print(format_predictions(result, rate_bps or 0.0, predict))
     out = Path(args.out or Path(args.from_json).parent)
-    for path in write_tta_report(result, out, command, rate_bps):
+    for path in write_tta_report(result, out, command, rate_bps, predict):
         print(f"wrote {path}")
     return 0
+
+
+def _predict_rates(args: argparse.Namespace, rate_bps: float | None) -> list[str] | None:
+    """``--predict`` checked: its rates, ``[]`` without it, None (after saying why on
+    stderr) when it cannot apply."""
+    from ..recipes.tta import parse_rate
+
+    if not args.predict:
+        return []
+    rates = [r.strip() for r in args.predict.split(",") if r.strip()]
+    try:
+        for r in rates:
+            parse_rate(r)
+    except ValueError as e:
+        print(f"sparcml train: --predict: {e}", file=sys.stderr)
+        return None
+    if not rate_bps:
+        print("sparcml train: --predict needs runs on a shaped link (--cluster, or a "
+              "results.json of one): a loopback run has no link time to take out",
+              file=sys.stderr)  # fmt: skip
+        return None
+    return rates
 
 
 def train_tta(args: argparse.Namespace, chosen: list[str]) -> int:
@@ -213,7 +320,13 @@ def train_tta(args: argparse.Namespace, chosen: list[str]) -> int:
 
     from ..recipes.data import DataMissingError
     from ..recipes.train import join_recipe
-    from ..recipes.tta import format_tta_table, parse_rate, run_on_cluster, write_tta_report
+    from ..recipes.tta import (
+        format_predictions,
+        format_tta_table,
+        parse_rate,
+        run_on_cluster,
+        write_tta_report,
+    )
 
     if args.cluster and args.env:
         print("sparcml train: --cluster starts the jobs, --env joins one: not both",
@@ -228,6 +341,9 @@ def train_tta(args: argparse.Namespace, chosen: list[str]) -> int:
     except ValueError as e:
         print(f"sparcml train: --rate: {e}", file=sys.stderr)
         return 2
+    predict = _predict_rates(args, rate_bps)
+    if predict is None:
+        return 2
     if args.cluster and os.geteuid() != 0:
         print("sparcml train: --cluster needs root (network namespaces and tc); run it with "
               "sudo, or start the job yourself: sudo sparcml cluster -P 4 --rate 100mbit -- "
@@ -237,26 +353,47 @@ def train_tta(args: argparse.Namespace, chosen: list[str]) -> int:
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout)  # fmt: skip
     options: dict = {"limit": args.limit} if args.limit else {}
+    try:
+        options.update(_recipe_options(args))
+    except ValueError as e:
+        print(f"sparcml train: {e}", file=sys.stderr)
+        return 2
     options["eval_every"] = args.eval_every or -1  # -1: about 15 evaluations per run
     options["probe_steps"] = args.probe_steps
     options["line_progress"] = True
     if args.density_warmup:
         options["density_warmup"] = args.density_warmup
+    options.update(_stop_options(args))
     command = "sparcml " + " ".join(
         sys.argv[1:] if args.command_line is None else args.command_line
     )
     try:
+        seeds = _seeds(args.seeds, args.seed)
+    except ValueError as e:
+        print(f"sparcml train: {e}", file=sys.stderr)
+        return 2
+    if args.seeds and not args.cluster:
+        print("sparcml train: --seeds starts a job per seed: use it with --cluster",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.seeds and not args.out:
+        print("sparcml train: --seeds writes a report per seed: give --out DIR", file=sys.stderr)
+        return 2
+    try:
+        if args.cluster and args.seeds:
+            return _train_seeds(args, chosen, seeds, command, rate_bps, predict)
         if args.cluster:
             result = run_on_cluster(
                 args.recipe, chosen, args.cluster, args.rate, _child_args(args),
-                timeout=args.timeout, log_dir=args.log_dir,
+                timeout=args.timeout, log_dir=args.log_dir, stop_after=args.stop_after or 0,
+                target=args.target,
             )  # fmt: skip
         else:
             result = join_recipe(
                 args.recipe, chosen, args.epochs, _hyper(args), args.seed, options,
                 progress=not args.quiet,
             )  # fmt: skip
-    except DataMissingError as e:
+    except (DataMissingError, ValueError) as e:
         print(f"sparcml train: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
@@ -270,11 +407,44 @@ def train_tta(args: argparse.Namespace, chosen: list[str]) -> int:
     if args.run_json:
         Path(args.run_json).write_text(json.dumps(result, default=str))
     print(format_tta_table(result, rate_bps))
+    if predict and rate_bps:
+        print(format_predictions(result, rate_bps, predict))
     if args.out:
-        for path in write_tta_report(result, Path(args.out), command, rate_bps):
+        for path in write_tta_report(result, Path(args.out), command, rate_bps, predict):
             print(f"wrote {path}")
     elif not args.run_json:
         print("(no --out: nothing written)")
+    return 0
+
+
+def _train_seeds(
+    args: argparse.Namespace, chosen: list[str], seeds: list[int], command: str,
+    rate_bps: float | None, predict: list[str],
+) -> int:  # fmt: skip
+    """``--cluster --seeds``: the comparison once per seed (``DIR/seedS``), then the
+    medians and ranges over the seeds (``DIR/results.md``, ``DIR/seeds.json``)."""
+    from pathlib import Path
+
+    from ..recipes.tta import format_tta_table, run_on_cluster, write_seeds_report, write_tta_report
+
+    out = Path(args.out)
+    results = []
+    for seed in seeds:
+        child = _child_args(args)
+        child[child.index("--seed") + 1] = str(seed)
+        result = run_on_cluster(
+            args.recipe, chosen, args.cluster, args.rate, child, timeout=args.timeout,
+            log_dir=f"{args.log_dir}/seed{seed}" if args.log_dir else None,
+            stop_after=args.stop_after or 0, target=args.target,
+        )  # fmt: skip
+        result["seed"] = seed
+        print(f"seed {seed}:")
+        print(format_tta_table(result, rate_bps))
+        for path in write_tta_report(result, out / f"seed{seed}", command, rate_bps, predict):
+            print(f"wrote {path}")
+        results.append(result)
+    for path in write_seeds_report(results, out, command, rate_bps):
+        print(f"wrote {path}")
     return 0
 
 
@@ -347,9 +517,17 @@ def add_parsers(sub: Any) -> None:
         "--momentum-correction",
         type=float,
         default=None,
-        help="DGC momentum correction with this momentum for the sparse methods (default "
-        "0.9; the optimizer then runs without momentum). 0 gives the momentum back to the "
-        "optimizer, which diverges with error feedback on most recipes",
+        help="DGC momentum correction with this momentum for the sparse methods (default: "
+        "the recipe's optimizer momentum, 0.9 for fmnist and shakespeare, none for the plain "
+        "SGD of newsgroups and wordlm; the optimizer then runs without momentum). 0 gives "
+        "the momentum back to the optimizer, over error feedback (PowerSGD's arrangement)",
+    )
+    tr.add_argument(
+        "--momentum-masking",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="DGC's momentum factor masking with momentum correction (default: the "
+        "state's, see docs/training.md)",
     )
     tr.add_argument(
         "--limit",
@@ -358,12 +536,38 @@ def add_parsers(sub: Any) -> None:
         "sequences for shakespeare); refused if too few for one step per epoch",
     )
     tr.add_argument(
+        "--recipe-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an option of the recipe (repeatable): newsgroups features=N (hash buckets), "
+        "wordlm vocab=N, width=N, lr=X",
+    )
+    tr.add_argument(
         "--fsdp",
         action="store_true",
         help="FSDP2 (fully_shard) instead of DDP: the method is the compressed "
         "reduce-scatter (sparcml.torch.register_fsdp)",
     )
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument(
+        "--seeds",
+        metavar="S,S,...",
+        help="with --cluster: the whole comparison once per seed (initialisation and data "
+        "order), each in DIR/seedS, and a table of the medians and ranges in DIR",
+    )
+    tr.add_argument(
+        "--stop-after",
+        type=positive_arg,
+        metavar="K",
+        help="stop a method once K evaluations in a row reached the target (default "
+        "target: within 1 point / 3%% of the dense baseline's final figure; the baseline, "
+        "ddp or dense, then runs first and whole)",
+    )
+    tr.add_argument(
+        "--target",
+        type=float,
+        help="the test figure --stop-after stops at (accuracy as a fraction, perplexity)",
+    )
     tr.add_argument(
         "--out",
         help="output directory (default bench-results/train/RECIPE under the current "
@@ -397,6 +601,14 @@ def add_parsers(sub: Any) -> None:
         default=20,
         help="after training, time this many forward+backward passes without "
         "communication: the compute part of a step (0: skip)",
+    )
+    tr.add_argument(
+        "--predict",
+        metavar="RATES",
+        help="also predict each method's time per step and to the target on these links "
+        "(e.g. 10mbit,100mbit,1gbit,10gbit) from the measured split: compute, optimizer "
+        "and the sync beyond the link kept, bytes and messages costed at each rate; with "
+        "--cluster or --from-json",
     )
     tr.add_argument("--run-json", help=argparse.SUPPRESS)
     tr.add_argument(

@@ -22,6 +22,11 @@ class Recipe(abc.ABC):
     methods: tuple[str, ...] = ("dense", "topk")
     metric: str = "accuracy"
     higher_is_better: bool = True
+    #: the optimizer's momentum in dense training; sparse methods with error feedback
+    #: carry it as DGC momentum correction instead (0: plain SGD, no correction)
+    momentum: float = 0.9
+    #: the options ``sparcml train --recipe-option KEY=VALUE`` may set
+    options_taken: tuple[str, ...] = ()
 
     def __init__(self, rank: int, world: int, seed: int = 0, **options: Any) -> None:
         self.rank, self.world, self.seed = rank, world, seed

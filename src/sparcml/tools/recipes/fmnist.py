@@ -44,7 +44,7 @@ class FashionMNIST(Recipe):
         )  # fmt: skip
 
     def optimizer(self, params: Any, momentum: bool = True) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=self.lr, momentum=0.9 if momentum else 0.0)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum if momentum else 0.0)
 
     def steps_per_epoch(self) -> int:
         return self.data["train_x"].shape[0] // self.world // self.batch

@@ -22,7 +22,7 @@ FEATURES = 1 << 22
 
 
 def _hash_docs(
-    texts: list[str], vocab: dict[str, int]
+    texts: list[str], vocab: dict[str, int], features: int = FEATURES
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Bags of hashed uni/bigrams: (feature ids, weights, offsets) for EmbeddingBag."""
     ids_list, weights_list, offsets = [], [], [0]
@@ -31,8 +31,8 @@ def _hash_docs(
         tok = torch.tensor(
             [vocab.setdefault(w, len(vocab)) for w in text.split()], dtype=torch.int64
         )
-        uni = (tok * a) % FEATURES
-        bi = (tok[:-1] * a + tok[1:] * b + 1) % FEATURES
+        uni = (tok * a) % features
+        bi = (tok[:-1] * a + tok[1:] * b + 1) % features
         feats, counts = torch.unique(torch.cat([uni, bi]), return_counts=True)
         w = counts.double()
         w = (w / w.norm()).float() if w.numel() else w.float()
@@ -58,9 +58,9 @@ class _Bags:
 
 
 class LogReg(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, features: int = FEATURES) -> None:
         super().__init__()
-        self.w = torch.nn.EmbeddingBag(FEATURES, 1, mode="sum")
+        self.w = torch.nn.EmbeddingBag(features, 1, mode="sum")
         torch.nn.init.zeros_(self.w.weight)
         self.b = torch.nn.Parameter(torch.zeros(1))
 
@@ -70,7 +70,8 @@ class LogReg(torch.nn.Module):
 
 
 class Newsgroups(Recipe):
-    """Binary logistic regression, 4.2 M features, plain SGD."""
+    """Binary logistic regression, 4.2 M features (option ``features``: another
+    number of hash buckets), plain SGD."""
 
     name = "newsgroups"
     epochs = 4
@@ -78,16 +79,19 @@ class Newsgroups(Recipe):
     metric = "accuracy"
     batch = 16
     lr = 4.0
+    momentum = 0.0
+    options_taken = ("features",)
 
     def __init__(self, rank: int, world: int, seed: int = 0, **options: Any) -> None:
         super().__init__(rank, world, seed, **options)
         data = newsgroups()
         vocab: dict[str, int] = {}
         limit = options.get("limit")
+        self.features = int(options.get("features") or FEATURES)
         train = data["train"][:limit] if limit else data["train"]
-        self.train = _Bags(*_hash_docs([t for _, t in train], vocab))
+        self.train = _Bags(*_hash_docs([t for _, t in train], vocab, self.features))
         self.train_y = torch.tensor([_label(c) for c, _ in train])
-        self.test = _Bags(*_hash_docs([t for _, t in data["test"]], vocab))
+        self.test = _Bags(*_hash_docs([t for _, t in data["test"]], vocab, self.features))
         self.test_y = torch.tensor([_label(c) for c, _ in data["test"]])
 
     @classmethod
@@ -95,7 +99,7 @@ class Newsgroups(Recipe):
         newsgroups_archive()
 
     def model(self) -> torch.nn.Module:
-        return LogReg()
+        return LogReg(self.features)
 
     def optimizer(self, params: Any, momentum: bool = True) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.lr)
@@ -114,11 +118,21 @@ class Newsgroups(Recipe):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        rows = torch.arange(self.test_y.numel())
+        return self.finish_evaluation(self.evaluate_part(model, 0, 1))
+
+    @torch.no_grad()
+    def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> dict[str, float]:
+        cut = self.test_slice(self.test_y.numel(), part, parts)
+        rows = torch.arange(self.test_y.numel())[cut]
+        y = self.test_y[rows]
         logits = model(self.test.take(rows))
-        loss = float(F.binary_cross_entropy_with_logits(logits, self.test_y))
-        acc = float(((logits > 0).float() == self.test_y).float().mean())
-        return {"accuracy": acc, "test_loss": loss}
+        loss = float(F.binary_cross_entropy_with_logits(logits, y, reduction="sum"))
+        correct = float(((logits > 0).float() == y).sum())
+        return {"correct": correct, "loss": loss, "count": float(rows.numel())}
+
+    def finish_evaluation(self, sums: dict[str, float]) -> dict[str, float]:
+        n = max(sums["count"], 1.0)
+        return {"accuracy": sums["correct"] / n, "test_loss": sums["loss"] / n}
 
 
 def _label(category: str) -> float:

@@ -70,7 +70,7 @@ class Shakespeare(Recipe):
         return CharLSTM(self.vocab)
 
     def optimizer(self, params: Any, momentum: bool = True) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=1.0, momentum=0.9 if momentum else 0.0)
+        return torch.optim.SGD(params, lr=1.0, momentum=self.momentum if momentum else 0.0)
 
     def steps_per_epoch(self) -> int:
         return self.train_x.shape[0] // self.world // self.batch

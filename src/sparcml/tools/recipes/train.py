@@ -64,7 +64,10 @@ def train_worker(
     training clock stops meanwhile), ``probe_steps`` (after training, time that many
     forward + backward passes without communication: the compute part of a step),
     ``line_progress`` (progress as log lines, for jobs whose output is piped),
-    ``density_warmup`` (DGC's density warm-up over that many epochs).
+    ``density_warmup`` (DGC's density warm-up over that many epochs), ``target`` and
+    ``stop_after`` (stop once that many evaluations in a row reached the test figure
+    ``target``: the run has shown its time to it; the stop is decided on rank 0 and
+    shared, so every rank leaves at the same step).
     A method from :mod:`.peers` (``ddp``, ``fp16``, ``bf16``, ``powersgd[R]``) runs
     PyTorch's own hook instead of sparcml's.
     """
@@ -79,7 +82,13 @@ def train_worker(
     probe_steps = int(options.pop("probe_steps", 0) or 0)
     line_progress = bool(options.pop("line_progress", False))
     density_warmup = int(options.pop("density_warmup", 0) or 0)
+    stop_target = options.pop("target", None)
+    stop_after = int(options.pop("stop_after", 0) or 0)
     recipe = RECIPES[recipe_name](comm.rank, comm.world_size, seed, **options)
+    if stop_after and not eval_every:
+        raise ValueError("stop_after needs evaluations during training (eval_every)")
+    if stop_target is None:
+        stop_after = 0  # (the baseline that sets the target runs its whole schedule)
     if recipe.steps_per_epoch() < 1:
         raise ValueError(
             f"{recipe_name}: {options.get('limit') or 'all'} training samples give no "
@@ -145,6 +154,19 @@ def train_worker(
     last_split = hook_clock()
     evals: list[dict[str, float]] = []
     clock = 0.0  # training time: the loop's wall time with evaluations taken out
+    held = 0  # evaluations in a row at the target
+
+    def at_target() -> bool:
+        """Whether the last ``stop_after`` evaluations reached ``target`` (rank 0's
+        figures, shared with every rank)."""
+        nonlocal held
+        reached = 0.0
+        if comm.rank == 0:
+            value = float(evals[-1][recipe.metric])
+            ok = value >= stop_target if recipe.higher_is_better else value <= stop_target
+            held = held + 1 if ok else 0
+            reached = float(held >= stop_after)
+        return bool(comm.allreduce(torch.tensor([reached], dtype=torch.float64))[0] > 0)
 
     def evaluate(epoch: float, step: int) -> None:
         model.eval()
@@ -170,8 +192,11 @@ def train_worker(
     if eval_every:
         evaluate(0.0, 0)
     done = 0
+    stopped = False
     next_line = time.monotonic() + 15
     for epoch in range(epochs):
+        if stopped:
+            break
         model.train()
         resumed = time.perf_counter()
         for inputs, target in recipe.batches(epoch):
@@ -203,6 +228,14 @@ def train_worker(
                 clock += time.perf_counter() - resumed
                 evaluate(done / steps, done)
                 resumed = time.perf_counter()
+                if stop_after and at_target():
+                    stopped = True
+                    break
+        if stopped:
+            if comm.rank == 0:
+                log.info("%s %s: target %s held for %d evaluations: stopped at step %d",
+                         recipe_name, method, stop_target, stop_after, done)  # fmt: skip
+            break
         clock += time.perf_counter() - resumed
         if not eval_every or epoch == epochs - 1:
             evaluate(float(epoch + 1), done)
@@ -219,6 +252,7 @@ def train_worker(
         "comm_times": comm_times,
         "train_s": clock,
         "evals": evals,
+        "stopped_at_target": stopped,
         "params": sum(p.numel() for p in model.parameters()),
     }
     if compute:
@@ -229,6 +263,11 @@ def train_worker(
         )
     if peer:
         out["peer_hyper"] = dict(state.hyper)
+    else:
+        # messages this rank sent per step (the latency term of the step's sync)
+        stats = getattr(getattr(state, "comm", None), "stats", None)
+        if stats is not None and done:
+            out["messages_per_step"] = stats.messages_sent / done
     return out
 
 
@@ -261,11 +300,14 @@ def _probe(model: Any, recipe: Any, n: int, comm: Any) -> list[float]:
 CONFIG_PREFIX = "config:"
 
 
-def method_hyper(method: str, hyper: dict[str, Any], fsdp: bool = False) -> dict[str, Any]:
+def method_hyper(
+    method: str, hyper: dict[str, Any], fsdp: bool = False, momentum: float = 0.9
+) -> dict[str, Any]:
     """The hyperparameters ``method`` gets from the command line's ``hyper``.
 
     Density, momentum correction and index coding are for the sparse methods; sparse
-    methods get DGC momentum correction (0.9) unless told otherwise, except under
+    methods get DGC momentum correction with the recipe's ``momentum`` (none for a
+    recipe trained with plain SGD) unless told otherwise, except under
     FSDP2 (``fsdp``), whose reduce-scatter has none (the optimizer keeps its
     momentum; an explicit ``momentum`` is refused there by ``register_fsdp``). PyTorch
     peers (:mod:`.peers`) take only the dense warm-up, as PowerSGD's ``start_iter``.
@@ -284,13 +326,37 @@ def method_hyper(method: str, hyper: dict[str, Any], fsdp: bool = False) -> dict
         h.pop("density", None)
         h.pop("momentum", None)  # momentum correction is for sparse methods
         h.pop("index_coding", None)
-    elif "momentum" not in h and not fsdp:
+    elif "momentum" not in h and not fsdp and momentum:
         # error feedback and the optimizer's momentum amplify each other: sparse
         # methods get DGC momentum correction (the optimizer then runs without)
-        h["momentum"] = 0.9
+        h["momentum"] = momentum
     if h.get("index_coding") and "index_coding" not in method_spec(method).config.field_names():
         h.pop("index_coding")  # index coding applies to quantized sparse messages only
     return h
+
+
+def within_target(final: float, higher_is_better: bool) -> float:
+    """The figure a run must reach to be "within" dense's ``final``: one point of
+    accuracy below it, or 3% of perplexity above it."""
+    return final - 0.01 if higher_is_better else final * 1.03
+
+
+def stop_order(methods: list[str], options: dict[str, Any]) -> list[str]:
+    """``methods`` with the dense fp32 baseline first when runs stop at the target
+    (``stop_after``) and no ``target`` is given: its final figure sets the target.
+
+    Raises:
+        ValueError: no target and no baseline (``ddp`` or ``dense``) to take it from.
+    """
+    if not options.get("stop_after") or options.get("target") is not None:
+        return list(methods)
+    base = next((m for m in ("ddp", "dense") if m in methods), None)
+    if base is None:
+        raise ValueError(
+            "stopping at the target needs the dense baseline (ddp or dense) among the "
+            "methods, or the target itself (--target)"
+        )
+    return [base, *(m for m in methods if m != base)]
 
 
 def run_recipe(
@@ -312,8 +378,9 @@ def run_recipe(
     recipe_cls.check_data()  # fail here, with the command to run, not inside every rank
     epochs = epochs or recipe_cls.epochs
     runs: dict[str, Any] = {}
-    for method in methods:
-        h = method_hyper(method, hyper or {}, fsdp=bool((options or {}).get("fsdp")))
+    options = dict(options or {})
+    for method in stop_order(methods, options):
+        h = method_hyper(method, hyper or {}, bool(options.get("fsdp")), recipe_cls.momentum)
         server = None
         if method == "natural_ina" and "server" not in h:
             from ...ina import AggregatorServer
@@ -323,7 +390,7 @@ def run_recipe(
         t0 = time.monotonic()
         try:
             out = run_processes(
-                world, train_worker, recipe_name, method, h, epochs, seed, options or {},
+                world, train_worker, recipe_name, method, h, epochs, seed, options,
                 progress, timeout=600, deadline=6 * 3600,
             )  # fmt: skip
         finally:
@@ -332,10 +399,13 @@ def run_recipe(
                 h.pop("server")
                 server.stop()
         run = out[0]
+        if options.get("stop_after") and options.get("target") is None:
+            final = float(run["evals"][-1][recipe_cls.metric])
+            options["target"] = within_target(final, recipe_cls.higher_is_better)
         run["wall_s"] = time.monotonic() - t0
         run["hyper"] = h
         runs[method] = run
-    return result_of(recipe_name, recipe_cls, world, epochs, seed, options, runs)
+    return result_of(recipe_name, recipe_cls, world, epochs, seed, options or None, runs)
 
 
 def result_of(
@@ -401,11 +471,18 @@ def join_recipe(
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
     comm = TorchDistCommunicator(timeout=timeout)
     runs: dict[str, Any] = {}
+    options = dict(options or {})
+    methods = stop_order(methods, options)
     try:
         for method in methods:
-            h = method_hyper(method, hyper or {}, fsdp=bool((options or {}).get("fsdp")))
+            h = method_hyper(method, hyper or {}, bool(options.get("fsdp")), recipe_cls.momentum)
             t0 = time.monotonic()
-            run = train_worker(comm, recipe_name, method, h, epochs, seed, options or {}, progress)
+            run = train_worker(comm, recipe_name, method, h, epochs, seed, options, progress)
+            if options.get("stop_after") and options.get("target") is None:
+                # the baseline ran first: its "within" figure is every later run's target
+                mine = run["evals"][-1].get(recipe_cls.metric, 0.0) if comm.rank == 0 else 0.0
+                final = float(comm.allreduce(torch.tensor([mine], dtype=torch.float64))[0])
+                options["target"] = within_target(final, recipe_cls.higher_is_better)
             run["wall_s"] = time.monotonic() - t0
             run["hyper"] = h
             # the machine's load when the run ended (1, 5, 15 min): other work on shared cores

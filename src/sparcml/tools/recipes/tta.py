@@ -31,9 +31,11 @@ from typing import Any
 
 __all__ = [
     "baseline_method",
+    "format_predictions",
     "format_tta_table",
     "load_result",
     "parse_rate",
+    "predict_rows",
     "run_on_cluster",
     "targets",
     "time_to",
@@ -96,6 +98,14 @@ def time_to(run: dict[str, Any], metric: str, target: float, higher: bool) -> fl
     return None
 
 
+def steps_to(run: dict[str, Any], metric: str, target: float, higher: bool) -> int | None:
+    """Training steps at the first evaluation reaching ``target`` (None: never)."""
+    for e in run["evals"]:
+        if metric in e and _reached(float(e[metric]), target, higher):
+            return int(e["step"])
+    return None
+
+
 def bytes_to(run: dict[str, Any], metric: str, target: float, higher: bool) -> float | None:
     """Bytes one rank sent up to the first evaluation reaching ``target``."""
     for e in run["evals"]:
@@ -145,11 +155,14 @@ def tta_rows(result: dict[str, Any], rate_bps: float | None = None) -> list[dict
             ),
             "bytes_per_step": bytes_step,
             "wire_ms": 1000 * bytes_step * 8 / rate_bps if rate_bps else None,
+            "messages_per_step": run.get("messages_per_step"),
             "total_bytes": float(sum(run["step_bytes"])),
         }
+        row["overhead_ms"] = overhead_ms(row)
         if tg is not None:
             row["to_final_s"] = time_to(run, metric, tg[0], higher)
             row["to_within_s"] = time_to(run, metric, tg[1], higher)
+            row["steps_to_within"] = steps_to(run, metric, tg[1], higher)
             row["bytes_to_within"] = bytes_to(run, metric, tg[1], higher)
         rows.append(row)
     if tg is not None:
@@ -168,6 +181,86 @@ def tta_rows(result: dict[str, Any], rate_bps: float | None = None) -> list[dict
             r["speedup_vs_best_hook"] = t_hook / t if t and t_hook else None
             r["best_hook"] = best_hook
     return rows
+
+
+#: the latency of one message on the emulated links (the cost model's default alpha)
+ALPHA_S = 50e-6
+
+
+def overhead_ms(row: dict[str, Any]) -> float | None:
+    """A step's sync beyond its link time: sync minus bytes / rate minus messages x
+    alpha (:data:`ALPHA_S`; PyTorch's hooks count no messages, their latency stays in
+    the figure). What a lean step removes: selection, error feedback, encoding,
+    copies, the hand-off to the transport and waiting for the slower rank."""
+    if row.get("sync_ms") is None or row.get("wire_ms") is None:
+        return None
+    latency = 1000 * ALPHA_S * (row.get("messages_per_step") or 0.0)
+    return row["sync_ms"] - row["wire_ms"] - latency
+
+
+def predict_ms(row: dict[str, Any], rate_bps: float) -> float | None:
+    """The time per step ``row``'s method would take on a link of ``rate_bps``: its
+    measured compute, optimizer step and overhead (:func:`overhead_ms`, local work
+    that does not depend on the link), plus its bytes per step at that rate and its
+    messages' latency."""
+    over = row.get("overhead_ms")
+    if over is None or row.get("compute_ms") is None:
+        return None
+    latency = 1000 * ALPHA_S * (row.get("messages_per_step") or 0.0)
+    wire = 1000 * row["bytes_per_step"] * 8 / rate_bps
+    return row["compute_ms"] + row["optimizer_ms"] + max(over, 0.0) + wire + latency
+
+
+def predict_rows(
+    result: dict[str, Any], rate_bps: float, rates: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Per method, the predicted time per step at each of ``rates`` (tc syntax) and
+    the predicted time to the "within" target (steps to it, counted where the run
+    reached it, times the predicted step; the dense warm-up steps at the dense
+    baseline's predicted step)."""
+    rows = tta_rows(result, rate_bps)
+    by = {r["method"]: r for r in rows}
+    base = by.get(baseline_method(result) or "")
+    out = []
+    for r in rows:
+        pred: dict[str, Any] = {"method": r["method"], "steps_to_within": r.get("steps_to_within")}
+        for rate in rates:
+            bps = parse_rate(rate)
+            step = predict_ms(r, bps)
+            pred[f"ms_per_step@{rate}"] = step
+            n = r.get("steps_to_within")
+            if step is None or n is None:
+                pred[f"s_to_within@{rate}"] = None
+                continue
+            warm = min(r["warmup_steps"], n)
+            dense_step = predict_ms(base, bps) if base is not None else None
+            warm_ms = warm * (dense_step if dense_step is not None else step)
+            pred[f"s_to_within@{rate}"] = (warm_ms + (n - warm) * step) / 1000
+        out.append(pred)
+    return out
+
+
+def format_predictions(result: dict[str, Any], rate_bps: float, rates: Sequence[str]) -> str:
+    """:func:`predict_rows` as a Markdown table, with the method to use at each rate
+    (the least predicted time to the target)."""
+    preds = predict_rows(result, rate_bps, rates)
+    head = "| method | steps to within | " + " | ".join(
+        f"ms/step @ {r} | s to within @ {r}" for r in rates
+    )
+    lines = [head + " |", "|---|---:|" + "---:|---:|" * len(rates)]
+    for p in preds:
+        cells = []
+        for r in rates:
+            cells += [_ms(p[f"ms_per_step@{r}"]), _s(p[f"s_to_within@{r}"])]
+        n = p["steps_to_within"]
+        steps = "never" if n is None else str(n)
+        lines.append(f"| {p['method']} | {steps} | " + " | ".join(cells) + " |")
+    best = []
+    for r in rates:
+        timed = [(p[f"s_to_within@{r}"], p["method"]) for p in preds if p[f"s_to_within@{r}"]]
+        best.append(f"{r}: {min(timed)[1]}" if timed else f"{r}: -")
+    lines += ["", "Use (least predicted time to within the target): " + "; ".join(best) + "."]
+    return "\n".join(lines)
 
 
 def _fmt_metric(metric: str, v: float | None) -> str:
@@ -202,14 +295,17 @@ def format_tta_table(result: dict[str, Any], rate_bps: float | None = None) -> s
             "Times are training seconds (evaluations excluded), at the first evaluation "
             "reaching the target.",
             "",
-            f"| method | final {metric} | s to within {within} | s to dense final "
-            "| MB sent to within (per rank) | vs dense fp32 | vs best PyTorch hook | training s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            f"| method | final {metric} | s to within {within} | steps to within "
+            "| s to dense final | MB sent to within (per rank) | vs dense fp32 "
+            "| vs best PyTorch hook | training s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in rows:
             mb = r["bytes_to_within"]
+            n = r["steps_to_within"]
             out.append(
                 f"| {r['method']} | {_fmt_metric(metric, r[metric])} | {_s(r['to_within_s'])} "
+                f"| {'never' if n is None else n} "
                 f"| {_s(r['to_final_s'])} | {'-' if mb is None else f'{mb / 1e6:.1f}'} "
                 f"| {_x(r['speedup_vs_dense'])} | {_x(r['speedup_vs_best_hook'])} "
                 f"| {r['train_s']:.1f} |"
@@ -217,23 +313,31 @@ def format_tta_table(result: dict[str, Any], rate_bps: float | None = None) -> s
         out.append("")
     out += [
         "| method | ms per step | compute (fwd+bwd) | optimizer | sync (compress + comm + wait) "
-        "| wire: bytes / link rate | bytes per step (per rank) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| wire: bytes / link rate | sync beyond the link | messages per step "
+        "| bytes per step (per rank) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        msgs = r.get("messages_per_step")
         out.append(
             f"| {r['method']} | {_ms(r['ms_per_step'])} | {_ms(r['compute_ms'])} "
             f"| {_ms(r['optimizer_ms'])} | {_ms(r['sync_ms'])} | {_ms(r['wire_ms'])} "
+            f"| {_ms(r['overhead_ms'])} | {'-' if msgs is None else f'{msgs:.1f}'} "
             f"| {r['bytes_per_step']:,.0f} |"
         )
     return "\n".join(out)
 
 
 def write_tta_report(
-    result: dict[str, Any], out: Path, command: str, rate_bps: float | None = None
+    result: dict[str, Any],
+    out: Path,
+    command: str,
+    rate_bps: float | None = None,
+    predict: Sequence[str] = (),
 ) -> list[Path]:
     """``results.json`` (runs, rows, machine, rate, command, versions), ``summary.csv``,
-    ``results.md`` and ``tta.png`` (figure against training seconds and against MB)."""
+    ``results.md`` and ``tta.png`` (figure against training seconds and against MB);
+    ``predict``: link rates (tc syntax) for :func:`format_predictions` in results.md."""
     from ..bench.harness import write_csv, write_json
 
     out.mkdir(parents=True, exist_ok=True)
@@ -259,6 +363,14 @@ def write_tta_report(
         format_tta_table(result, rate_bps),
         "",
     ]
+    if predict and rate_bps:
+        md += [
+            f"Predicted for other links (measured at {rate}: compute, optimizer step and "
+            "the sync beyond the link kept, bytes and messages costed at each rate):",
+            "",
+            format_predictions(result, rate_bps, predict),
+            "",
+        ]
     if result.get("failed"):
         md += [
             "Failed (no result): " + "; ".join(f"{m}: {w}" for m, w in result["failed"].items()),
@@ -330,8 +442,14 @@ def run_on_cluster(
     child_args: Sequence[str],
     timeout: float | None = None,
     log_dir: str | Path | None = None,
+    stop_after: int = 0,
+    target: float | None = None,
 ) -> dict[str, Any]:
     """Run each method as its own job on a fresh ``hosts``-host cluster at ``rate``.
+
+    ``stop_after``: a method stops once that many evaluations in a row reached
+    ``target`` (default: the "within" figure of the dense baseline, which then runs
+    first and whole).
 
     Every host runs ``python -m sparcml.tools.cli train RECIPE --env --methods M
     CHILD_ARGS``; rank 0 writes its run to a temporary file, gathered here.
@@ -346,8 +464,11 @@ def run_on_cluster(
     from ..cluster import run_on_cluster as run_job
     from . import RECIPES
     from .data import data_dir
+    from .train import stop_order, within_target
 
     RECIPES[recipe].check_data()
+    recipe_cls = RECIPES[recipe]
+    methods = stop_order(list(methods), {"stop_after": stop_after, "target": target})
     parse_rate(rate)
     env_data = os.environ.get("SPARCML_DATA")
     os.environ["SPARCML_DATA"] = str(Path(env_data or data_dir()).resolve())
@@ -360,6 +481,8 @@ def run_on_cluster(
                 sys.executable, "-m", "sparcml.tools.cli", "train", recipe, "--env",
                 "--methods", method, "--run-json", str(part), *child_args,
             ]  # fmt: skip
+            if stop_after and target is not None:
+                argv += ["--stop-after", str(stop_after), "--target", repr(target)]
             logs = Path(log_dir) / method if log_dir else None
             log.info("%s %s: starting on %d hosts at %s", recipe, method, hosts, rate)
             code = run_job(hosts, argv, rate=rate, timeout=timeout, log_dir=logs)
@@ -371,6 +494,10 @@ def run_on_cluster(
                 failed[method] = why
                 continue
             doc = json.loads(part.read_text())
+            if stop_after and target is None:  # the baseline, run first: the target
+                final = float(doc["runs"][method]["evals"][-1][recipe_cls.metric])
+                target = within_target(final, recipe_cls.higher_is_better)
+                log.info("%s: target %s (dense fp32's final %s)", recipe, target, final)
             if merged is None:
                 merged = doc
             else:
@@ -382,6 +509,121 @@ def run_on_cluster(
     if merged is None:
         raise RuntimeError("every job failed: " + "; ".join(f"{m}: {w}" for m, w in failed.items()))
     merged["link_rate"] = rate
+    if stop_after:
+        merged["options"] = {**merged.get("options", {}), "stop_after": stop_after,
+                             "target": target}  # fmt: skip
     if failed:
         merged["failed"] = failed
     return merged
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _spread(xs: Sequence[float | None], spec: str, unit: str = "", none: str = "never") -> str:
+    """``median (min-max)`` of the values there are; how many are missing (``none``:
+    the target never reached) beside them."""
+    got = [x for x in xs if x is not None]
+    never = len(xs) - len(got)
+    if not got:
+        return none
+    text = f"{_median(got):{spec}}{unit}"
+    if len(got) > 1:
+        text += f" ({min(got):{spec}}{unit}-{max(got):{spec}}{unit})"
+    return text + (f", {none} in {never}" if never else "")
+
+
+def seeds_rows(results: Sequence[dict[str, Any]], rate_bps: float | None) -> list[dict[str, Any]]:
+    """Per method, the figures of every seed's comparison (lists, in seed order)."""
+    keys = (
+        "to_within_s", "steps_to_within", "speedup_vs_dense", "speedup_vs_best_hook",
+        "ms_per_step", "sync_ms", "wire_ms", "overhead_ms",
+    )  # fmt: skip
+    rows: dict[str, dict[str, Any]] = {}
+    for result in results:
+        for r in tta_rows(result, rate_bps):
+            row = rows.setdefault(r["method"], {"method": r["method"], **{k: [] for k in keys}})
+            for k in keys:
+                row[k].append(r.get(k))
+            row.setdefault("final", []).append(r[result["metric"]])
+    return list(rows.values())
+
+
+def format_seeds_table(results: Sequence[dict[str, Any]], rate_bps: float | None) -> str:
+    """Medians and ranges over the seeds' comparisons (each seed against its own
+    dense baseline and hooks)."""
+    metric = results[0]["metric"]
+    within = "1 point" if results[0]["higher_is_better"] else "3%"
+    seeds = ", ".join(str(r.get("seed")) for r in results)
+    lines = [
+        f"Median (range) over seeds {seeds}; each seed's runs are compared with that "
+        f"seed's dense fp32 run (target: its final test {metric}, within {within}).",
+        "",
+        f"| method | final {metric} | s to within | steps to within | vs dense fp32 "
+        "| vs best PyTorch hook | ms per step | sync ms | wire ms | sync beyond the link ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def fmt_final(values: list[float]) -> str:
+        if metric == "accuracy":
+            return _spread([100 * v for v in values], ".2f", "%")
+        return _spread(values, ".1f")
+
+    for r in seeds_rows(results, rate_bps):
+        lines.append(
+            f"| {r['method']} | {fmt_final(r['final'])} | {_spread(r['to_within_s'], '.1f')} "
+            f"| {_spread(r['steps_to_within'], '.0f')} "
+            f"| {_spread(r['speedup_vs_dense'], '.2f', 'x', '-')} "
+            f"| {_spread(r['speedup_vs_best_hook'], '.2f', 'x', '-')} "
+            f"| {_spread(r['ms_per_step'], '.1f', '', '-')} "
+            f"| {_spread(r['sync_ms'], '.1f', '', '-')} | {_spread(r['wire_ms'], '.1f', '', '-')} "
+            f"| {_spread(r['overhead_ms'], '.1f', '', '-')} |"
+        )
+    return "\n".join(lines)
+
+
+def write_seeds_report(
+    results: Sequence[dict[str, Any]], out: Path, command: str, rate_bps: float | None
+) -> list[Path]:
+    """``seeds.json`` (every seed's rows) and ``results.md`` (:func:`format_seeds_table`,
+    links to each seed's report, the load averages) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    first = results[0]
+    rate = first.get("link_rate") or "loopback"
+    doc = {
+        "command": command,
+        "recipe": first["recipe"],
+        "world": first["world"],
+        "link_rate": rate,
+        "seeds": [r.get("seed") for r in results],
+        "rows": seeds_rows(results, rate_bps),
+    }
+    (out / "seeds.json").write_text(json.dumps(doc, indent=1, default=str))
+    md = [
+        f"# {first['recipe']}: P = {first['world']}, {rate} links, {len(results)} seeds",
+        "",
+        f"Command: `{command}`",
+        "",
+        format_seeds_table(results, rate_bps),
+        "",
+        "Each seed's report: "
+        + ", ".join(f"[seed {r.get('seed')}](seed{r.get('seed')}/results.md)" for r in results),
+        "",
+    ]
+    loads = [
+        max(run["loadavg"][0] for run in r["runs"].values() if run.get("loadavg"))
+        for r in results
+        if any(run.get("loadavg") for run in r["runs"].values())
+    ]
+    if loads:
+        md += [
+            "Highest 1-minute load average at the end of a run, per seed: "
+            + ", ".join(f"{x:.2f}" for x in loads)
+            + " (2 cores).",
+            "",
+        ]
+    (out / "results.md").write_text("\n".join(md))
+    return [out / "seeds.json", out / "results.md"]
