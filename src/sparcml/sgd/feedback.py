@@ -35,6 +35,9 @@ class NamedBuffers:
 
     def __init__(self) -> None:
         self._residuals: dict[str, torch.Tensor] = {}
+        # the flat tensor of each bucket's last scatter, with the views it stored: a
+        # bucket whose buffers are still those views is read without a copy
+        self._flats: dict[tuple[str, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -44,12 +47,28 @@ class NamedBuffers:
     @buffers.setter
     def buffers(self, value: dict[str, torch.Tensor]) -> None:
         self._residuals = dict(value)
+        self._flats.clear()
 
     def gather(
         self, names: Sequence[str], sizes: Sequence[int], like: torch.Tensor
     ) -> torch.Tensor:
         """A bucket's flat view: the buffers of ``names`` concatenated, zeros where a
-        buffer is missing or does not match ``like``'s dtype and device or its size."""
+        buffer is missing or does not match ``like``'s dtype and device or its size.
+
+        Read-only: when the buffers are still the views the bucket's last
+        :meth:`scatter` stored (every step of a training run after the first), this
+        is that flat tensor itself, not a copy (one pass over the bucket less).
+        """
+        hit = self._flats.get(tuple(names))
+        if hit is not None:
+            flat, views = hit
+            if (
+                flat.dtype == like.dtype
+                and flat.device == like.device
+                and all(v.numel() == n for v, n in zip(views, sizes, strict=True))
+                and all(self._residuals.get(k) is v for k, v in zip(names, views, strict=True))
+            ):
+                return flat
         parts = []
         for name, n in zip(names, sizes, strict=True):
             t = self._residuals.get(name)
@@ -60,11 +79,18 @@ class NamedBuffers:
 
     def scatter(self, names: Sequence[str], sizes: Sequence[int], flat: torch.Tensor) -> None:
         """Store a bucket's flat tensor back by name (views of ``flat``, no copy)."""
-        for name, part in zip(names, flat.split(list(sizes)), strict=True):
+        views = list(flat.split(list(sizes)))
+        for name, part in zip(names, views, strict=True):
             self._residuals[name] = part
+        key = tuple(names)
+        mine = set(key)
+        for other in [k for k in self._flats if k != key and mine.intersection(k)]:
+            del self._flats[other]  # (a rebuilt bucket: its old flat tensor is stale)
+        self._flats[key] = (flat, views)
 
     def reset(self, name: str | None = None) -> None:
         """Forget one buffer, or all."""
+        self._flats.clear()
         if name is None:
             self._residuals.clear()
         else:
@@ -75,6 +101,7 @@ class NamedBuffers:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self._flats.clear()
 
     def __len__(self) -> int:
         return len(self._residuals)
@@ -101,21 +128,27 @@ class MomentumCorrection(NamedBuffers):
     def accumulate(
         self, names: Sequence[str], sizes: Sequence[int], g: torch.Tensor
     ) -> torch.Tensor:
-        """``u = m u + g`` for the bucket (not stored yet: see :meth:`keep`)."""
-        u = self.gather(names, sizes, g)
-        u.mul_(self.momentum).add_(g)
-        return u
+        """``u = m u + g`` for the bucket (a new tensor; not stored yet: see :meth:`keep`)."""
+        u = self.gather(names, sizes, g) * self.momentum
+        return u.add_(g)
 
     def keep(
         self,
         names: Sequence[str],
         sizes: Sequence[int],
         u: torch.Tensor,
-        sent_mask: torch.Tensor | None = None,
+        sent: torch.Tensor | SparseStream | None = None,
     ) -> None:
-        """Store ``u``, masked where ``sent_mask`` is set (if masking)."""
-        if sent_mask is not None and self.masking:
-            u = u.masked_fill(sent_mask, 0.0)
+        """Store ``u`` (the tensor itself: the caller gives it up), zeroed where this
+        rank sent ``sent`` when masking (momentum factor masking, DGC sec. 3.2; a
+        dense ``sent`` tensor masks everything, a dense stream its non-zeros)."""
+        if sent is not None and self.masking:
+            if isinstance(sent, SparseStream) and not sent.is_dense:
+                u[sent.indices] = 0.0
+            elif isinstance(sent, SparseStream):
+                u = u.masked_fill(sent.to_dense() != 0, 0.0)
+            else:
+                u = torch.zeros_like(u)
         self.scatter(names, sizes, u)
 
 
@@ -197,7 +230,22 @@ class ErrorFeedback(NamedBuffers):
         return self.gather(names, sizes, g) + g
 
     def update_bucket(
-        self, names: Sequence[str], sizes: Sequence[int], acc: torch.Tensor, sent: torch.Tensor
+        self,
+        names: Sequence[str],
+        sizes: Sequence[int],
+        acc: torch.Tensor,
+        sent: torch.Tensor | SparseStream,
     ) -> None:
-        """A bucket's ``residual = acc - sent`` (``sent`` dense and flat), stored by name."""
-        self.scatter(names, sizes, acc - sent)
+        """A bucket's ``residual = acc - sent``, stored by name.
+
+        ``sent`` dense (a flat tensor or a dense stream): a new tensor. A sparse
+        stream: ``acc`` itself becomes the residual, the sent entries subtracted in
+        place (O(k) instead of two passes over the bucket); the caller gives ``acc``
+        up. Either way the same arithmetic: unsent entries keep ``acc``'s value.
+        """
+        if isinstance(sent, SparseStream) and not sent.is_dense:
+            acc[sent.indices] -= sent.values.to(acc.dtype)
+            self.scatter(names, sizes, acc)
+            return
+        dense = sent.to_dense() if isinstance(sent, SparseStream) else sent
+        self.scatter(names, sizes, acc - dense.to(acc.dtype))

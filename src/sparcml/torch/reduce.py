@@ -71,20 +71,12 @@ __all__ = [
 log = logging.getLogger("sparcml")
 
 
-def _sent_and_mask(
-    sent: torch.Tensor | SparseStream, like: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What this rank sent, dense, and where it sent something."""
-    if isinstance(sent, SparseStream):
-        if sent.is_dense:
-            dense = sent.to_dense()
-            return dense, dense != 0
-        out = torch.zeros_like(like)
-        out[sent.indices] = sent.values
-        mask = torch.zeros_like(like, dtype=torch.bool)
-        mask[sent.indices] = True
-        return out, mask
-    return sent, torch.ones_like(like, dtype=torch.bool)
+def _shares_memory(a: torch.Tensor, b: torch.Tensor | SparseStream) -> bool:
+    """Whether ``b`` (or a stream's values) may be a view of ``a``'s memory."""
+    t = b.values if isinstance(b, SparseStream) else b
+    if a.numel() == 0 or t.numel() == 0 or a.device != t.device:
+        return False
+    return a.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
 
 
 def _check_finite(comm: Communicator, bucket: Bucket, g: torch.Tensor) -> None:
@@ -332,13 +324,15 @@ def reduce_group(
             return total / p if average else total
         sent, total = result.sent, result.total
         compress_s += result.select_s
-        # Step 6: residuals (and momentum factor masking).
+        # Step 6: residuals (and momentum factor masking), in place on acc where
+        # only the sent entries change (acc is ours unless the sum is a view of it).
         if group.error_feedback:
             assert sent is not None
-            sent_dense, mask = _sent_and_mask(sent, send)
-            group.feedback.update_bucket(names, sizes, acc, sent_dense.to(acc.dtype))
+            if _shares_memory(acc, total) or _shares_memory(acc, sent):
+                acc = acc.clone()
+            group.feedback.update_bucket(names, sizes, acc, sent)
             if settings.momentum:
-                group.momentum_correction.keep(names, sizes, u, mask)
+                group.momentum_correction.keep(names, sizes, u, sent)
         elif settings.momentum and not after:
             group.momentum_correction.keep(names, sizes, u)  # every entry was sent
         if bounds is not None or not average:
