@@ -54,7 +54,8 @@ METHODS: list[tuple[str, str, dict[str, Any]]] = [
 # pipeline options, on topk
 OPTIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("topk", "warmup_steps=2", {**TOPK, "warmup_steps": 2}),
-    ("topk", "momentum=0.9", {**TOPK, "momentum": 0.9}),
+    # (recorded when masking was the default: kept on, by name)
+    ("topk", "momentum=0.9", {**TOPK, "momentum": 0.9, "momentum_masking": True}),
     ("topk", "momentum=0.9,no_masking", {**TOPK, "momentum": 0.9, "momentum_masking": False}),
     ("topk", "clip_norm=1.0", {**TOPK, "clip_norm": 1.0}),
     ("topk", "clip_norm=1.0,model", {**TOPK, "clip_norm": 1.0, "clip_scope": "model"}),
@@ -86,7 +87,8 @@ SPARSE = [
     ("topk", "density=1.0", {"density": 1.0, "seed": 0}),
     ("randomk", "", TOPK),
     ("topk", "warmup_steps=2", {**TOPK, "warmup_steps": 2}),
-    ("topk", "momentum=0.9", {**TOPK, "momentum": 0.9}),
+    # (recorded when masking was the default: kept on, by name)
+    ("topk", "momentum=0.9", {**TOPK, "momentum": 0.9, "momentum_masking": True}),
     ("natural", "layers=emb.*:nonzeros", {"seed": 0, "layers": [("emb.*", "nonzeros")]}),
 ]
 

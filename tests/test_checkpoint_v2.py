@@ -25,9 +25,15 @@ CASES = {
     "topk_reuse": ("threshold_reuse", {"density": 0.05}),
     "oktopk": ("oktopk", {"density": 0.05, "tau": 3, "tau_prime": 2}),
     "redsync_asq": ("redsync", {"density": 0.05, "min_bytes": 0, "asq": True}),
+    # (made when momentum factor masking was on by default: on, by name)
     "topk_natural_rules": (
         "topk+natural",
-        {"density": 0.05, "momentum": 0.9, "layers": [("*.bias", "dense")]},
+        {
+            "density": 0.05,
+            "momentum": 0.9,
+            "momentum_masking": True,
+            "layers": [("*.bias", "dense")],
+        },
     ),
     "qsgd": ("qsgd", {}),
     "rule_options": (
@@ -68,6 +74,25 @@ def test_a_version_2_checkpoint_of_other_settings_is_refused_naming_them() -> No
         state = SparcmlState("oktopk", density=0.05, tau=4, tau_prime=2, comm=comm)
         if comm.rank == 0:
             with pytest.raises(ValueError, match=r"tau \(checkpoint: 3, this state: 4\)"):
+                state.load_state_dict(saved)
+
+    run_ranks(2, fn)
+
+
+def test_a_checkpoint_made_under_the_old_masking_default_names_it() -> None:
+    """Momentum factor masking was on by default when the file was written; today
+    it is off. Where momentum correction ran, a state built with today's default
+    refuses the checkpoint naming the setting; where it did not (every other
+    case above), the setting changes nothing and the checkpoint loads."""
+    saved = torch.load(DATA, weights_only=True)["topk_natural_rules"]["ranks"][0]["state_dict"]
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState("topk+natural", density=0.05, momentum=0.9, comm=comm,
+                             layers=[("*.bias", "dense")])  # fmt: skip
+        if comm.rank == 0:
+            with pytest.raises(
+                ValueError, match=r"momentum_masking \(checkpoint: True, this state: False\)"
+            ):
                 state.load_state_dict(saved)
 
     run_ranks(2, fn)

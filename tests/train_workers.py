@@ -285,3 +285,26 @@ def powersgd_runs(comm: Any, steps: int) -> dict[str, Any]:
         except ValueError as e:
             out[f"{method} refuses"] = str(e)
     return out
+
+
+def momentum_sgd_runs(
+    comm: Any, runs: list[tuple[str | None, dict[str, Any], float]], steps: int
+) -> list[torch.Tensor]:
+    """Parameters after ``steps`` DDP steps per run ``(method, hyper, optimizer
+    momentum)``; ``method=None`` is plain DDP. SGD at rate 0.1 on every run."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = []
+    for method, hyper, momentum in runs:
+        model = DDP(make_model())
+        if method is not None:
+            st.register(model, method, **hyper)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+        for step in range(steps):
+            x, y = batch(comm.rank, step)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        out.append(flat_params(model))
+    return out

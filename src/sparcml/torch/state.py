@@ -532,8 +532,27 @@ def _v2_settings(saved: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _in_effect(settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings without those that change nothing: ``momentum_masking`` without
+    momentum correction (so that checkpoints made before its default changed load
+    where it never applied); the same for each layer rule's settings."""
+    out = dict(settings)
+    if not out.get("momentum"):
+        out.pop("momentum_masking", None)
+    if isinstance(out.get("layers"), list):
+        out["layers"] = [
+            {**r, "settings": _in_effect(r["settings"])}
+            if isinstance(r, dict) and isinstance(r.get("settings"), dict)
+            else r
+            for r in out["layers"]
+        ]
+    return out
+
+
 def _check_settings(saved: dict[str, Any], now: dict[str, Any], strict: bool) -> None:
-    """Refuse (``strict``) or log a checkpoint made with other settings."""
+    """Refuse (``strict``) or log a checkpoint made with other settings (those in
+    effect: :func:`_in_effect`)."""
+    saved, now = _in_effect(saved), _in_effect(now)
     diffs = [
         f"{k} (checkpoint: {saved.get(k)!r}, this state: {now.get(k)!r})"
         for k in sorted(set(saved) | set(now))
