@@ -371,6 +371,13 @@ def write_tta_report(
             format_predictions(result, rate_bps, predict),
             "",
         ]
+    if result.get("exit_codes"):
+        md += [
+            "Kept, though the job exited non-zero after rank 0 wrote the run (a rank "
+            "aborted in teardown): "
+            + "; ".join(f"{m}: exit code {c}" for m, c in result["exit_codes"].items()),
+            "",
+        ]
     if result.get("failed"):
         md += [
             "Failed (no result): " + "; ".join(f"{m}: {w}" for m, w in result["failed"].items()),
@@ -474,6 +481,7 @@ def run_on_cluster(
     os.environ["SPARCML_DATA"] = str(Path(env_data or data_dir()).resolve())
     merged: dict[str, Any] | None = None
     failed: dict[str, str] = {}
+    exit_codes: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="sparcml-tta-") as tmp:
         for method in methods:
             part = Path(tmp) / f"{method}.json"
@@ -486,7 +494,14 @@ def run_on_cluster(
             logs = Path(log_dir) / method if log_dir else None
             log.info("%s %s: starting on %d hosts at %s", recipe, method, hosts, rate)
             code = run_job(hosts, argv, rate=rate, timeout=timeout, log_dir=logs)
-            if code != 0 or not part.exists():
+            if code not in (0, 124) and part.exists():
+                # rank 0 wrote the run after the last collective: a rank died at exit
+                # (PyTorch's PowerSGD hook on gloo sometimes aborts in teardown,
+                # "terminate called without an active exception"); keep the run, say so
+                log.warning("%s %s: the job exited with code %d after its run was written; "
+                            "kept", recipe, method, code)  # fmt: skip
+                exit_codes[method] = code
+            elif code != 0 or not part.exists():
                 # one failed or stuck method does not cost the others' runs
                 why = f"exit code {code}" + (" (timed out)" if code == 124 else "")
                 log.error("%s %s: the job failed, %s%s", recipe, method, why,
@@ -514,6 +529,8 @@ def run_on_cluster(
                              "target": target}  # fmt: skip
     if failed:
         merged["failed"] = failed
+    if exit_codes:
+        merged["exit_codes"] = exit_codes  # runs kept whose job exited non-zero after them
     return merged
 
 
