@@ -128,10 +128,13 @@ def test_quantized_topk_with_topka_equals_sum_of_quantized_selections(world: int
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_momentum_correction_and_masking_follow_dgc(world: int) -> None:
-    """u = m u + g; v = v + u; send TopK(v); v, u = 0 where sent (RedSync sec. 3.5)."""
+@pytest.mark.parametrize("masking", [True, False])
+def test_momentum_correction_and_masking_follow_dgc(world: int, masking: bool) -> None:
+    """u = m u + g; v = v + u; send TopK(v); v = 0 where sent, and u too with
+    momentum factor masking (RedSync sec. 3.5; off by default)."""
     density, m = 0.05, 0.9
-    out = _run(world, "topk", density=density, momentum=m, algorithm="ssar_split_allgather")
+    out = _run(world, "topk", density=density, momentum=m, momentum_masking=masking,
+               algorithm="ssar_split_allgather")  # fmt: skip
     _assert_identical(out)
     k = _k(density, sum(SIZES))
     n = sum(SIZES)
@@ -145,7 +148,8 @@ def test_momentum_correction_and_masking_follow_dgc(world: int) -> None:
             sel = _topk(v[r], k)
             mask = sel != 0
             v[r] = v[r] - sel
-            u[r] = u[r].masked_fill(mask, 0.0)
+            if masking:
+                u[r] = u[r].masked_fill(mask, 0.0)
             total += sel
         assert torch.allclose(out[0][0][t], total / world, rtol=0, atol=1e-12)
 

@@ -268,6 +268,8 @@ def rewrite_report(args: argparse.Namespace) -> int:
         write_tta_report,
     )
 
+    if Path(args.from_json).is_dir():
+        return _rewrite_seeds(args, Path(args.from_json))
     try:
         result = load_result(args.from_json)
         command = json.loads(Path(args.from_json).read_text())["command"]
@@ -285,6 +287,34 @@ def rewrite_report(args: argparse.Namespace) -> int:
     out = Path(args.out or Path(args.from_json).parent)
     for path in write_tta_report(result, out, command, rate_bps, predict):
         print(f"wrote {path}")
+    return 0
+
+
+def _rewrite_seeds(args: argparse.Namespace, root: Any) -> int:
+    """``--from-json DIR`` of a ``--seeds`` run: every seed's report and the medians
+    again, in place, from the ``seedS/results.json`` files."""
+    import json
+
+    from ..recipes.tta import load_result, parse_rate, write_seeds_report, write_tta_report
+
+    paths = sorted(root.glob("seed*/results.json"), key=lambda p: int(p.parent.name[4:]))
+    if not paths:
+        print(f"sparcml train: --from-json: {root} holds no seed*/results.json", file=sys.stderr)
+        return 2
+    results = []
+    for path in paths:
+        result = load_result(path)
+        command = json.loads(path.read_text())["command"]
+        rate = result.get("link_rate")
+        rate_bps = parse_rate(rate) if rate else None
+        predict = _predict_rates(args, rate_bps)
+        if predict is None:
+            return 2
+        for written in write_tta_report(result, path.parent, command, rate_bps, predict):
+            print(f"wrote {written}")
+        results.append(result)
+    for written in write_seeds_report(results, root, command, rate_bps):
+        print(f"wrote {written}")
     return 0
 
 
@@ -614,7 +644,8 @@ def add_parsers(sub: Any) -> None:
     tr.add_argument(
         "--from-json",
         help="write the time-to-accuracy report again from a results.json (into --out, "
-        "default: its directory); trains nothing",
+        "default: its directory), or from the directory of a --seeds run (every seed's "
+        "report and the medians, in place); trains nothing",
     )
     tr.set_defaults(run=train)
     _p = sub.add_parser("methods", help="list the gradient synchronisation methods")

@@ -10,7 +10,8 @@ The step split: ``compute`` is a forward + backward pass without synchronisation
 (measured after training, all ranks at once, as in training), ``optimizer`` the
 optimizer step, ``sync`` the rest of a step (compression, communication and
 waiting for the slowest rank); ``wire`` is what the bytes one rank sends cost at
-the link rate alone (bytes / rate), the floor of the communication.
+the link rate alone (bytes / rate, TCP/IP and Ethernet headers counted:
+:data:`FRAMING`), the floor of the communication.
 
 :func:`run_on_cluster` runs every method as its own job on a fresh emulated
 cluster (:mod:`sparcml.tools.cluster`) and gathers the runs.
@@ -40,6 +41,7 @@ __all__ = [
     "targets",
     "time_to",
     "tta_rows",
+    "wire_ms",
     "write_tta_report",
 ]
 
@@ -154,7 +156,7 @@ def tta_rows(result: dict[str, Any], rate_bps: float | None = None) -> list[dict
                 1000 * max(0.0, step_s - compute_s - opt_s) if compute_s is not None else None
             ),
             "bytes_per_step": bytes_step,
-            "wire_ms": 1000 * bytes_step * 8 / rate_bps if rate_bps else None,
+            "wire_ms": wire_ms(bytes_step, rate_bps) if rate_bps else None,
             "messages_per_step": run.get("messages_per_step"),
             "total_bytes": float(sum(run["step_bytes"])),
         }
@@ -185,6 +187,16 @@ def tta_rows(result: dict[str, Any], rate_bps: float | None = None) -> list[dict
 
 #: the latency of one message on the emulated links (the cost model's default alpha)
 ALPHA_S = 50e-6
+#: bytes on the shaped link per byte of TCP payload: a 1500-byte MTU carries 1448
+#: payload bytes (20 IPv4 + 20 TCP + 12 timestamp option) in 1514 bytes at the
+#: shaper (tc counts the 14-byte Ethernet header); acknowledgements go the other way
+FRAMING = 1514 / 1448
+
+
+def wire_ms(nbytes: float, rate_bps: float) -> float:
+    """Milliseconds ``nbytes`` of payload take on a link of ``rate_bps``, TCP/IP and
+    Ethernet headers counted (:data:`FRAMING`)."""
+    return 1000 * nbytes * FRAMING * 8 / rate_bps
 
 
 def overhead_ms(row: dict[str, Any]) -> float | None:
@@ -207,7 +219,7 @@ def predict_ms(row: dict[str, Any], rate_bps: float) -> float | None:
     if over is None or row.get("compute_ms") is None:
         return None
     latency = 1000 * ALPHA_S * (row.get("messages_per_step") or 0.0)
-    wire = 1000 * row["bytes_per_step"] * 8 / rate_bps
+    wire = wire_ms(row["bytes_per_step"], rate_bps)
     return row["compute_ms"] + row["optimizer_ms"] + max(over, 0.0) + wire + latency
 
 
@@ -313,7 +325,7 @@ def format_tta_table(result: dict[str, Any], rate_bps: float | None = None) -> s
         out.append("")
     out += [
         "| method | ms per step | compute (fwd+bwd) | optimizer | sync (compress + comm + wait) "
-        "| wire: bytes / link rate | sync beyond the link | messages per step "
+        "| wire: bytes (+ headers) / link rate | sync beyond the link | messages per step "
         "| bytes per step (per rank) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
