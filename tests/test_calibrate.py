@@ -33,10 +33,16 @@ def test_alpha_is_the_empty_message_and_beta_the_slope_of_the_rest() -> None:
 
 
 def test_measure_gives_the_same_positive_figures_on_every_rank(tmp_path: Path) -> None:
-    out = run_ranks(2, measure, 3, (0, 1 << 12, 1 << 16), (1 << 14, 1 << 16))
-    assert out[0]["alpha"] == out[1]["alpha"] and out[0]["beta"] == out[1]["beta"]
-    f = out[0]
-    assert f["alpha"] >= 0 and f["beta_sparse"] > 0 and f["gamma"] > 0
+    # the figures are timings: on a loaded machine a fitted slope can come out 0
+    # (clamped); identical on every rank every time, positive in one of 3 tries
+    for _ in range(3):
+        out = run_ranks(2, measure, 3, (0, 1 << 12, 1 << 16), (1 << 14, 1 << 16))
+        assert out[0]["alpha"] == out[1]["alpha"] and out[0]["beta"] == out[1]["beta"]
+        f = out[0]
+        assert f["alpha"] >= 0 and f["beta_sparse"] >= 0 and f["gamma"] >= 0
+        if f["beta_sparse"] > 0 and f["gamma"] > 0:
+            break
+    assert f["beta_sparse"] > 0 and f["gamma"] > 0, f
     model = to_model(f)
     path = model.save(tmp_path / "cal.json")
     loaded = CostModel.load(path)
