@@ -203,8 +203,8 @@ def test_recipe_options_are_checked(tmp_path: Path, monkeypatch, capsys) -> None
     assert "expected KEY=VALUE" in capsys.readouterr().err
     assert main([*args, "--seeds", "0,1"]) == 2
     assert "--seeds runs with --cluster" in capsys.readouterr().err
-    assert main(["train", "wordlm", "--from-json", "x.json", "--predict", "fast"]) == 2
-    assert "not a link rate" in capsys.readouterr().err or True  # (x.json missing first)
+    assert main(["train", "wordlm", "--cluster", "2", "--predict", "1gbit,fast"]) == 2
+    assert "--predict: not a link rate: 'fast'" in capsys.readouterr().err
 
 
 def test_stop_order_puts_the_baseline_first() -> None:
