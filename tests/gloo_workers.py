@@ -264,3 +264,26 @@ def donated_allreduce(comm):  # type: ignore[no-untyped-def]
         "total": total,
         "sparse": sparse.to_dense(),
     }
+
+
+def two_level(comm):  # type: ignore[no-untyped-def]
+    """2 nodes of P/2 ranks, found from torchrun's GROUP_RANK (one 8-byte allgather);
+    every case with both two-level algorithms and auto."""
+    os.environ["GROUP_RANK"] = str(comm.rank // (comm.world_size // 2))
+    topo = comm.topology
+    out = []
+    for size, pattern, dtype in CASES:
+        s = make_stream(pattern, comm.rank, comm.world_size, size, dtype)
+        for algo in ("twolevel_shard", "twolevel_leader", "auto"):
+            r = sparse_allreduce(s, comm, algorithm=algo)
+            out.append((size, pattern, algo, encode(s), encode(r)))
+    return str(topo), topo.node_ranks(comm.rank), out
+
+
+def two_level_ddp(comm, steps):  # type: ignore[no-untyped-def]
+    """The DDP hook reducing with the shard-parallel two-level algorithm on 2 nodes."""
+    from train_workers import ddp_train
+
+    os.environ["GROUP_RANK"] = str(comm.rank // 2)
+    hyper = {"density": 1.0, "algorithm": "twolevel_shard"}
+    return ddp_train(comm, "topk", hyper, steps, False)

@@ -91,3 +91,55 @@ def test_bench_runs_inside_the_cluster(capsys) -> None:  # type: ignore[no-untyp
     # not the legend (lines are prefixed "[rank 0] " by the cluster)
     rows = [line for line in out.splitlines() if not line.split("] ", 1)[-1].startswith("(")]
     assert out.count(" ok ") >= 5 and not any("WRONG" in line for line in rows)
+
+
+NODES = textwrap.dedent(
+    """
+    import os, time, torch, torch.distributed as dist
+    from sparcml import SparseStream, sparse_allreduce
+    from sparcml.comm import TorchDistCommunicator
+    dist.init_process_group("gloo")
+    comm = TorchDistCommunicator()
+    r = comm.rank
+    s = SparseStream(torch.arange(r, 4000, 7), torch.ones(len(range(r, 4000, 7))), 4000)
+    out = sparse_allreduce(s, comm, algorithm="twolevel_shard").to_dense()
+    ref = sum(torch.zeros(4000).index_fill_(0, torch.arange(q, 4000, 7), 1.0) for q in range(4))
+    # 2 MB inside node 0 (ranks 0 and 1), then across the 20 Mbit/s NIC (ranks 0 and 2)
+    times = {}
+    for peer in (1, 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if r == 0:
+            dist.send(torch.zeros(1 << 19), peer)
+        elif r == peer:
+            dist.recv(torch.zeros(1 << 19), 0)
+        took = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the receiver's time: after the wire
+        times[peer] = took.item()
+    if r == 0:
+        print(f"inside {times[1]:.3f} s, across {times[2]:.3f} s")
+    print(f"rank {r} node {os.environ['GROUP_RANK']} local {os.environ['LOCAL_RANK']} "
+          f"topology {comm.topology} exact={torch.equal(out, ref)}")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_nodes_share_a_shaped_nic_and_talk_unshaped_inside(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "job.py"
+    script.write_text(NODES)
+    code = main(["cluster", "--nodes", "2", "--ranks-per-node", "2", "--rate", "20mbit",
+                 "--timeout", "100", "--", sys.executable, str(script)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert _ours() == []
+    for r in range(4):
+        assert (
+            f"rank {r} node {r // 2} local {r % 2} topology 2 node(s) x 2 rank(s) exact=True" in out
+        )
+    inside, across = (
+        float(x) for x in out.split("inside ")[1].split(" s\n")[0].split(" s, across ")
+    )
+    # 2 MiB at 20 Mbit/s take 0.84 s on the wire; inside a node there is no shaping
+    assert across > 0.7 and inside < 0.3 * across, (inside, across)
+    assert main(["cluster", "-P", "3", "--ranks-per-node", "2", "--", "true"]) == 2

@@ -27,7 +27,8 @@ from sparcml.comm import run_ranks
 N = 2048
 QUANTIZERS = ["natural", "qsgd", "dithering", "natural_dithering"]
 X = torch.randn(N, generator=torch.Generator().manual_seed(1))
-SPLIT = ("ssar_split_allgather", "dsar_split_allgather", "topkdsa", "auto")  # auto: any
+# auto: any; twolevel_shard splits into the node's ranks' shards (here one node)
+SPLIT = ("ssar_split_allgather", "dsar_split_allgather", "topkdsa", "twolevel_shard", "auto")
 
 
 def _error_of_mean(world: int, quantizer: str, algorithm: str, trials: int = 3) -> float:

@@ -72,6 +72,16 @@ class CostModel:
         gamma_dense: time per element of a dense addition (default: ``gamma``).
         beta_sparse: transfer time per byte of sparse pairs (default: ``beta``).
         source: where the numbers came from (``default`` or a file path).
+        alpha_intra, beta_intra: latency and time per byte between two ranks of
+            one node (shared memory, NVLink, a host's loopback); ``alpha``/``beta``
+            are then the costs between nodes, through the node's one NIC.
+        ranks_per_node: the topology a prediction is for (:meth:`for_topology`;
+            not stored in calibration files): with more than one rank per node, the
+            node's ranks share its NIC (:meth:`sharing_nic`).
+
+    Two levels go beyond paper 000's single alpha-beta pair: its own production
+    run used NCCL inside nodes and SparCML between them (sec. 8), costed here
+    as two pairs.
     """
 
     alpha: float = 50e-6
@@ -80,6 +90,9 @@ class CostModel:
     beta_sparse: float | None = None
     source: str = "default"
     gamma_dense: float | None = None
+    alpha_intra: float = 10e-6
+    beta_intra: float = 2.5e-10
+    ranks_per_node: int = 1
 
     @property
     def gamma_add(self) -> float:
@@ -108,6 +121,8 @@ class CostModel:
                 gamma_dense=(
                     float(data["gamma_dense"]) if data.get("gamma_dense") is not None else None
                 ),
+                alpha_intra=float(data.get("alpha_intra", cls.alpha_intra)),
+                beta_intra=float(data.get("beta_intra", cls.beta_intra)),
                 source=str(p),
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -119,8 +134,32 @@ class CostModel:
         p.parent.mkdir(parents=True, exist_ok=True)
         data = dataclasses.asdict(self)
         data.pop("source")
+        data.pop("ranks_per_node")  # a property of a run, not of the machine
         p.write_text(json.dumps(data, indent=2) + "\n")
         return p
+
+    # ------------------------------------------------------------------ two levels
+    def for_topology(self, ranks_per_node: int) -> CostModel:
+        """This model for ranks placed ``ranks_per_node`` to a node."""
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be positive, got {ranks_per_node}")
+        return dataclasses.replace(self, ranks_per_node=int(ranks_per_node))
+
+    def inside(self) -> CostModel:
+        """The model of messages between two ranks of one node (one level, no NIC)."""
+        return dataclasses.replace(
+            self, alpha=self.alpha_intra, beta=self.beta_intra, beta_sparse=None, ranks_per_node=1
+        )
+
+    def sharing_nic(self, ranks: int) -> CostModel:
+        """The model between nodes when ``ranks`` ranks of a node send through its NIC at
+        once: each gets ``1/ranks`` of its bandwidth (one level)."""
+        return dataclasses.replace(
+            self,
+            beta=self.beta * ranks,
+            beta_sparse=None if self.beta_sparse is None else self.beta_sparse * ranks,
+            ranks_per_node=1,
+        )
 
     # ------------------------------------------------------------------ building blocks
     @property

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ..costmodel import CostModel
 
 __all__ = [
+    "allgather_cost",
     "decode_or_empty",
     "encode_or_empty",
     "fold_messages",
@@ -57,6 +58,18 @@ def split_cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) 
     ``N/P`` range each, then the merge of about ``k`` pairs (paper 000, ``T_split``)."""
     k = max(ks) if ks else 0
     return (p - 1) * model.message_time(k / p, max(n // p, 1), isize) + model.gamma * k
+
+
+def allgather_cost(model: CostModel, p: int, width: int, pairs: float, isize: int) -> float:
+    """Cost of :func:`~.sparse_allgather.allgather_buffers` of one stream of ``pairs``
+    pairs over ``width`` indices per rank: Appendix A's fold, then ``log2 P'`` rounds
+    whose messages double (paper 000, sec. 5.3.1)."""
+    t = fold_messages(p) * model.message_time(pairs, width, isize)
+    copies = p / largest_power_of_two(p)
+    while copies < p:
+        t += model.message_time(pairs, width, isize, copies)
+        copies *= 2
+    return t
 
 
 def partition_boundaries(size: int, parts: int) -> list[int]:

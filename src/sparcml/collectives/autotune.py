@@ -211,8 +211,7 @@ def plan(
     ``(None, None)``: a new class that needs measuring, not created. The same on
     every rank (computed from agreed numbers)."""
     p = comm.world_size
-    names = [a for a in algorithms(auto=True) if not (lossy and a == "dense")]
-    model = cost_model if cost_model is not None else CostModel.load()
+    names, model = _for_topology(comm, cost_model, lossy)
     if auto_mode(cost_model) == "model" or p == 1:
         return choose(model, p, size, ks, isize, names), None
     table = _CHOICES.setdefault(comm, {})
@@ -230,6 +229,26 @@ def plan(
         entry = table[cls] = AutoChoice(cls, cands)
         log.info("sparse_allreduce auto: measuring %s for %s", ", ".join(cands), cls)
     return (entry.winner, None) if entry.winner is not None else (None, entry)
+
+
+def _for_topology(
+    comm: Communicator, cost_model: CostModel | None, exclude_dense: bool
+) -> tuple[list[str], CostModel]:
+    """``auto``'s candidates and model on ``comm``'s topology: the two-level
+    algorithms join when the ranks span several nodes of several ranks each, and
+    the model then costs flat algorithms with the node's ranks sharing its NIC."""
+    model = cost_model if cost_model is not None else CostModel.load()
+    topo = comm.topology if comm.world_size > 1 else None
+    two_level = topo is not None and not topo.is_flat
+    names = [
+        a
+        for a in algorithms(auto=True)
+        if not (exclude_dense and a == "dense") and (two_level or not algorithm_info(a).two_level)
+    ]
+    if two_level:
+        assert topo is not None
+        model = model.for_topology(topo.ranks_per_node)
+    return names, model
 
 
 def remember(comm: Communicator, key: tuple[int, int, bool], name: str | None) -> None:
@@ -370,7 +389,14 @@ def choose(
 
     Ties go to the candidate with the lower ``auto_priority``.
     """
-    names = list(candidates) if candidates is not None else algorithms(auto=True)
+    if candidates is not None:
+        names = list(candidates)
+    else:  # the two-level ones only where the model is for several ranks per node
+        names = [
+            a
+            for a in algorithms(auto=True)
+            if model.ranks_per_node > 1 or not algorithm_info(a).two_level
+        ]
     names.sort(key=lambda a: algorithm_info(a).auto_priority)
     return min(names, key=lambda a: predict(model, a, world_size, size, ks, isize))
 
@@ -395,8 +421,7 @@ def choose_algorithm(
         done = next((c for c in auto_choices(comm) if c.cls == cls and c.winner), None)
         if done is not None and done.winner is not None:
             return done.winner
-    model = cost_model if cost_model is not None else CostModel.load()
-    candidates = [a for a in algorithms(auto=True) if not (exclude_dense and a == "dense")]
+    candidates, model = _for_topology(comm, cost_model, exclude_dense)
     return choose(model, comm.world_size, stream.size, ks, isize, candidates)
 
 

@@ -33,7 +33,13 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
 
 
 @register(
-    "dense", auto=True, cost=cost, family=("sparcml", "topk"), auto_priority=3, dense_result=True
+    "dense",
+    auto=True,
+    cost=cost,
+    family=("sparcml", "topk"),
+    auto_priority=3,
+    dense_result=True,
+    shares_nic=False,
 )
 def dense_allreduce(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT

@@ -126,6 +126,7 @@ class CallSettings:
     quantize: str = "dense"
     index_coding: str = "fixed"
     k: int | None = None
+    inner: str | None = None  # the two-level algorithms' algorithm between nodes
 
     @classmethod
     def of(
@@ -140,14 +141,15 @@ class CallSettings:
         they are compared first, checked after)."""
         k = options.get("k")
         k = int(k) if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else None
+        inner = str(options["inner"]) if "inner" in options else None
         if quantizer is None:
-            return cls(str(algorithm), k=k)
+            return cls(str(algorithm), k=k, inner=inner)
         if isinstance(quantizer, str):
             name, params = quantizer, ""
         else:
             name = getattr(quantizer, "name", type(quantizer).__name__)
             params = repr({k: v for k, v in quantizer.params().items() if k != "seed"})
-        return cls(str(algorithm), name, params, str(quantize), str(index_coding), k)
+        return cls(str(algorithm), name, params, str(quantize), str(index_coding), k, inner)
 
     def words(self) -> tuple[int, int]:
         """The header's settings words: (magic, algorithm, quantizer, mode, coding)
@@ -158,7 +160,8 @@ class CallSettings:
             "fixed", "delta") else 15  # fmt: skip
         if self.quantizer is None:
             mode = coding = 0
-        w3 = (HEADER_MAGIC << 48) | (_name_id(self.algorithm) << 32) | (q << 16)
+        algorithm = self.algorithm if self.inner is None else f"{self.algorithm}:{self.inner}"
+        w3 = (HEADER_MAGIC << 48) | (_name_id(algorithm) << 32) | (q << 16)
         w3 |= (mode << 4) | coding
         qp = zlib.crc32(self.quantizer_params.encode()) & 0xFFFF if self.quantizer else 0
         kk = 0 if self.k is None else (self.k + 1) & ((1 << 48) - 1)
@@ -216,7 +219,8 @@ def _setting_names(what: str, ids: list[int]) -> list[str]:
     """Readable values of one header setting column (only when a setting differs:
     the tables are built then, not on every call)."""
     if what == "algorithm":
-        return _names(ids, ["auto", *algorithms()])
+        names = algorithms()
+        return _names(ids, ["auto", *names, *(f"{a}:{b}" for a in names for b in names)])
     if what == "quantizer":
         from ..compress import available
 

@@ -48,6 +48,14 @@ Facts (:class:`AlgorithmInfo`):
 * ``dense_result``: its result is always dense (``N`` values whatever the
   nnz): ``sparse_allreduce`` refuses a size whose dense result cannot fit in
   the device's memory before any message, naming ``N`` and the bytes;
+* ``two_level``: it reduces inside each node first and between nodes after
+  (:mod:`sparcml.comm.topology`); its cost formula reads the model's
+  ``ranks_per_node`` and both cost pairs, and ``auto`` considers it only when
+  the ranks span several nodes with several ranks each;
+* ``shares_nic``: on a topology with several ranks per node, the node's ranks
+  send through one NIC at once, so :func:`predict` costs a flat algorithm's
+  messages at ``1/ranks_per_node`` of the bandwidth (False for the dense ring,
+  whose only messages between nodes are one per node and direction);
 * ``options``: the keyword options it takes (``k``, ``state``), from its signature.
 """
 
@@ -100,11 +108,19 @@ class AlgorithmInfo:
     header_in_first_round: bool = False
     header_in_rounds: bool = False
     dense_result: bool = False
+    two_level: bool = False
+    shares_nic: bool = True
 
     @property
     def options(self) -> tuple[str, ...]:
         """Keyword options beyond ``(stream, comm, codec)``, e.g. ``("k", "state")``."""
         return options_of(self.fn)
+
+    @property
+    def required_options(self) -> tuple[str, ...]:
+        """The options a call must pass (no default: ``k``, ``state``); an algorithm
+        without any can reduce any stream as it is (the training hooks' choice)."""
+        return required_options_of(self.fn)
 
     @property
     def summary(self) -> str:
@@ -128,13 +144,16 @@ def register(
     header_in_first_round: bool = False,
     header_in_rounds: bool = False,
     dense_result: bool = False,
+    two_level: bool = False,
+    shares_nic: bool = True,
 ) -> Callable[[F], F]:
     """Decorator adding an allreduce algorithm to the registry under ``name``.
 
     Args:
         name: the ``algorithm=`` name.
         exact, input, auto, cost, quadratic, family, auto_priority,
-            header_in_first_round, header_in_rounds, dense_result: the facts of
+            header_in_first_round, header_in_rounds, dense_result, two_level,
+            shares_nic: the facts of
             :class:`AlgorithmInfo` (module docstring).
 
     Raises:
@@ -158,6 +177,7 @@ def register(
         _REGISTRY[name] = AlgorithmInfo(
             name, fn, exact, input, auto, cost, quadratic, frozenset(family), alias,
             auto_priority, header_in_first_round, header_in_rounds, dense_result,
+            two_level, shares_nic,
         )  # fmt: skip
         return fn
 
@@ -187,6 +207,13 @@ def options_of(fn: Algorithm) -> tuple[str, ...]:
     """The keyword options ``fn`` takes (its signature is read once, not per call)."""
     params = inspect.signature(fn).parameters
     return tuple(p for p in params if p not in ("stream", "comm", "codec"))
+
+
+@functools.cache
+def required_options_of(fn: Algorithm) -> tuple[str, ...]:
+    """The keyword options of ``fn`` without a default."""
+    params = inspect.signature(fn).parameters
+    return tuple(p for p in options_of(fn) if params[p].default is inspect.Parameter.empty)
 
 
 def check_options(fn: Algorithm, name: str, options: dict[str, object]) -> None:
@@ -232,6 +259,11 @@ def predict(
 ) -> float:
     """Predicted seconds of ``name`` for ``P`` ranks holding ``ks[i]`` pairs of ``N``.
 
+    On a model for several ranks per node (:meth:`~sparcml.costmodel.CostModel.for_topology`)
+    a flat algorithm that ``shares_nic`` is costed with the NIC's bandwidth shared
+    by the node's ranks (:meth:`~sparcml.costmodel.CostModel.sharing_nic`), a
+    conservative bound: its messages inside a node are costed as if they crossed it.
+
     Raises:
         ValueError: unknown algorithm, or one without a cost formula.
     """
@@ -240,6 +272,9 @@ def predict(
         raise ValueError(f"algorithm {name!r} has no cost formula")
     if world_size == 1:
         return 0.0
+    if model.ranks_per_node > 1 and not info.two_level:
+        rpn = model.ranks_per_node
+        model = model.sharing_nic(rpn) if info.shares_nic else model.for_topology(1)
     return info.cost(model, world_size, size, ks, isize)
 
 
@@ -254,6 +289,7 @@ def describe() -> list[dict[str, Any]]:
             "cost": i.cost is not None,
             "options": ",".join(i.options),
             "family": ",".join(sorted(i.family)),
+            "two_level": i.two_level,
             "alias_of": i.alias_of,
             "summary": i.summary,
         }

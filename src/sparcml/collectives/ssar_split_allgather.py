@@ -24,7 +24,7 @@ from ..comm import Communicator, resolve
 from ..costmodel import expected_fill_in
 from ..errors import WireFormatError
 from ..stream import SparseStream
-from ._common import fold_messages, largest_power_of_two, split_and_reduce, split_cost
+from ._common import allgather_cost, split_and_reduce, split_cost
 from .codec import EXACT, StreamCodec
 from .registry import register
 from .sparse_allgather import allgather_buffers
@@ -39,14 +39,8 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
     """``T_split`` then the recursive-doubling allgather of the reduced ranges, each
     holding ``E[K]/P`` pairs (Appendix B), and the concatenation."""
     fill = expected_fill_in(n, ks)
-    width = max(n // p, 1)
-    t = split_cost(model, p, n, ks, isize) + fold_messages(p) * model.message_time(
-        fill / p, width, isize
-    )
-    copies = p / largest_power_of_two(p)
-    while copies < p:
-        t += model.message_time(fill / p, width, isize, copies)
-        copies *= 2
+    t = split_cost(model, p, n, ks, isize)
+    t += allgather_cost(model, p, max(n // p, 1), fill / p, isize)
     return t + model.gamma * fill
 
 

@@ -11,6 +11,7 @@ from .base import CommStats, Communicator, Handle, SelfCommunicator
 from .hostmem import enable_huge_pages
 from .local import LocalCommunicator, LocalWorld, run_ranks
 from .mpi import MPICommunicator, mpi_available
+from .topology import SubCommunicator, Topology, TopologyError, detect_topology
 from .torchdist import TorchDistCommunicator
 
 __all__ = [
@@ -21,8 +22,12 @@ __all__ = [
     "LocalWorld",
     "MPICommunicator",
     "SelfCommunicator",
+    "SubCommunicator",
+    "Topology",
+    "TopologyError",
     "TorchDistCommunicator",
     "default_communicator",
+    "detect_topology",
     "enable_huge_pages",
     "mpi_available",
     "refuse_silent_world_of_one",

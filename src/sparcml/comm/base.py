@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -121,6 +122,9 @@ class Communicator(abc.ABC):
     #: names the failed one: collectives may then exchange in O(log P) rounds
     #: without losing who is to blame.
     agrees_on_failures: bool = False
+    #: The ranks are threads of one process (in-process, simulated): one node unless
+    #: a topology is set (:meth:`set_topology`).
+    one_process: bool = False
 
     def __init__(self, rank: int, world_size: int, timeout: float) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
@@ -136,6 +140,8 @@ class Communicator(abc.ABC):
         self._call: int | None = None  # the collective call in progress (its number)
         self._call_traffic = False  # a message of that call was sent or received
         self._broken: str | None = None  # why this communicator refuses further use
+        self._topology: Any = None  # comm.topology.Topology, once set or detected
+        self._groups: dict[tuple[int, ...], Any] = {}
 
     @contextlib.contextmanager
     def control(self) -> Iterator[None]:
@@ -167,6 +173,53 @@ class Communicator(abc.ABC):
         """Number the collective calls: every rank calls them in the same order."""
         self._sequence += 1
         return self._sequence
+
+    # ----------------------------------------------------------- node topology
+    def node_key(self) -> str:
+        """A name of this rank's node, equal for the ranks that share it: the
+        launcher's node rank (``GROUP_RANK``) or the host name. MPI overrides it
+        with its shared-memory split."""
+        from .topology import node_identity
+
+        return node_identity() or f"host:{socket.gethostname()}"
+
+    @property
+    def topology(self) -> Any:
+        """The node layout of the ranks (:class:`~sparcml.comm.topology.Topology`):
+        set with :meth:`set_topology`, or detected on first use, a collective every
+        rank reaches at the same call (:func:`~sparcml.comm.topology.detect_topology`)."""
+        if self._topology is None:
+            from .topology import detect_topology
+
+            self._topology = detect_topology(self)
+        return self._topology
+
+    def set_topology(self, topology: Any) -> None:
+        """Use ``topology`` (a :class:`~sparcml.comm.topology.Topology` of this world
+        size, the same on every rank) instead of detecting it."""
+        from .topology import Topology, TopologyError
+
+        if not isinstance(topology, Topology):
+            raise TypeError(f"expected a Topology, got {type(topology).__name__}")
+        if topology.world_size != self.world_size:
+            raise TopologyError(
+                f"the topology places {topology.world_size} ranks, the communicator has "
+                f"{self.world_size}"
+            )
+        self._topology = topology
+        self._groups.clear()
+
+    def subgroup(self, members: Sequence[int]) -> Communicator:
+        """The ranks ``members`` (ascending parent ranks, this rank among them) as a
+        communicator over this one's links (:class:`~sparcml.comm.topology.SubCommunicator`;
+        cached, so its traffic counters persist)."""
+        key = tuple(members)
+        sub = self._groups.get(key)
+        if sub is None:
+            from .topology import SubCommunicator
+
+            sub = self._groups[key] = SubCommunicator(self, key)
+        return sub
 
     # ----------------------------------------------------------- failing alike
     @contextlib.contextmanager

@@ -139,6 +139,7 @@ class LocalCommunicator(Communicator):
     """One rank of a :class:`LocalWorld`. Payloads are copied on send (no aliasing)."""
 
     agrees_on_failures = True
+    one_process = True
 
     def __init__(self, world: LocalWorld, rank: int, timeout: float = 30.0) -> None:
         super().__init__(rank, world.world_size, timeout)

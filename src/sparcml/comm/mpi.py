@@ -130,9 +130,17 @@ class MPICommunicator(Communicator):
         local = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
         try:
             self.oversubscribed = local.Get_size() > _usable_cores()
+            # the node: the lowest rank sharing memory with this one (MPI's own split)
+            self._shared_first = min(local.allgather(self.rank))
         finally:
             local.Free()
         self._spin = 0 if self.oversubscribed else _SPIN
+
+    def node_key(self) -> str:
+        """The launcher's node rank if it set one, else MPI's shared-memory split."""
+        from .topology import node_identity
+
+        return node_identity() or f"mpi-shared:{self._shared_first}"
 
     # ------------------------------------------------------------------ helpers
     def _deadline_wait(self, request: Any, peer: int | None, what: str) -> Any:

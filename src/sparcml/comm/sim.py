@@ -48,6 +48,17 @@ times ``cpu_share`` (ranks sharing a core on the machine predicted). Measured
 compute includes what the model leaves out (selection, encoding, Python
 overhead) and is as noisy as the machine running the simulation.
 
+**Nodes** (``topology=``, beyond paper 000's one alpha-beta pair): messages
+between two ranks of a node cost ``alpha_intra + beta_intra L`` on the rank's own
+links; messages between nodes queue on the sending node's NIC and the receiving
+node's, shared by the node's ranks, in the order the ranks reach them (so with
+several ranks per node the timing depends slightly on the order the threads
+run). The synchronising collectives charge a rank's transfers from other nodes
+at ``beta`` times the ranks per node (every rank sends at once) and inside the
+node at ``beta_intra``; the dense allreduce keeps the ring's closed form (its
+neighbours are adjacent ranks: one message per node and direction crosses a
+NIC).
+
 What is not modelled: contention inside the switch (links are full duplex and
 the switch non-blocking), and overlap of a rank's receives with its own compute.
 """
@@ -70,6 +81,7 @@ from ..costmodel import CostModel
 from ..errors import CommTimeoutError, RankAbortedError
 from .base import REDUCERS, Communicator, Handle, check_payload
 from .local import wait_for_message
+from .topology import Topology, TopologyError
 
 __all__ = [
     "Charge",
@@ -124,7 +136,12 @@ class SimWorld:
         compute: str = "model",
         cpu_share: float = 1.0,
         charge: ChargeFn = bytes_charge,
+        topology: Topology | None = None,
     ) -> None:
+        if topology is not None and topology.world_size != world_size:
+            raise TopologyError(
+                f"the topology places {topology.world_size} ranks, the simulation has {world_size}"
+            )
         if scale < 1:
             raise ValueError(f"scale must be a positive integer, got {scale}")
         if compute not in ("model", "measured"):
@@ -160,6 +177,20 @@ class SimWorld:
         # waiting ranks wake up this often to look for an abort; fewer wake-ups with
         # many ranks, or they would keep taking the GIL from the one that runs
         self.poll_s = _POLL_S * max(1.0, world_size / 64)
+        # Node topology: messages inside a node cost (alpha_intra, beta_intra) and
+        # leave the NIC alone; messages between nodes queue on the sending node's
+        # NIC and the receiving node's (shared by the node's ranks). Without one,
+        # every rank is its own node with its own NIC (the flat model).
+        self.topology = topology
+        self.node_of = (
+            [topology.node_of(r) for r in range(world_size)]
+            if topology is not None
+            else list(range(world_size))
+        )
+        nodes = max(self.node_of) + 1 if world_size else 0
+        self.nic_tx_free = [0.0] * nodes
+        self.nic_rx_free = [0.0] * nodes
+        self.per_node = topology.ranks_per_node if topology is not None else 1
 
     @property
     def beta_sparse(self) -> float:
@@ -253,6 +284,7 @@ class SimCommunicator(Communicator):
     # the simulator models the transports that agree on failures (gloo and NCCL
     # through their store), so it charges their O(log P) consistency check
     agrees_on_failures = True
+    one_process = True
 
     def __init__(self, world: SimWorld, rank: int, timeout: float = 600.0) -> None:
         super().__init__(rank, world.world_size, timeout)
@@ -266,6 +298,8 @@ class SimCommunicator(Communicator):
         self.compute_s = 0.0
         self._collectives = 0
         self._mark = time.perf_counter()
+        if world.topology is not None:
+            self.set_topology(world.topology)
 
     def _charge_compute(self) -> None:
         """Add the local work done since the last mark (measured mode) to the clock."""
@@ -297,6 +331,8 @@ class SimCommunicator(Communicator):
         if p > 1:
             self._collective(None, lambda start, _: [(0.0, None)] * p)
         self.clock = self.tx_free = self.rx_free = 0.0
+        node = self.world.node_of[self.rank]
+        self.world.nic_tx_free[node] = self.world.nic_rx_free[node] = 0.0
         self.charged_bytes = 0.0
         self.messages = 0
         self.compute_s = 0.0
@@ -306,19 +342,46 @@ class SimCommunicator(Communicator):
     def _beta(self, c: Charge) -> float:
         return self.world.model.beta if c.dense else self.world.beta_sparse
 
+    def _inside(self, peer: int) -> bool:
+        """Whether ``peer`` shares this rank's node (under a topology with nodes)."""
+        w = self.world
+        return w.topology is not None and w.node_of[peer] == w.node_of[self.rank]
+
+    def _link_beta(self, c: Charge, peer: int) -> float:
+        """Seconds per byte to or from ``peer``: inside the node, or through the NIC."""
+        return self.world.model.beta_intra if self._inside(peer) else self._beta(c)
+
+    def _pair_beta(self, c: Charge, src: int, dst: int) -> float:
+        """Seconds per byte from ``src`` to ``dst`` in a collective where every rank
+        sends at once: inside a node ``beta_intra``; between nodes the NIC's
+        ``beta`` shared by the node's ranks (``beta`` times the ranks per node)."""
+        w = self.world
+        if w.topology is None:
+            return self._beta(c)
+        if w.node_of[src] == w.node_of[dst]:
+            return w.model.beta_intra
+        return self._beta(c) * w.per_node
+
     def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
         if self.world.aborted.is_set():
             raise RankAbortedError(f"rank {self.rank}: aborted because another rank failed")
         self._charge_compute()
-        c = self.world.charge(buf, 1 if self._control else self.world.scale)
-        wire = self._beta(c) * c.nbytes
-        start = max(self.clock, self.tx_free)
-        self.tx_free = start + wire
-        ready = start + self.world.model.alpha + wire
+        w = self.world
+        c = w.charge(buf, 1 if self._control else w.scale)
+        wire = self._link_beta(c, dst) * c.nbytes
+        if self._inside(dst):
+            start = max(self.clock, self.tx_free)
+            self.tx_free = start + wire
+            ready = start + w.model.alpha_intra + wire
+            done = self.tx_free
+        else:  # the node's NIC, shared by its ranks (a rank's own without a topology)
+            node = w.node_of[self.rank]
+            start = max(self.clock, w.nic_tx_free[node])
+            w.nic_tx_free[node] = done = start + wire
+            ready = start + w.model.alpha + wire
         self.charged_bytes += c.nbytes
         self.messages += 1
-        self.world.box(self.rank, dst, tag).put((buf.to("cpu", copy=True), ready, c, wire))
-        done = self.tx_free
+        w.box(self.rank, dst, tag).put((buf.to("cpu", copy=True), ready, c, wire))
 
         def wait() -> None:
             self._charge_compute()
@@ -347,8 +410,13 @@ class SimCommunicator(Communicator):
                     )
                 finally:
                     self.world.run_lock.acquire()
-            arrival = max(ready, self.rx_free + wire)
-            self.rx_free = arrival
+            if self._inside(src):
+                arrival = max(ready, self.rx_free + wire)
+                self.rx_free = arrival
+            else:
+                node = self.world.node_of[self.rank]
+                arrival = max(ready, self.world.nic_rx_free[node] + wire)
+                self.world.nic_rx_free[node] = arrival
             self._mark_compute()
             gamma = self.world.model.gamma_add if c.dense else self.world.model.gamma
             self.clock = max(self.clock, arrival) + self.world.gamma_scale * gamma * c.elements
@@ -434,20 +502,20 @@ class SimCommunicator(Communicator):
         self.charged_bytes += (p - 1) * mine.nbytes  # each block crosses P-1 links
         self.messages += p - 1
 
+        w = self.world
+
         def finish(start: float, bufs: list[torch.Tensor]) -> list[tuple[float, Any]]:
-            charges = [self.world.charge(b, self.world.scale) for b in bufs]
-            total_bytes = sum(c.nbytes * self._beta(c) for c in charges)
+            charges = [w.charge(b, w.scale) for b in bufs]
             out = list(bufs)
-            return [
-                (
-                    start
-                    + math.ceil(math.log2(p)) * m.alpha
-                    + total_bytes
-                    - charges[r].nbytes * self._beta(charges[r]),
-                    out,
+            ends = []
+            for r in range(p):
+                # each rank receives the others' blocks once; under a topology those
+                # from other nodes come through the NIC its node's ranks share
+                wire = math.fsum(
+                    c.nbytes * self._pair_beta(c, i, r) for i, c in enumerate(charges) if i != r
                 )
-                for r in range(p)
-            ]
+                ends.append((start + math.ceil(math.log2(p)) * m.alpha + wire, out))
+            return ends
 
         got: list[torch.Tensor] = self._collective(buf, finish)
         return list(got)
@@ -496,7 +564,7 @@ class SimCommunicator(Communicator):
         self.messages += p - 1
         contribution = (
             mine,
-            [c.nbytes * self._beta(c) for c in charges],
+            [c.nbytes * self._pair_beta(c, me, j) for j, c in enumerate(charges)],
             [c.elements for c in charges],
         )
 
@@ -551,6 +619,7 @@ def simulate_ranks(
     compute: str = "model",
     cpu_share: float = 1.0,
     charge: ChargeFn = bytes_charge,
+    topology: Topology | None = None,
 ) -> SimResult:
     """Run ``fn(comm, *args)`` on ``world_size`` simulated ranks under ``model``.
 
@@ -569,6 +638,10 @@ def simulate_ranks(
         cpu_share: with measured compute, its multiplier (ranks sharing one core).
         charge: what a point-to-point payload costs at full scale (default
             :func:`bytes_charge`; the simulator passes one that reads the wire format).
+        topology: which ranks share a node (:class:`~sparcml.comm.topology.Topology`):
+            messages inside a node cost ``model.alpha_intra``/``beta_intra``, those
+            between nodes queue on the nodes' shared NICs at ``alpha``/``beta``; the
+            ranks' ``comm.topology`` is set to it. Default: every rank its own node.
 
     Raises:
         The first exception of any rank (annotated with the rank), as ``run_ranks``.
@@ -590,6 +663,7 @@ def simulate_ranks(
         compute=compute,
         cpu_share=cpu_share,
         charge=charge,
+        topology=topology,
     )
     comms = [SimCommunicator(world, r, timeout) for r in range(world_size)]
     results: list[Any] = [None] * world_size

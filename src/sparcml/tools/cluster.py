@@ -10,13 +10,21 @@
    the host's ``eth0``, host ingress on the switch's port toward it): a
    full-duplex link of ``rate`` per host, as in a cluster with a non-blocking
    switch;
-4. runs the command once per host, as one rank: ``RANK``, ``WORLD_SIZE``,
-   ``LOCAL_RANK=0``, ``MASTER_ADDR=10.213.0.1``, ``MASTER_PORT`` and
+4. runs the command once per rank, ``ranks_per_node`` ranks per host (default
+   one): ``RANK`` (host ``h``'s local rank ``l`` is ``h * ranks_per_node + l``),
+   ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK=h`` (the
+   node rank, as torchrun sets it), ``MASTER_ADDR=10.213.0.1``, ``MASTER_PORT`` and
    ``GLOO_SOCKET_IFNAME=eth0`` set, so ``torch.distributed.init_process_group``
-   with the env:// method connects the ranks over the shaped links; output is
-   prefixed ``[rank i]`` and also written to ``<log-dir>/rank<i>.log``;
+   with the env:// method connects the ranks; output is prefixed ``[rank i]`` and
+   also written to ``<log-dir>/rank<i>.log``;
 5. always tears everything down (deleting a namespace deletes its links): after
    success, failure, a timeout, Ctrl-C or SIGTERM.
+
+**Nodes with several ranks** (``sparcml cluster --nodes 2 --ranks-per-node 4``): a
+host's ranks share its one shaped NIC, and reach each other over the host
+namespace's own addresses (the kernel's loopback path), unshaped: the fast
+link inside a node and the slow NIC between nodes of a multi-GPU cluster
+(:mod:`sparcml.comm.topology` finds the nodes from ``GROUP_RANK``).
 
 Bandwidth is real (the kernel's token bucket). This kernel has no ``netem``, so
 latency and loss are not emulated by the links; where an experiment needs them,
@@ -183,8 +191,10 @@ def run_on_cluster(
     timeout: float | None = None,
     log_dir: str | Path | None = None,
     echo: bool = True,
+    ranks_per_node: int = 1,
 ) -> int:
-    """Run ``argv`` once per host of a fresh emulated cluster; returns the worst exit code.
+    """Run ``argv`` ``ranks_per_node`` times per host of a fresh emulated cluster (one
+    process per rank); returns the worst exit code.
 
     Every rank's output is echoed with a ``[rank i]`` prefix and kept in
     ``log_dir/rank<i>.log``. On a failing rank the others are stopped; a timeout
@@ -192,16 +202,18 @@ def run_on_cluster(
     """
     if not argv:
         raise ValueError("give the command to run on every host (after --)")
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}")
+    world = hosts * ranks_per_node
     logs = Path(log_dir) if log_dir else None
     if logs:
         logs.mkdir(parents=True, exist_ok=True)
     with _signals_raise(), Cluster(hosts, rate) as cluster:
         base = {
-            "WORLD_SIZE": str(hosts),
+            "WORLD_SIZE": str(world),
             "MASTER_ADDR": cluster.address(0),
             "MASTER_PORT": str(port),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": str(ranks_per_node),
             "GLOO_SOCKET_IFNAME": "eth0",
             "SPARCML_CLUSTER_RATE": rate,
             "PATH": os.environ.get("PATH", ""),
@@ -212,23 +224,23 @@ def run_on_cluster(
         for key in ("SPARCML_CALIBRATION", "SPARCML_DATA", "THP_MEM_ALLOC_ENABLE"):
             if key in os.environ:
                 base[key] = os.environ[key]
-        procs = [
-            cluster.popen(
-                i, argv, {**base, "RANK": str(i), "SPARCML_HOST_ADDR": cluster.address(i)}
-            )
-            for i in range(hosts)
-        ]
-        files = [open(logs / f"rank{i}.log", "wb") if logs else None for i in range(hosts)]  # noqa: SIM115
+        procs = []
+        for i in range(world):
+            host, local = divmod(i, ranks_per_node)
+            env = {**base, "RANK": str(i), "LOCAL_RANK": str(local), "GROUP_RANK": str(host),
+                   "SPARCML_HOST_ADDR": cluster.address(host)}  # fmt: skip
+            procs.append(cluster.popen(host, argv, env))
+        files = [open(logs / f"rank{i}.log", "wb") if logs else None for i in range(world)]  # noqa: SIM115
         sel = selectors.DefaultSelector()
         for i, p in enumerate(procs):
             assert p.stdout is not None
             os.set_blocking(p.stdout.fileno(), False)
             sel.register(p.stdout, selectors.EVENT_READ, i)
         deadline = time.monotonic() + timeout if timeout else None
-        pending = [b""] * hosts
+        pending = [b""] * world
         code = 0
         try:
-            open_streams = hosts
+            open_streams = world
             while open_streams:
                 if deadline and time.monotonic() > deadline:
                     code = 124

@@ -46,6 +46,7 @@ from ..collectives.codec import EXACT
 from ..collectives.oktopk import OkTopkState
 from ..collectives.registry import algorithm_info, algorithms, predict
 from ..comm.sim import Charge, SimCommunicator, bytes_charge, simulate_ranks
+from ..comm.topology import Topology
 from ..compress.selection import k_of
 from ..costmodel import CostModel, expected_fill_in
 from ..stream import SparseStream, index_bytes
@@ -89,6 +90,11 @@ class SimConfig:
         calibration: a calibration JSON (default: the stored one, else defaults).
         seed: data seed.
         progress: print one line per row on stderr.
+        ranks_per_node: ranks per node (1: every rank its own node, the flat
+            model); with more, ranks sit in contiguous nodes whose messages inside
+            cost the calibration's ``alpha_intra``/``beta_intra`` and between
+            nodes queue on the node's shared NIC (:mod:`sparcml.comm.sim`), and the
+            two-level algorithms join the default list.
     """
 
     world_sizes: tuple[int, ...] = (4, 8, 16, 64, 256, 1024, 4096)
@@ -104,6 +110,7 @@ class SimConfig:
     progress: bool = True
     compute: str = "model"
     cores: int | None = None
+    ranks_per_node: int = 1
 
     def cpu_share(self, world_size: int) -> float:
         """Ranks per core on the predicted machine (measured compute), at least 1."""
@@ -122,12 +129,30 @@ class SimConfig:
             raise ValueError(f"compute must be 'model' or 'measured', got {self.compute!r}")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks per node must be >= 1, got {self.ranks_per_node}")
+        odd = [p for p in self.world_sizes if p % self.ranks_per_node]
+        if odd:
+            raise ValueError(
+                f"world sizes {odd} are not multiples of {self.ranks_per_node} ranks per node"
+            )
         unknown = [a for a in self.algorithms if a not in algorithms()]
         if unknown:
             raise ValueError(f"cannot simulate {unknown}; choose from {', '.join(algorithms())}")
 
     def algorithm_list(self) -> list[str]:
-        return list(self.algorithms or default_algorithms())
+        """The algorithms to run (the two-level ones by default only on nodes of
+        several ranks)."""
+        if self.algorithms:
+            return list(self.algorithms)
+        nodes = self.ranks_per_node > 1
+        return [a for a in default_algorithms() if nodes or not algorithm_info(a).two_level]
+
+    def topology(self, world_size: int) -> Topology | None:
+        """The node layout at ``P`` ranks (None: flat)."""
+        if self.ranks_per_node == 1:
+            return None
+        return Topology.regular(world_size, self.ranks_per_node)
 
     def scale_for(self, world_size: int) -> int:
         """The data scale ``s`` at ``P`` ranks (a power of two, dividing the work)."""
@@ -265,9 +290,15 @@ def run_simulation(cfg: SimConfig) -> list[dict[str, Any]]:
                 "expected_fill_in": expected_fill_in(cfg.size, [k_full] * p),
             }
             info = algorithm_info(algorithm)
-            row["model_s"] = (
-                model_time(model, algorithm, p, cfg.size, k_full) if info.cost else None
+            topo = cfg.topology(p)
+            on_nodes = (
+                model.for_topology(cfg.ranks_per_node) if topo and not topo.is_flat else model
             )
+            row["model_s"] = (
+                model_time(on_nodes, algorithm, p, cfg.size, k_full) if info.cost else None
+            )
+            if topo is not None:
+                row["ranks_per_node"] = cfg.ranks_per_node
             if p > 1 and info.quadratic and p > cfg.quadratic_limit:
                 row.update(source="model", time_s=row["model_s"])
                 rows.append(row)
@@ -276,8 +307,9 @@ def run_simulation(cfg: SimConfig) -> list[dict[str, Any]]:
             mode: dict[str, Any] = {"compute": cfg.compute, "cpu_share": cfg.cpu_share(p)}
             rank_fn = _accumulator_rank if info.input == "accumulator" else _sparse_rank
             res = simulate_ranks(
-                p, rank_fn, cfg, algorithm, n, model=model, scale=s, size=n, charge=charge, **mode
-            )
+                p, rank_fn, cfg, algorithm, n, model=model, scale=s, size=n, charge=charge,
+                topology=topo, **mode,
+            )  # fmt: skip
             digests = [r[:3] for r in res.results]
             identical = all(d == digests[0] for d in digests)
             correct: bool | None = None
@@ -452,6 +484,7 @@ def validate_against(
         a = m["algorithm"]
         if a not in algorithms():
             continue
+        per = int(m.get("ranks_per_node", 1))
         cfg = SimConfig(
             world_sizes=(p,),
             size=n,
@@ -464,6 +497,7 @@ def validate_against(
             progress=False,
             compute=compute,
             cores=cores,
+            ranks_per_node=per,
         )
         sim = _simulate_with(cfg, model)[0]
         out.append(

@@ -56,10 +56,24 @@ from .peers import PEERS, PeerRunner
 
 TRANSPORT = "torch.distributed gloo, TCP loopback or the emulated cluster, one process per rank"
 
-__all__ = ["DENSE16", "BenchConfig", "Row", "format_table", "gradient_like", "run_benchmark"]
+__all__ = [
+    "DENSE16",
+    "DENSE_TWOLEVEL",
+    "BenchConfig",
+    "Row",
+    "format_table",
+    "gradient_like",
+    "run_benchmark",
+]
 
 #: The 16-bit dense baseline (``fp16_compress_hook``'s allreduce) by this name.
 DENSE16 = "dense_fp16"
+#: The two-level dense allreduce (Horovod's hierarchical allreduce, NCCL's pattern
+#: across nodes): dense reduce-scatter inside each node, dense allreduce of each
+#: shard between nodes, allgather inside the node (``twolevel_shard`` with
+#: ``inner="dense"`` on the densified vector). A row only where the ranks span
+#: several nodes of several ranks each.
+DENSE_TWOLEVEL = "dense_twolevel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,13 +108,17 @@ class BenchConfig:
             raise ValueError("repeats and experiments must be >= 1, warmup >= 0")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        known = set(algorithms(exact=True)) | {"auto", DENSE16} | set(PEERS)
+        known = set(algorithms(exact=True)) | {"auto", DENSE16, DENSE_TWOLEVEL} | set(PEERS)
         unknown = [a for a in self.algorithms if a not in known]
         if unknown:
             raise ValueError(f"unknown algorithms {unknown}; known: {sorted(known)}")
 
-    def algorithm_list(self) -> list[str]:
-        names = list(self.algorithms) or ["dense", DENSE16, *algorithms(exact=True), "auto"]
+    def algorithm_list(self, nodes: bool = False) -> list[str]:
+        """The rows, dense baselines first; ``nodes``: the ranks span several nodes
+        of several ranks (the two-level rows join the default list)."""
+        flat = [a for a in algorithms(exact=True) if nodes or not algorithm_info(a).two_level]
+        default = ["dense", DENSE16, *([DENSE_TWOLEVEL] if nodes else []), *flat, "auto"]
+        names = list(self.algorithms) or default
         names = list(dict.fromkeys(names))
         if self.peers:
             names += [p for p in PEERS if p not in names]
@@ -183,7 +201,8 @@ def gradient_like(
 
 def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | None:
     dtype = _DTYPES[cfg.dtype]
-    names = cfg.algorithm_list()
+    topo = comm.topology
+    names = cfg.algorithm_list(nodes=not topo.is_flat)
     times: dict[str, list[float]] = {a: [] for a in names}
     cpu: dict[str, list[float]] = {a: [] for a in names}
     tuning = {"calls": 0, "s": 0.0}
@@ -194,6 +213,8 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
     total = cfg.experiments * len(names)
     step = 0
     model = CostModel.load()
+    if not topo.is_flat:  # flat algorithms share the node's NIC; the two-level ones know
+        model = model.for_topology(topo.ranks_per_node)
     registered = set(algorithms())
     predicted: dict[str, list[float]] = {a: [] for a in names}
     peers: dict[str, PeerRunner] = {}
@@ -227,7 +248,7 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
             decided = [c.winner for c in auto_choices(comm) if c.winner]
             chose = decided[-1] if decided else choose_algorithm(stream, comm)
         # the peers and the fp16 baseline take dense buckets: densified once, untimed
-        dense_in = stream.to_dense() if peers or DENSE16 in names else None
+        dense_in = stream.to_dense() if peers or {DENSE16, DENSE_TWOLEVEL} & set(names) else None
         cases: dict[str, Case] = {}
         for name in names:
             peer = peers.get(name)
@@ -241,6 +262,10 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
                 if name == DENSE16:
                     assert dense_in is not None
                     return SparseStream.dense(comm.allreduce(dense_in.half()).to(dtype))
+                if name == DENSE_TWOLEVEL:
+                    assert dense_in is not None
+                    return sparse_allreduce(SparseStream.dense(dense_in), comm,
+                                            algorithm="twolevel_shard", inner="dense")  # fmt: skip
                 if peer is None:
                     return sparse_allreduce(stream, comm, algorithm=name)
                 assert dense_in is not None
@@ -329,6 +354,7 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
         )
         row = Row(**rows[-1])
         rows[-1].update(algbw_gbps=row.algbw_gbps, busbw_gbps=row.busbw_gbps)
+        rows[-1]["ranks_per_node"] = topo.ranks_per_node if not topo.is_flat else 1
     dense = next((r for r in rows if r["algorithm"] == "dense"), None)
     half = next((r for r in rows if r["algorithm"] == DENSE16), None)
     for r in rows:
@@ -421,7 +447,13 @@ def format_table(rows: Sequence[dict[str, Any]], cfg: BenchConfig) -> str:
         "(D: dense result; time = slowest rank, after a barrier; CPU ms = the busiest "
         "rank's process CPU per call; algbw = N*isize/time, busbw = algbw*2(P-1)/P, GB/s "
         "(nccl-tests); dense_fp16 = fp16_compress_hook's 16-bit allreduce; "
-        "bytes = payload; model: "
+        + (
+            "dense_twolevel = Horovod's hierarchical dense allreduce (reduce-scatter in the "
+            "node, allreduce between nodes, allgather in the node); "
+            if any(r["algorithm"] == DENSE_TWOLEVEL for r in rows)
+            else ""
+        )
+        + "bytes = payload; model: "
         f"alpha-beta-gamma prediction from {CostModel.load().source}; check: ok = within the "
         "dtype's tolerance of the float64 sum, inexact = not the sum by design (error "
         "reported; identical bits on every rank checked), WRONG = beyond tolerance, NaN or "

@@ -62,10 +62,21 @@ def cluster(args: argparse.Namespace) -> int:
         print("sparcml cluster: give the command after --, e.g. "
               "sparcml cluster -P 4 -- python train.py", file=sys.stderr)  # fmt: skip
         return 2
+    hosts, per = args.world_size, 1
+    if args.nodes is not None or args.ranks_per_node is not None:
+        per = args.ranks_per_node or 1
+        if args.nodes is None:
+            if args.world_size % per:
+                print(f"sparcml cluster: -P {args.world_size} is not a multiple of "
+                      f"--ranks-per-node {per}", file=sys.stderr)  # fmt: skip
+                return 2
+            hosts = args.world_size // per
+        else:
+            hosts = args.nodes
     try:
         return run_on_cluster(
-            args.world_size, argv, rate=args.rate, port=args.port, timeout=args.timeout,
-            log_dir=args.log_dir,
+            hosts, argv, rate=args.rate, port=args.port, timeout=args.timeout,
+            log_dir=args.log_dir, ranks_per_node=per,
         )  # fmt: skip
     except ClusterError as e:
         print(f"sparcml cluster: {e}", file=sys.stderr)
@@ -97,7 +108,14 @@ def add_parsers(sub: Any) -> None:
         "runs the command once per host as one torch.distributed rank (env:// variables set) "
         "and always tears everything down.",
     )
-    cl.add_argument("-P", "--world-size", type=positive_arg, default=4)
+    cl.add_argument("-P", "--world-size", type=positive_arg, default=4,
+                    help="ranks, one host each (default 4); see --nodes")  # fmt: skip
+    cl.add_argument("--nodes", type=positive_arg,
+                    help="hosts (nodes), each with --ranks-per-node ranks sharing its one "
+                    "shaped NIC and talking to each other unshaped (overrides -P)")  # fmt: skip
+    cl.add_argument("--ranks-per-node", type=positive_arg,
+                    help="ranks per host (default 1); GROUP_RANK, LOCAL_RANK and "
+                    "LOCAL_WORLD_SIZE are set as torchrun sets them")  # fmt: skip
     cl.add_argument("--rate", default="1gbit", help="per-link rate in tc syntax (default 1gbit)")
     cl.add_argument("--port", type=int, default=29500, help="MASTER_PORT on host 0")
     cl.add_argument("--timeout", type=float, help="stop every rank after this many seconds")

@@ -154,10 +154,13 @@ def join_job(rank_main: Any, cfg: Any, title: str) -> tuple[Any, list[dict[str, 
     comm = TorchDistCommunicator(timeout=cfg.timeout)
     cfg = dataclasses.replace(cfg, world_size=comm.world_size)
     rows = rank_main(comm, cfg)
+    topo = comm.topology
     comm.close()
     dist.destroy_process_group()
     if rows is not None:
         where = os.environ.get("SPARCML_CLUSTER_RATE")
+        nodes = "" if topo.is_flat else f", {topo}"
         print(f"{title}: {cfg.world_size} ranks of a torch.distributed job"
-              + (f" (emulated cluster, {where} links)" if where else ""), flush=True)  # fmt: skip
+              + (f" (emulated cluster, {where} links{nodes})" if where else
+                 f" ({topo})" if nodes else ""), flush=True)  # fmt: skip
     return cfg, rows

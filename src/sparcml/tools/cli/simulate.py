@@ -64,6 +64,7 @@ def simulate(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         compute=args.compute,
         cores=args.cores,
+        ranks_per_node=args.ranks_per_node,
     )
     try:
         cfg.validate()
@@ -121,6 +122,9 @@ def add_parsers(sub: Any) -> None:
         type=positive_arg,
         help="measured compute: cores the P ranks share on the predicted machine",
     )
+    si.add_argument("--ranks-per-node", type=positive_arg, default=1,
+                    help="ranks per node sharing one NIC (default 1: flat); messages inside "
+                    "a node cost the calibration's alpha_intra/beta_intra")  # fmt: skip
     si.add_argument("--seed", type=int, default=0)
     si.add_argument("--out", help="write simulate.md/.json/.png into this directory")
     si.add_argument("--validate", nargs="+", metavar="BENCH_JSON",

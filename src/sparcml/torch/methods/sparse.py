@@ -40,8 +40,9 @@ def valid_algorithms(kind: str, method: str) -> list[str]:
         return []
     out = []
     for name in algorithms():
-        if algorithm_info(name).options:
-            continue  # needs per-call options (k=, state=): not a selected stream's reducer
+        info = algorithm_info(name)
+        if info.required_options or info.input == "accumulator":
+            continue  # selects itself from the accumulator (k=, state=): not a stream's reducer
         if kind == "nonzeros" and not algorithm_info(name).exact:
             continue  # lossless: no algorithm that drops entries
         if split_composition(method)[1] is not None and name == "dense":

@@ -1,0 +1,82 @@
+"""What the two-level algorithms share: the node and lane groups, the inner
+algorithm between nodes, and the codec each level sends with.
+
+The two-level algorithms (``twolevel_shard``, ``twolevel_leader``) compose a
+reduction inside every node with a flat sparse allreduce between nodes, as
+SparCML's production run did (paper 000, sec. 8: NCCL inside each node,
+SparCML between nodes). The topology is the communicator's
+(:attr:`~sparcml.comm.Communicator.topology`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..comm import Communicator
+from ..comm.abort import mark_uniform
+from ..costmodel import expected_fill_in
+from .codec import StreamCodec
+from .registry import algorithm_info
+
+if TYPE_CHECKING:
+    from ..costmodel import CostModel
+
+__all__ = ["DEFAULT_INNER", "check_inner", "inner_codec", "node_and_lane", "node_ks"]
+
+#: The flat algorithm between nodes unless ``inner=`` names another: latency-optimal
+#: (``log2`` of the number of nodes rounds), and with few nodes it moves what the
+#: split allgather moves.
+DEFAULT_INNER = "ssar_recursive_double"
+
+
+def check_inner(name: str) -> None:
+    """Refuse an ``inner=`` that is not a flat exact algorithm taking a stream (the
+    same on every rank: the options are the call's own)."""
+    try:
+        info = algorithm_info(name)
+    except ValueError as e:
+        raise mark_uniform(ValueError(f"inner={name!r}: {e}"), True) from None
+    if info.two_level or not info.exact or info.input != "stream" or info.options:
+        raise mark_uniform(
+            ValueError(
+                f"inner={name!r} cannot run between nodes: it must be a flat exact "
+                "algorithm that takes a stream and no options (ssar_recursive_double, "
+                "ssar_split_allgather, dsar_split_allgather, dense)"
+            ),
+            True,
+        )
+
+
+def node_and_lane(comm: Communicator) -> tuple[Communicator, Communicator]:
+    """This rank's node (the ranks sharing its node) and lane (the ranks with its
+    local rank on every node) as communicators over ``comm``'s links."""
+    topo = comm.topology
+    return comm.subgroup(topo.node_ranks(comm.rank)), comm.subgroup(topo.lane_ranks(comm.rank))
+
+
+def inner_codec(codec: StreamCodec, own: bool) -> StreamCodec:
+    """The codec between nodes. ``own``: what this rank sends there is its own
+    contribution (one rank per node), else a partial sum of the node's ranks. Under
+    ``quantize="contributions"`` partial sums travel exactly (SparCML's Alg. 1), so
+    the inner algorithm gets the exact codec; otherwise the call's codec."""
+    if own or codec.quantizer is None or codec.quantize != "contributions":
+        return codec
+    return StreamCodec(None, "dense", codec.sequence, codec.index_coding, codec.rank)
+
+
+def node_ks(ks: Sequence[int], size: int, per_node: int) -> list[float]:
+    """Expected nnz of each node's sum, for the ranks' nnz ``ks`` in rank order on
+    contiguous nodes of ``per_node`` ranks (Appendix B.1's fill-in per node)."""
+    return [expected_fill_in(size, ks[i : i + per_node]) for i in range(0, len(ks), per_node)]
+
+
+def inner_cost(
+    model: CostModel, nodes: int, size: int, ks: Sequence[float], isize: int, name: str
+) -> float:
+    """The inner algorithm's predicted seconds between ``nodes`` nodes (0 for one)."""
+    if nodes <= 1:
+        return 0.0
+    cost = algorithm_info(name).cost
+    assert cost is not None
+    return cost(model, nodes, size, [round(k) for k in ks], isize)

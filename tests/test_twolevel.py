@@ -1,0 +1,347 @@
+"""Two-level (hierarchical) sparse allreduce: topology, groups, both algorithms, auto.
+
+Issue 31: every two-level algorithm exact and bitwise identical on every rank
+over many node shapes (1 x P, P x 1, 2 x 3, 3 x 2, 4 x 4, nodes whose ranks are
+not contiguous), on in-process ranks, spawned gloo ranks and the simulator;
+irregular nodes refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from inputs import PATTERNS, dense_reference, make_stream
+from sparcml import SparseStream, sparse_allreduce
+from sparcml.collectives import choose_algorithm
+from sparcml.collectives.registry import algorithm_info, predict
+from sparcml.comm import Topology, TopologyError, detect_topology, run_ranks
+from sparcml.comm.sim import SimWorld, simulate_ranks
+from sparcml.compress import get
+from sparcml.costmodel import CostModel
+from sparcml.errors import CommTimeoutError, RankMismatchError
+
+TWO_LEVEL = ["twolevel_shard", "twolevel_leader"]
+SHAPES = [(1, 1), (1, 4), (4, 1), (2, 3), (3, 2), (2, 2), (4, 4), (3, 1), (1, 5)]
+
+
+def _topology(nodes: int, per: int, interleaved: bool = False) -> Topology:
+    if interleaved:  # rank r on node r % nodes: no node's ranks are contiguous
+        return Topology.from_keys([r % nodes for r in range(nodes * per)])
+    return Topology.regular(nodes * per, per)
+
+
+@pytest.mark.parametrize("algo", TWO_LEVEL)
+@pytest.mark.parametrize(("nodes", "per"), SHAPES)
+def test_exact_and_bitwise_identical_on_every_shape(algo: str, nodes: int, per: int) -> None:
+    p = nodes * per
+    cases = [
+        (size, pattern, dtype)
+        for pattern in PATTERNS
+        for size, dtype in ((97, torch.float32), (3, torch.float64), (1, torch.float32))
+    ] + [(70_001, "random", torch.float32), (5000, "identical", torch.bfloat16)]
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(_topology(nodes, per))
+        out = []
+        for size, pattern, dtype in cases:
+            s = make_stream(pattern, comm.rank, p, size, dtype)
+            out.append(sparse_allreduce(s, comm, algorithm=algo).to_dense())
+        return out
+
+    results = run_ranks(p, fn)
+    for i, (size, pattern, dtype) in enumerate(cases):
+        ref = dense_reference([make_stream(pattern, r, p, size, dtype) for r in range(p)])
+        for r in range(p):
+            assert torch.equal(results[r][i], results[0][i]), (size, pattern, r)
+        assert torch.equal(results[0][i].double(), ref), (size, pattern, dtype)
+
+
+@pytest.mark.parametrize("algo", TWO_LEVEL)
+@pytest.mark.parametrize("inner", ["ssar_split_allgather", "dsar_split_allgather", "dense"])
+def test_interleaved_nodes_and_every_inner_algorithm(algo: str, inner: str) -> None:
+    """Nodes whose ranks are not contiguous (r on node r % 2), strided input values,
+    random non-integer values against a float64 reference (tolerance 1e-5)."""
+    nodes, per, size = 2, 3, 4000
+
+    def stream(rank: int) -> SparseStream:
+        g = torch.Generator().manual_seed(rank)
+        idx = torch.randperm(size, generator=g)[:300]
+        vals = torch.randn(600, generator=g, dtype=torch.float64)[::2]  # strided
+        return SparseStream(idx, vals, size)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(_topology(nodes, per, interleaved=True))
+        assert comm.topology.node_ranks(comm.rank) == tuple(
+            r for r in range(nodes * per) if r % nodes == comm.rank % nodes
+        )
+        return sparse_allreduce(stream(comm.rank), comm, algorithm=algo, inner=inner).to_dense()
+
+    out = run_ranks(nodes * per, fn)
+    ref = dense_reference([stream(r) for r in range(nodes * per)])
+    assert all(torch.equal(o, out[0]) for o in out)
+    torch.testing.assert_close(out[0], ref, rtol=0, atol=1e-12)
+
+
+# (algorithm, nodes, ranks per node, the flat algorithm that quantizes each rank's
+# contribution in the same pieces): the leader's ranks send their whole stream (as
+# recursive doubling's first round); on one node the shard arrangement splits it in
+# P pieces (as the split allgather); on one rank per node it is the inner algorithm
+QUANTIZED = [
+    ("twolevel_leader", 2, 2, "ssar_recursive_double"),
+    ("twolevel_leader", 1, 4, "ssar_recursive_double"),
+    ("twolevel_shard", 1, 4, "ssar_split_allgather"),
+    ("twolevel_shard", 4, 1, "ssar_recursive_double"),
+    ("twolevel_shard", 2, 2, None),
+]
+
+
+@pytest.mark.parametrize(("algo", "nodes", "per", "flat_algo"), QUANTIZED)
+@pytest.mark.parametrize("mode", ["dense", "contributions", "all"])
+def test_quantized_bitwise_identical_and_contributions_match_flat(
+    algo: str, nodes: int, per: int, flat_algo: str | None, mode: str
+) -> None:
+    """With a quantizer every rank still holds the same bits. Under
+    ``quantize="contributions"`` every rank's own stream is quantized once (SparCML's
+    Alg. 1), so the result equals the flat algorithm's that quantizes the same
+    pieces with the same seeds, up to the order of the exact additions (1e-5)."""
+    size = 3000
+    q = get("qsgd", bits=8, seed=7)
+
+    def stream(rank: int) -> SparseStream:
+        g = torch.Generator().manual_seed(10 + rank)
+        idx = torch.randperm(size, generator=g)[:900]
+        return SparseStream(idx, torch.randn(900, generator=g), size)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(_topology(nodes, per))
+        s = stream(comm.rank)
+        two = sparse_allreduce(s, comm, algorithm=algo, quantizer=q, quantize=mode)
+        if flat_algo is None:
+            return two.to_dense(), None
+        comm.sequence -= 1  # the flat call with the same call number: the same seeds
+        flat = sparse_allreduce(s, comm, algorithm=flat_algo, quantizer=q, quantize=mode)
+        return two.to_dense(), flat.to_dense()
+
+    out = run_ranks(nodes * per, fn)
+    for two, _ in out:
+        assert torch.equal(two, out[0][0])
+    ref = dense_reference([stream(r) for r in range(nodes * per)]).float()
+    # quantized, not garbage: QSGD's variance bound at 8 bits, s = 255 levels:
+    # E|Q(v) - v|^2 <= sqrt(n)/s |v|^2, n = 900 per rank: 0.12, so well under 0.5
+    assert (out[0][0] - ref).norm() < 0.5 * ref.norm()
+    if mode == "contributions" and flat_algo is not None:
+        torch.testing.assert_close(out[0][0], out[0][1], rtol=0, atol=1e-5)
+
+
+def test_irregular_and_invalid_topologies_are_refused() -> None:
+    with pytest.raises(TopologyError, match=r"irregular nodes .*node 1: 1 ranks"):
+        Topology(((0, 1, 2), (3,)))
+    with pytest.raises(TopologyError, match=r"every rank 0\.\.P-1"):
+        Topology(((0, 1), (1, 2)))
+    with pytest.raises(TopologyError, match="cannot form nodes of 4"):
+        Topology.regular(6, 4)
+    with pytest.raises(TopologyError, match="irregular"):
+        Topology.from_keys(["a", "a", "b"])
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        with pytest.raises(TopologyError, match="places 4 ranks, the communicator has 3"):
+            comm.set_topology(Topology.regular(4, 2))
+        with pytest.raises(TypeError, match="expected a Topology"):
+            comm.set_topology((2, 2))
+        return True
+
+    assert all(run_ranks(3, fn))
+
+
+def test_ranks_per_node_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARCML_RANKS_PER_NODE", "2")
+    topos = run_ranks(6, lambda comm: comm.topology)
+    assert (
+        all(t == Topology.regular(6, 2) for t in topos) and str(topos[0]) == "3 node(s) x 2 rank(s)"
+    )
+    monkeypatch.setenv("SPARCML_RANKS_PER_NODE", "4")
+    with pytest.raises(TopologyError, match="6 ranks cannot form nodes of 4"):
+        run_ranks(6, detect_topology)
+    monkeypatch.setenv("SPARCML_RANKS_PER_NODE", "two")
+    with pytest.raises(TopologyError, match="positive integer, got 'two'"):
+        run_ranks(2, detect_topology)
+    monkeypatch.delenv("SPARCML_RANKS_PER_NODE")
+    # in-process ranks are one node, found without a message
+    assert run_ranks(3, lambda c: (detect_topology(c), c.stats.messages_sent))[0] == (
+        Topology.regular(3, 3), 0)  # fmt: skip
+
+
+@pytest.mark.parametrize("algo", TWO_LEVEL)
+def test_bad_inner_algorithm_fails_alike_on_every_rank(algo: str) -> None:
+    def fn(comm, inner):  # type: ignore[no-untyped-def]
+        comm.set_topology(_topology(2, 2))
+        s = make_stream("random", comm.rank, 4, 50)
+        try:
+            sparse_allreduce(s, comm, algorithm=algo, inner=inner)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    for inner, why in (("nope", "unknown allreduce algorithm 'nope'"),
+                       ("twolevel_shard", "must be a flat exact"),
+                       ("oktopk", "must be a flat exact")):  # fmt: skip
+        msgs = run_ranks(4, fn, inner)
+        assert all(m is not None and why in m for m in msgs), msgs
+
+
+def test_different_inner_algorithms_are_a_mismatch_on_every_rank() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(_topology(2, 2))
+        inner = "ssar_split_allgather" if comm.rank == 3 else "ssar_recursive_double"
+        with pytest.raises(RankMismatchError):
+            sparse_allreduce(make_stream("random", comm.rank, 4, 50), comm,
+                             algorithm="twolevel_shard", inner=inner)  # fmt: skip
+        return True
+
+    assert all(run_ranks(4, fn))
+
+
+def test_group_traffic_is_counted_and_a_silent_rank_is_named() -> None:
+    """A node group's messages count in the parent's stats and its own; a rank of
+    the group that never sends is named by its parent rank."""
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(_topology(2, 2))
+        node = comm.subgroup(comm.topology.node_ranks(comm.rank))
+        before = comm.stats.bytes_sent
+        node.allgather(torch.tensor([comm.rank], dtype=torch.int64))
+        counted = (comm.stats.bytes_sent - before, node.stats.bytes_sent)
+        if comm.rank == 3:
+            return counted, None
+        if comm.rank == 2:
+            try:
+                node.recv(1)
+            except CommTimeoutError as e:
+                return counted, e.peer
+        return counted, None
+
+    out = run_ranks(4, fn, timeout=1.0)
+    assert all(c == (8, 8) for c, _ in out)
+    assert out[2][1] == 3  # the parent's rank, not the group's rank 1
+
+
+def test_auto_takes_the_topology() -> None:
+    """On one node ``auto`` never runs a two-level algorithm; on 2 x 4 ranks sharing a
+    1 Gbit/s NIC per node, at N = 16M and d = 0.78%, the model predicts the
+    shard-parallel arrangement faster than every flat algorithm and picks it."""
+    model = CostModel(alpha=50e-6, beta=8e-9, gamma=1e-9)
+    n, ks = 1 << 24, [131_072] * 8
+    on_nodes = model.for_topology(4)
+    two = predict(on_nodes, "twolevel_shard", 8, n, ks, 4)
+    flat = min(predict(on_nodes, a, 8, n, ks, 4) for a in ("ssar_recursive_double",
+                                                           "ssar_split_allgather"))  # fmt: skip
+    assert two < flat / 2, (two, flat)
+    # sharing the NIC makes a flat algorithm's prediction slower, the dense ring's not
+    assert predict(on_nodes, "ssar_split_allgather", 8, n, ks, 4) > predict(
+        model, "ssar_split_allgather", 8, n, ks, 4)  # fmt: skip
+    assert predict(on_nodes, "dense", 8, n, ks, 4) == predict(model, "dense", 8, n, ks, 4)
+
+    def fn(comm, topo):  # type: ignore[no-untyped-def]
+        if topo is not None:
+            comm.set_topology(topo)
+        s = SparseStream(torch.arange(comm.rank, n, 128), torch.ones(n // 128), n)
+        return choose_algorithm(s, comm, cost_model=model)
+
+    assert set(run_ranks(8, fn, Topology.regular(8, 4))) == {"twolevel_shard"}
+    assert not algorithm_info(run_ranks(8, fn, None)[0]).two_level
+
+
+def test_auto_measures_two_level_candidates_and_stays_exact(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Without a calibration file ``auto`` measures; on a 2 x 2 topology its
+    candidates include ``twolevel_shard``, and every call is exact and identical."""
+    from sparcml.collectives import autotune
+
+    monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 0.0)
+    monkeypatch.setattr(autotune, "PRUNE_FACTOR", float("inf"))
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(_topology(2, 2))
+        s = make_stream("random", comm.rank, 4, 4000)
+        outs = [sparse_allreduce(s, comm).to_dense() for _ in range(12)]
+        return outs, autotune.auto_choices(comm)[0].candidates
+
+    out = run_ranks(4, fn)
+    ref = dense_reference([make_stream("random", r, 4, 4000) for r in range(4)])
+    assert "twolevel_shard" in out[0][1]
+    for outs, _ in out:
+        for o in outs:
+            assert torch.equal(o.double(), ref)
+
+
+@pytest.mark.parametrize("algo", TWO_LEVEL)
+def test_simulated_two_level_topology_costs_both_pairs(algo: str) -> None:
+    """The simulator runs the two-level algorithms on a node topology with both cost
+    pairs: exact results, and a slower NIC makes the call slower while a slower
+    inside-node link does too (both levels are charged)."""
+    nodes, per, size = 4, 2, 20_000
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = make_stream("random", comm.rank, nodes * per, size, integer=True)
+        comm.reset_clock()
+        out = sparse_allreduce(s, comm, algorithm=algo)
+        return out.to_dense(), comm.now()
+
+    def run(model: CostModel):  # type: ignore[no-untyped-def]
+        res = simulate_ranks(
+            nodes * per, fn, model=model, topology=Topology.regular(nodes * per, per)
+        )
+        return res
+
+    base = CostModel(alpha=10e-6, beta=1e-9, gamma=0.0, alpha_intra=1e-6, beta_intra=1e-10)
+    a = run(base)
+    ref = dense_reference([make_stream("random", r, nodes * per, size) for r in range(nodes * per)])
+    assert all(torch.equal(o.double(), ref) for o, _ in a.results)
+    slow_nic = run(dataclasses.replace(base, beta=1e-8))
+    slow_inside = run(dataclasses.replace(base, beta_intra=1e-8))
+    assert slow_nic.time > 2 * a.time and slow_inside.time > 1.5 * a.time, (
+        a.time, slow_nic.time, slow_inside.time)  # fmt: skip
+
+
+def test_world_of_sim_refuses_a_topology_of_another_size() -> None:
+    with pytest.raises(TopologyError, match="places 4 ranks"):
+        SimWorld(3, CostModel(), topology=Topology.regular(4, 2))
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("world", [4, 6])
+def test_two_level_over_gloo_with_the_launchers_node_rank(world: int) -> None:
+    import gloo_workers
+    from sparcml.comm.launch import run_processes
+    from sparcml.wire import decode
+
+    out = run_processes(world, gloo_workers.two_level, timeout=60)
+    half = world // 2
+    for r, (topo, node, _) in enumerate(out):
+        assert topo == f"2 node(s) x {half} rank(s)"
+        assert node == tuple(range(r // half * half, r // half * half + half))
+    cases = out[0][2]
+    for i, (size, pattern, algo, _, result) in enumerate(cases):
+        ref = dense_reference([decode(o[2][i][3]) for o in out])
+        for o in out:
+            assert torch.equal(o[2][i][4], result), (size, pattern, algo)
+        assert torch.equal(decode(result).to_dense().double(), ref), (size, pattern, algo)
+
+
+@pytest.mark.spawn
+def test_ddp_hook_on_two_nodes_reproduces_plain_ddp() -> None:
+    import gloo_workers
+    import train_workers
+    from sparcml.comm.launch import run_processes
+
+    steps = 4
+    plain = run_processes(4, train_workers.ddp_train, None, {}, steps, False, timeout=60)
+    out = run_processes(4, gloo_workers.two_level_ddp, steps, timeout=60)
+    for r in range(4):
+        assert torch.equal(out[r]["params"], out[0]["params"])
+        torch.testing.assert_close(out[r]["params"], plain[r]["params"], rtol=1e-5, atol=1e-6)
