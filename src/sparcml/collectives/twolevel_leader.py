@@ -60,7 +60,7 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
     return t + (per - 1) * inside.message_time(fill, n, isize)
 
 
-@register("twolevel_leader", cost=cost, auto_priority=4, two_level=True)
+@register("twolevel_leader", auto=True, cost=cost, auto_priority=4, two_level=True)
 def twolevel_leader(
     stream: SparseStream,
     comm: Communicator | None = None,

@@ -70,7 +70,7 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
     return t + model.gamma * fill
 
 
-@register("twolevel_shard", auto=True, cost=cost, quadratic=True, auto_priority=2, two_level=True)
+@register("twolevel_shard", auto=True, cost=cost, auto_priority=2, two_level=True)
 def twolevel_shard(
     stream: SparseStream,
     comm: Communicator | None = None,

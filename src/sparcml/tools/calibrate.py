@@ -16,6 +16,11 @@ cluster, a real network):
 3. **gamma** — local cost per element of a sparse-stream sum (merging two sorted
    streams), the reduction the sparse algorithms perform; the dense add per
    element is reported alongside.
+4. **alpha_intra, beta_intra** — the ping-pong of step 1 between two ranks of one
+   node. On ranks that span several nodes (:attr:`~sparcml.comm.Communicator.topology`)
+   step 1 pairs rank 0 with the first rank of the next node (through the NICs)
+   and this step with the next rank of its own node; on a single node both
+   pairs are the same link, and so are both figures.
 
 The result is written where ``algorithm="auto"`` finds it
 (``$SPARCML_CALIBRATION`` or ``~/.config/sparcml/calibration.json``).
@@ -62,16 +67,16 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
     return alpha, max(num / den, 0.0) if den else 0.0
 
 
-def _pingpong(comm: Communicator, nbytes: int, repeats: int) -> float:
+def _pingpong(comm: Communicator, nbytes: int, repeats: int, peer: int = 1) -> float:
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     times = []
     for _ in range(repeats + 1):  # the first round warms up
         comm.barrier()
         t = time.perf_counter()
         if comm.rank == 0:
-            comm.send(buf, 1)
-            comm.recv(1)
-        elif comm.rank == 1:
+            comm.send(buf, peer)
+            comm.recv(peer)
+        elif comm.rank == peer:
             got = comm.recv(0)
             comm.send(got, 0)
         times.append((time.perf_counter() - t) / 2)
@@ -104,8 +109,18 @@ def measure(
     """Steps 1-3 above (a collective: every rank calls it). Returns the figures."""
     if comm.world_size < 2:
         raise ValueError("calibration needs at least 2 ranks")
-    pings = [_pingpong(comm, s, repeats) for s in ping_sizes]
-    alpha, beta_sparse = fit_alpha_beta([float(s) for s in ping_sizes], pings)
+    topo = comm.topology
+    sizes = [float(s) for s in ping_sizes]
+    nodes = not topo.is_flat
+    # step 1 between nodes where there are several (rank 0 and the next node's first)
+    across = topo.nodes[1][0] if topo.num_nodes > 1 else 1
+    pings = [_pingpong(comm, s, repeats, across) for s in ping_sizes]
+    alpha, beta_sparse = fit_alpha_beta(sizes, pings)
+    # step 4 inside rank 0's node (the same link as step 1 unless there are nodes)
+    inside_pings = (
+        [_pingpong(comm, s, repeats, topo.nodes[0][1]) for s in ping_sizes] if nodes else pings
+    )
+    alpha_intra, beta_intra = fit_alpha_beta(sizes, inside_pings)
     gamma, gamma_dense = _gamma(repeats)
     p = comm.world_size
     betas, dense_times = [], []
@@ -125,16 +140,21 @@ def measure(
         betas.append(max(rest, 0.0) / volume)
     # every rank must store the same numbers: take rank 0's
     figures = torch.tensor(
-        [alpha, beta_sparse, statistics.median(betas), gamma, gamma_dense], dtype=torch.float64
-    )
+        [alpha, beta_sparse, statistics.median(betas), gamma, gamma_dense, alpha_intra,
+         beta_intra], dtype=torch.float64,
+    )  # fmt: skip
     figures = comm.allgather(figures)[0]
-    a, bs, b, gm, gd = figures.tolist()
+    a, bs, b, gm, gd, ai, bi = figures.tolist()
     return {
         "alpha": a,
         "beta": b,
         "beta_sparse": bs,
         "gamma": gm,
         "gamma_dense": gd,
+        "alpha_intra": ai,
+        "beta_intra": bi,
+        "topology": str(topo),
+        "inside_ping_one_way_s": inside_pings,
         "world_size": p,
         "ping_sizes": list(ping_sizes),
         "ping_one_way_s": pings,
@@ -150,5 +170,7 @@ def to_model(figures: dict[str, Any], source: str = "calibrated") -> CostModel:
         gamma=figures["gamma"],
         beta_sparse=figures["beta_sparse"],
         gamma_dense=figures.get("gamma_dense"),
+        alpha_intra=figures.get("alpha_intra", CostModel.alpha_intra),
+        beta_intra=figures.get("beta_intra", CostModel.beta_intra),
         source=source,
     )

@@ -221,7 +221,8 @@ def run_on_cluster(
             "HOME": os.environ.get("HOME", "/root"),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
-        for key in ("SPARCML_CALIBRATION", "SPARCML_DATA", "THP_MEM_ALLOC_ENABLE"):
+        for key in ("SPARCML_CALIBRATION", "SPARCML_DATA", "THP_MEM_ALLOC_ENABLE",
+                    "SPARCML_RANKS_PER_NODE", "SPARCML_AUTO"):  # fmt: skip
             if key in os.environ:
                 base[key] = os.environ[key]
         procs = []

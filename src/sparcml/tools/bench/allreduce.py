@@ -52,7 +52,7 @@ from ...compress.selection import k_of
 from ...costmodel import CostModel
 from ...stream import SparseStream
 from .harness import Case, Timing, percentiles, time_case, write_csv, write_json
-from .peers import PEERS, PeerRunner
+from .peers import PEERS, HierarchicalDense, PeerRunner
 
 TRANSPORT = "torch.distributed gloo, TCP loopback or the emulated cluster, one process per rank"
 
@@ -69,10 +69,10 @@ __all__ = [
 #: The 16-bit dense baseline (``fp16_compress_hook``'s allreduce) by this name.
 DENSE16 = "dense_fp16"
 #: The two-level dense allreduce (Horovod's hierarchical allreduce, NCCL's pattern
-#: across nodes): dense reduce-scatter inside each node, dense allreduce of each
-#: shard between nodes, allgather inside the node (``twolevel_shard`` with
-#: ``inner="dense"`` on the densified vector). A row only where the ranks span
-#: several nodes of several ranks each.
+#: across nodes): gloo's reduce-scatter inside each node, allreduce of each shard
+#: between nodes, allgather inside the node (:class:`.peers.HierarchicalDense`). A
+#: row only where the ranks of a torch.distributed job span several nodes of
+#: several ranks each.
 DENSE_TWOLEVEL = "dense_twolevel"
 
 
@@ -217,13 +217,17 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
         model = model.for_topology(topo.ranks_per_node)
     registered = set(algorithms())
     predicted: dict[str, list[float]] = {a: [] for a in names}
-    peers: dict[str, PeerRunner] = {}
+    peers: dict[str, Any] = {}
     for a in names:
-        if a in PEERS:
+        if a in PEERS or a == DENSE_TWOLEVEL:
             group = getattr(comm, "group", None)
             if group is None:
                 raise ValueError(f"{a} needs a torch.distributed process group (gloo or NCCL)")
-            peers[a] = PeerRunner(a, group, comm.world_size)
+            peers[a] = (
+                HierarchicalDense(topo, comm.rank)
+                if a == DENSE_TWOLEVEL
+                else PeerRunner(a, group, comm.world_size)
+            )
     for e in range(cfg.experiments):
         stream = gradient_like(
             cfg.size, cfg.density, comm.rank, overlap=cfg.overlap, seed=cfg.seed + e, dtype=dtype
@@ -248,13 +252,13 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
             decided = [c.winner for c in auto_choices(comm) if c.winner]
             chose = decided[-1] if decided else choose_algorithm(stream, comm)
         # the peers and the fp16 baseline take dense buckets: densified once, untimed
-        dense_in = stream.to_dense() if peers or {DENSE16, DENSE_TWOLEVEL} & set(names) else None
+        dense_in = stream.to_dense() if peers or DENSE16 in names else None
         cases: dict[str, Case] = {}
         for name in names:
             peer = peers.get(name)
 
             def call(
-                peer: PeerRunner | None = peer,
+                peer: Any = peer,
                 name: str = name,
                 stream: SparseStream = stream,
                 dense_in: torch.Tensor | None = dense_in,
@@ -262,10 +266,6 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
                 if name == DENSE16:
                     assert dense_in is not None
                     return SparseStream.dense(comm.allreduce(dense_in.half()).to(dtype))
-                if name == DENSE_TWOLEVEL:
-                    assert dense_in is not None
-                    return sparse_allreduce(SparseStream.dense(dense_in), comm,
-                                            algorithm="twolevel_shard", inner="dense")  # fmt: skip
                 if peer is None:
                     return sparse_allreduce(stream, comm, algorithm=name)
                 assert dense_in is not None
@@ -287,7 +287,7 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
             err = (result.to_dense().to(torch.float64) - ref).abs()
             rel = float((err / scale.clamp_min(1e-30)).max()) if err.numel() else 0.0
             tol = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 4e-2}[cfg.dtype]
-            if peer is not None or name == DENSE16:
+            if (peer is not None and name != DENSE_TWOLEVEL) or name == DENSE16:
                 # the peers' error in norm: float16 flushes tiny values to subnormals,
                 # PowerSGD is a low-rank approximation
                 rel = float(err.norm() / ref.norm().clamp_min(1e-30))

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PEERS", "PeerRunner"]
+__all__ = ["PEERS", "HierarchicalDense", "PeerRunner"]
 
 PEERS = ("torch_fp16_hook", "torch_powersgd_hook")
 
@@ -114,3 +114,56 @@ class PeerRunner:
             return ring * 2 * n
         rows, cols = matrix_shape(n)
         return ring * 4 * self.rank_r * (rows + cols)
+
+
+class HierarchicalDense:
+    """Horovod's hierarchical allreduce on gloo's own collectives: the dense two-level
+    baseline next to the two-level sparse algorithms (issue 31).
+
+    Every rank creates the node groups and the lane groups (``torch.distributed.new_group``,
+    all ranks, same order) once; a call then runs ``reduce_scatter_tensor`` inside the
+    node, ``all_reduce`` of the shard between nodes (the ranks with the same local
+    rank), and ``all_gather_into_tensor`` inside the node.
+
+    Args:
+        topology: the ranks' :class:`~sparcml.comm.topology.Topology` (several nodes
+            of several ranks).
+        rank: this rank in the default group.
+    """
+
+    def __init__(self, topology: Any, rank: int) -> None:
+        import torch.distributed as dist
+
+        self.per_node = topology.ranks_per_node
+        self.nodes = topology.num_nodes
+        self.node: Any = None
+        self.lane: Any = None
+        for members in topology.nodes:
+            group = dist.new_group(list(members))
+            if rank in members:
+                self.node = group
+        for local in range(self.per_node):
+            members = [n[local] for n in topology.nodes]
+            group = dist.new_group(members)
+            if rank in members:
+                self.lane = group
+
+    def __call__(self, dense: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's float32 vector ``dense``."""
+        import torch.distributed as dist
+
+        n = dense.numel()
+        pad = (-n) % self.per_node
+        flat = torch.cat([dense, dense.new_zeros(pad)]) if pad else dense.clone()
+        shard = flat.new_empty(flat.numel() // self.per_node)
+        dist.reduce_scatter_tensor(shard, flat, group=self.node)
+        dist.all_reduce(shard, group=self.lane)
+        out = flat.new_empty(flat.numel())
+        dist.all_gather_into_tensor(out, shard, group=self.node)
+        return out[:n]
+
+    def bytes_sent(self, n: int, isize: int = 4) -> float:
+        """Ring volumes per rank: ``(L-1)/L N`` in each intra-node phase and
+        ``2 (n-1)/n N/L`` between nodes."""
+        inside = 2 * (self.per_node - 1) / self.per_node * n * isize
+        return inside + 2 * (self.nodes - 1) / self.nodes * n / self.per_node * isize

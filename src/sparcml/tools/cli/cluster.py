@@ -40,6 +40,8 @@ def calibrate(args: argparse.Namespace) -> int:
         f"beta_sparse {figures['beta_sparse'] * 1e9:.3f} ns/B, "
         f"gamma {model.gamma * 1e9:.2f} ns/element (dense add {figures['gamma_dense'] * 1e9:.2f})"
     )
+    print(f"inside a node: alpha {model.alpha_intra * 1e6:.1f} us, beta "
+          f"{model.beta_intra * 1e9:.3f} ns/B ({figures['topology']})")  # fmt: skip
     print(f"wrote {path} (algorithm='auto' reads it; SPARCML_CALIBRATION overrides the path)")
     if args.json:
         from ..bench.harness import write_json

@@ -225,6 +225,8 @@ def _hyper(args: argparse.Namespace) -> dict:
         hyper["momentum_masking"] = args.momentum_masking
     if args.index_coding != "fixed":
         hyper["index_coding"] = args.index_coding
+    if args.algorithm:
+        hyper["algorithm"] = args.algorithm
     if args.layers:
         hyper["layers"] = _layer_rules(args.layers)
     if args.dense_below:
@@ -244,7 +246,7 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         ("--momentum-correction", args.momentum_correction),
         ("--eval-every", args.eval_every), ("--probe-steps", args.probe_steps),
         ("--layers", args.layers), ("--dense-below", args.dense_below),
-        ("--density-warmup", args.density_warmup),
+        ("--density-warmup", args.density_warmup), ("--algorithm", args.algorithm),
     ):  # fmt: skip
         if value:
             out += [flag, str(value)]
@@ -416,7 +418,7 @@ def train_tta(args: argparse.Namespace, chosen: list[str]) -> int:
             result = run_on_cluster(
                 args.recipe, chosen, args.cluster, args.rate, _child_args(args),
                 timeout=args.timeout, log_dir=args.log_dir, stop_after=args.stop_after or 0,
-                target=args.target,
+                target=args.target, ranks_per_node=args.ranks_per_node,
             )  # fmt: skip
         else:
             result = join_recipe(
@@ -466,6 +468,7 @@ def _train_seeds(
             args.recipe, chosen, args.cluster, args.rate, child, timeout=args.timeout,
             log_dir=f"{args.log_dir}/seed{seed}" if args.log_dir else None,
             stop_after=args.stop_after or 0, target=args.target,
+            ranks_per_node=args.ranks_per_node,
         )  # fmt: skip
         result["seed"] = seed
         print(f"seed {seed}:")
@@ -612,6 +615,11 @@ def add_parsers(sub: Any) -> None:
         help="run each method as a job on a fresh emulated cluster of P hosts (root; "
         "sparcml cluster) and write the time-to-accuracy report",
     )
+    tr.add_argument("--ranks-per-node", type=positive_arg, default=1,
+                    help="with --cluster: P/L hosts of L ranks sharing one shaped NIC "
+                    "(default 1); auto then weighs the two-level algorithms")  # fmt: skip
+    tr.add_argument("--algorithm", help="the sparse allreduce algorithm of the sparcml "
+                    "methods that run one (default auto)")  # fmt: skip
     tr.add_argument("--rate", default="100mbit", help="link rate with --cluster (tc syntax, "
                     "default 100mbit)")  # fmt: skip
     tr.add_argument("--timeout", type=float, default=3600.0,

@@ -463,8 +463,10 @@ def run_on_cluster(
     log_dir: str | Path | None = None,
     stop_after: int = 0,
     target: float | None = None,
+    ranks_per_node: int = 1,
 ) -> dict[str, Any]:
-    """Run each method as its own job on a fresh ``hosts``-host cluster at ``rate``.
+    """Run each method as its own job on a fresh ``hosts``-rank cluster at ``rate``
+    (``hosts / ranks_per_node`` hosts of ``ranks_per_node`` ranks sharing one NIC).
 
     ``stop_after``: a method stops once that many evaluations in a row reached
     ``target`` (default: the "within" figure of the dense baseline, which then runs
@@ -486,6 +488,8 @@ def run_on_cluster(
     from .train import stop_order, within_target
 
     RECIPES[recipe].check_data()
+    if ranks_per_node < 1 or hosts % ranks_per_node:
+        raise ValueError(f"{hosts} ranks cannot form hosts of {ranks_per_node} ranks each")
     recipe_cls = RECIPES[recipe]
     methods = stop_order(list(methods), {"stop_after": stop_after, "target": target})
     parse_rate(rate)
@@ -505,7 +509,8 @@ def run_on_cluster(
                 argv += ["--stop-after", str(stop_after), "--target", repr(target)]
             logs = Path(log_dir) / method if log_dir else None
             log.info("%s %s: starting on %d hosts at %s", recipe, method, hosts, rate)
-            code = run_job(hosts, argv, rate=rate, timeout=timeout, log_dir=logs)
+            code = run_job(hosts // ranks_per_node, argv, rate=rate, timeout=timeout,
+                           log_dir=logs, ranks_per_node=ranks_per_node)  # fmt: skip
             if code not in (0, 124) and part.exists():
                 # rank 0 wrote the run after the last collective: a rank died at exit
                 # (PyTorch's PowerSGD hook on gloo sometimes aborts in teardown,
