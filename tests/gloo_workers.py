@@ -269,7 +269,8 @@ def donated_allreduce(comm):  # type: ignore[no-untyped-def]
 def two_level(comm):  # type: ignore[no-untyped-def]
     """2 nodes of P/2 ranks, found from torchrun's GROUP_RANK (one 8-byte allgather);
     every case with both two-level algorithms and auto."""
-    os.environ["GROUP_RANK"] = str(comm.rank // (comm.world_size // 2))
+    half = comm.world_size // 2  # as torchrun sets them on 2 nodes
+    os.environ.update(GROUP_RANK=str(comm.rank // half), LOCAL_WORLD_SIZE=str(half))
     topo = comm.topology
     out = []
     for size, pattern, dtype in CASES:
@@ -284,6 +285,20 @@ def two_level_ddp(comm, steps):  # type: ignore[no-untyped-def]
     """The DDP hook reducing with the shard-parallel two-level algorithm on 2 nodes."""
     from train_workers import ddp_train
 
-    os.environ["GROUP_RANK"] = str(comm.rank // 2)
+    os.environ.update(GROUP_RANK=str(comm.rank // 2), LOCAL_WORLD_SIZE="2")
     hyper = {"density": 1.0, "algorithm": "twolevel_shard"}
     return ddp_train(comm, "topk", hyper, steps, False)
+
+
+def two_level_fsdp(comm, steps):  # type: ignore[no-untyped-def]
+    """FSDP2 with sparcml's reduce-scatter on 2 nodes (two levels) and plain FSDP."""
+    from fsdp_workers import fsdp_runs
+
+    os.environ.update(GROUP_RANK=str(comm.rank // 2), LOCAL_WORLD_SIZE="2")
+    runs = [("plain", None, {}), ("nonzeros", "nonzeros", {}), ("topk1", "topk", {"density": 1.0}),
+            ("natural", "natural", {})]  # fmt: skip
+    out = fsdp_runs(comm, runs, steps)
+    from sparcml.comm import resolve
+
+    out["topology"] = str(resolve(None).topology)
+    return out

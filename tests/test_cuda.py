@@ -136,6 +136,28 @@ def test_exact_collectives_match_cpu(world: int, algorithm: str) -> None:
             assert d.to("cpu").equal(c), (pattern, dtype)
 
 
+@pytest.mark.parametrize("algorithm", ["twolevel_shard", "twolevel_leader", "reduce_scatter"])
+def test_two_level_on_device_match_cpu(algorithm: str) -> None:
+    """On 2 nodes x 2 ranks: the two-level allreduces and the two-level
+    reduce-scatter (FSDP2's) on device tensors equal the CPU's bit for bit."""
+    from sparcml.collectives import reduce_scatter
+    from sparcml.comm import Topology
+
+    def fn(comm, device, pattern, dtype):  # type: ignore[no-untyped-def]
+        comm.set_topology(Topology.regular(4, 2))
+        s = make_stream(pattern, comm.rank, comm.world_size, 997, dtype).to(device)
+        if algorithm == "reduce_scatter":
+            return reduce_scatter(s, comm)
+        return sparse_allreduce(s, comm, algorithm=algorithm)
+
+    for pattern, dtype in [("random", torch.float32), ("dense", torch.float64)]:
+        cpu = run_ranks(4, fn, "cpu", pattern, dtype)
+        dev = run_ranks(4, fn, DEVICE, pattern, dtype)
+        for c, d in zip(cpu, dev, strict=True):
+            _on_device(d)
+            assert d.to("cpu").equal(c), (pattern, dtype)
+
+
 @pytest.mark.parametrize("world", [1, 3])
 def test_topk_family_collectives_on_device(world: int) -> None:
     def fn(comm, device):  # type: ignore[no-untyped-def]

@@ -16,6 +16,7 @@ from ._common import split_and_reduce
 from .allreduce import sparse_allreduce
 from .autotune import choose_algorithm
 from .oktopk import OkTopkResult, OkTopkState, oktopk_allreduce
+from .reduce_scatter import reduce_scatter
 from .registry import algorithms, get_algorithm, register
 from .sparse_allgather import sparse_allgather
 
@@ -26,6 +27,7 @@ __all__ = [
     "choose_algorithm",
     "get_algorithm",
     "oktopk_allreduce",
+    "reduce_scatter",
     "register",
     "sparse_allgather",
     "sparse_allreduce",

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..comm import Communicator
+from ..errors import WireFormatError
 from ..stream import SparseStream
 from .codec import EXACT, HEADER_BYTES, StreamCodec
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "allgather_cost",
     "decode_or_empty",
+    "decode_ranges",
     "encode_or_empty",
     "fold_messages",
     "held_ranks",
@@ -70,6 +72,24 @@ def allgather_cost(model: CostModel, p: int, width: int, pairs: float, isize: in
         t += model.message_time(pairs, width, isize, copies)
         copies *= 2
     return t
+
+
+def decode_ranges(
+    codec: StreamCodec,
+    bufs: list[torch.Tensor],
+    bounds: Sequence[int],
+    like: SparseStream,
+    rank: int,
+    what: str,
+) -> SparseStream:
+    """The concatenation of the gathered messages of consecutive ranges ``bounds``
+    (the last step of the split-allgather algorithms), decoded straight into the
+    result; a corrupt or mismatched message raises naming ``what`` was gathered."""
+    widths = [bounds[j + 1] - bounds[j] for j in range(len(bounds) - 1)]
+    try:
+        return codec.decode_concat(bufs, widths, like.dtype, like.device)
+    except WireFormatError as e:
+        raise WireFormatError(f"rank {rank}: {what}: {e} (do all ranks pass the same N?)") from None
 
 
 def partition_boundaries(size: int, parts: int) -> list[int]:

@@ -65,6 +65,15 @@ def inner_codec(codec: StreamCodec, own: bool) -> StreamCodec:
     return StreamCodec(None, "dense", codec.sequence, codec.index_coding, codec.rank)
 
 
+def node_shape(model: CostModel, p: int) -> tuple[int, int]:
+    """``(nodes, ranks per node)`` of ``P`` ranks on contiguous nodes of
+    ``model.ranks_per_node`` ranks (every rank its own node where that does not
+    divide ``P``)."""
+    per = min(max(model.ranks_per_node, 1), p)
+    nodes = p // per if p % per == 0 else p
+    return nodes, p // nodes
+
+
 def node_ks(ks: Sequence[int], size: int, per_node: int) -> list[float]:
     """Expected nnz of each node's sum, for the ranks' nnz ``ks`` in rank order on
     contiguous nodes of ``per_node`` ranks (Appendix B.1's fill-in per node)."""

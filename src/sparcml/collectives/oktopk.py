@@ -27,6 +27,12 @@ Output: the global sparse result (bitwise identical on every rank) and, per rank
 the positions of its local selection that are in the result, for Ok-Topk SGD's
 residual update ``eps = acc - acc(indexes)``.
 
+On ranks that span several nodes of several ranks
+(:attr:`~sparcml.comm.Communicator.topology`), steps 3 and 5 run in two levels
+(:func:`~sparcml.collectives.reduce_scatter`,
+:func:`~sparcml.collectives.sparse_allgather.allgather_buffers_on_nodes`): inside the
+node, then one lane per local rank between nodes (beyond the paper, which is flat).
+
 Cost: ``(2P + 2 log2 P) alpha + [2k, 6k] (P-1)/P beta`` (slides: "Total Cost <=
 (2p + 2 lg p) alpha + 6k (p-1)/p beta"); split-and-reduce alone
 ``(P-1) alpha + 2k (P-1)/P beta``.
@@ -48,11 +54,12 @@ from ..errors import RankMismatchError
 from ..merge import merge_positions
 from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from ..stream import SparseStream, index_bytes
-from ._common import log2_ceil, split_and_reduce
+from ._common import log2_ceil
 from .codec import EXACT, StreamCodec
 from .headers import CallSettings, check_consistent
+from .reduce_scatter import reduce_scatter
 from .registry import register
-from .sparse_allgather import allgather_buffers
+from .sparse_allgather import allgather_buffers_on_nodes
 
 if TYPE_CHECKING:
     from ..costmodel import CostModel
@@ -262,8 +269,11 @@ def _oktopk(
     if bounds[-1] != n:
         mismatch = RankMismatchError(f"oktopk: boundaries end at {bounds[-1]}, the vector has {n}")
         raise mark_uniform(mismatch, False)  # seen here only: tell the others
-    # Step 3: split and reduce (alltoallv sends to r+1, r+2, ... first)
-    region, _, state.last_send_bytes = split_and_reduce(local, comm, codec, bounds)
+    # Step 3: split and reduce (alltoallv sends to r+1, r+2, ... first); on nodes of
+    # several ranks in two levels (inside the node, then between nodes: beyond the paper)
+    before = comm.stats.bytes_sent
+    region = reduce_scatter(local, comm, codec, bounds)
+    state.last_send_bytes = comm.stats.bytes_sent - before
     # Step 4: global top-k by a (reused) global threshold
     counts: list[int] | None = None
     if refresh or state.global_threshold is None:
@@ -375,7 +385,7 @@ def _balanced_allgather(
     held = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
     # Allgather of the equal shares by recursive doubling (log2 P rounds); rank
     # order is region order, so the concatenation is sorted.
-    blocks = allgather_buffers(held, comm)
+    blocks = allgather_buffers_on_nodes(held, comm)
     # (this rank's block is on its device, the received ones where the transport
     # delivered them)
     pairs = torch.cat([b.to(device) for b in blocks])

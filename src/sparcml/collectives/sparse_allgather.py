@@ -29,7 +29,12 @@ from ..wire import pack, unpack
 from ._common import largest_power_of_two
 from .codec import EXACT, StreamCodec
 
-__all__ = ["allgather_buffers", "gather_streams", "sparse_allgather"]
+__all__ = [
+    "allgather_buffers",
+    "allgather_buffers_on_nodes",
+    "gather_streams",
+    "sparse_allgather",
+]
 
 
 def allgather_buffers(buf: torch.Tensor, comm: Communicator) -> list[torch.Tensor]:
@@ -69,6 +74,37 @@ def allgather_buffers(buf: torch.Tensor, comm: Communicator) -> list[torch.Tenso
         missing = sorted(set(range(p)) - set(held))
         raise WireFormatError(f"rank {me}: allgather finished without ranks {missing}")
     return [held[r] for r in range(p)]
+
+
+def allgather_buffers_on_nodes(buf: torch.Tensor, comm: Communicator) -> list[torch.Tensor]:
+    """:func:`allgather_buffers` in two levels where the ranks span several nodes of
+    several ranks each (:attr:`~sparcml.comm.Communicator.topology`; beyond the paper):
+
+    1. between nodes: the ranks of this rank's lane (its local rank on every node)
+       gather their blocks, so each NIC carries each of its node's blocks to the
+       other nodes once, one lane per local rank;
+    2. inside the node: the node's ranks gather the lanes' bundles.
+
+    Flat (:func:`allgather_buffers`) on one node or one rank per node. Returns the
+    ``P`` blocks in rank order, as :func:`allgather_buffers`.
+    """
+    topo = comm.topology if comm.world_size > 1 else None
+    if topo is None or topo.is_flat:
+        return allgather_buffers(buf, comm)
+    lane = comm.subgroup(topo.lane_ranks(comm.rank))
+    node = comm.subgroup(topo.node_ranks(comm.rank))
+    # Step 1: this lane's blocks, in node order.
+    across = allgather_buffers(buf, lane)
+    # Step 2: every lane's blocks inside the node.
+    bundles = allgather_buffers(pack(list(enumerate(across))), node)
+    out: list[torch.Tensor | None] = [None] * comm.world_size
+    for local, bundle in enumerate(bundles):
+        for m, data in unpack(bundle, topo.num_nodes):
+            out[topo.nodes[m][local]] = data
+    missing = [r for r, b in enumerate(out) if b is None]
+    if missing:
+        raise WireFormatError(f"rank {comm.rank}: allgather on nodes finished without {missing}")
+    return [b for b in out if b is not None]
 
 
 def sparse_allgather(

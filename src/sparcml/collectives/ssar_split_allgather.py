@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING
 
 from ..comm import Communicator, resolve
 from ..costmodel import expected_fill_in
-from ..errors import WireFormatError
 from ..stream import SparseStream
-from ._common import allgather_cost, split_and_reduce, split_cost
+from ._common import allgather_cost, decode_ranges, split_and_reduce, split_cost
 from .codec import EXACT, StreamCodec
 from .registry import register
 from .sparse_allgather import allgather_buffers
@@ -72,11 +71,5 @@ def ssar_split_allgather(
     mine, bounds, _ = split_and_reduce(stream, comm, codec)
     # Step 3: sparse allgather of the reduced ranges, then concatenation.
     bufs = allgather_buffers(codec.encode(mine, partial=True), comm)
-    widths = [bounds[j + 1] - bounds[j] for j in range(comm.world_size)]
-    try:
-        # decoded straight into the result (exact codec: one pass per range)
-        return codec.decode_concat(bufs, widths, stream.dtype, stream.device)
-    except WireFormatError as e:
-        raise WireFormatError(
-            f"rank {comm.rank}: the gathered ranges: {e} (do all ranks pass the same N?)"
-        ) from None
+    # decoded straight into the result (exact codec: one pass per range)
+    return decode_ranges(codec, bufs, bounds, stream, comm.rank, "the gathered ranges")

@@ -37,7 +37,7 @@ from ..comm import Communicator, resolve
 from ..costmodel import expected_fill_in
 from ..stream import SparseStream
 from ._common import decode_or_empty, encode_or_empty
-from ._twolevel import DEFAULT_INNER, check_inner, inner_codec, inner_cost, node_ks
+from ._twolevel import DEFAULT_INNER, check_inner, inner_codec, inner_cost, node_ks, node_shape
 from .codec import EXACT, StreamCodec
 from .registry import get_algorithm, register
 
@@ -49,9 +49,7 @@ __all__ = ["twolevel_leader"]
 
 def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
     """Steps 1-3 above on contiguous nodes of ``model.ranks_per_node`` ranks."""
-    per = min(max(model.ranks_per_node, 1), p)
-    nodes = p // per if p % per == 0 else p
-    per = p // nodes
+    nodes, per = node_shape(model, p)
     inside = model.inside()
     k = max(ks) if ks else 0
     fill = expected_fill_in(n, ks)

@@ -40,10 +40,17 @@ from typing import TYPE_CHECKING
 
 from ..comm import Communicator, resolve
 from ..costmodel import expected_fill_in
-from ..errors import WireFormatError
 from ..stream import SparseStream
-from ._common import allgather_cost, split_and_reduce, split_cost
-from ._twolevel import DEFAULT_INNER, check_inner, inner_codec, inner_cost, node_and_lane, node_ks
+from ._common import allgather_cost, decode_ranges, split_and_reduce, split_cost
+from ._twolevel import (
+    DEFAULT_INNER,
+    check_inner,
+    inner_codec,
+    inner_cost,
+    node_and_lane,
+    node_ks,
+    node_shape,
+)
 from .codec import EXACT, StreamCodec
 from .registry import get_algorithm, register
 from .sparse_allgather import allgather_buffers
@@ -56,9 +63,7 @@ __all__ = ["twolevel_shard"]
 
 def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
     """Steps 1-3 above on contiguous nodes of ``model.ranks_per_node`` ranks."""
-    per = min(max(model.ranks_per_node, 1), p)
-    nodes = p // per if p % per == 0 else p
-    per = p // nodes
+    nodes, per = node_shape(model, p)
     inside = model.inside()
     width = max(n // per, 1)
     t = split_cost(inside, per, n, ks, isize) if per > 1 else 0.0
@@ -107,10 +112,4 @@ def twolevel_shard(
         return mine
     # Step 3: allgather of the reduced shards inside the node, then concatenation.
     bufs = allgather_buffers(codec.encode_exact(mine), node)
-    widths = [bounds[j + 1] - bounds[j] for j in range(node.world_size)]
-    try:
-        return codec.decode_concat(bufs, widths, stream.dtype, stream.device)
-    except WireFormatError as e:
-        raise WireFormatError(
-            f"rank {comm.rank}: the node's gathered shards: {e} (do all ranks pass the same N?)"
-        ) from None
+    return decode_ranges(codec, bufs, bounds, stream, comm.rank, "the node's gathered shards")

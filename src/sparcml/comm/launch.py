@@ -68,6 +68,9 @@ def _worker(
 ) -> None:
     import torch.distributed as dist
 
+    # every rank on this host, as torchrun sets it: one node (comm.topology)
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+
     from . import TorchDistCommunicator
 
     torch.set_num_threads(threads)

@@ -14,7 +14,9 @@ communicator on first use, a collective every rank reaches at the same call):
 1. an explicit one: ``comm.set_topology(Topology.regular(P, 4))``;
 2. ``SPARCML_RANKS_PER_NODE=L``: ranks ``0..L-1`` on node 0, and so on (the
    launch order of torchrun and ``mpirun --map-by node:PE=...`` by slot);
-3. ranks in one process (in-process and simulated ranks): one node;
+3. ``LOCAL_WORLD_SIZE`` equal to the world size (torchrun on one node, the test
+   launcher), or ranks in one process (in-process and simulated ranks): one node,
+   no message;
 4. the launcher's node identity: ``GROUP_RANK`` (torchrun's node rank, also set
    by ``sparcml cluster --nodes``), else the MPI shared-memory split
    (:meth:`~sparcml.comm.Communicator.node_key`), else the host name.
@@ -169,6 +171,9 @@ def detect_topology(comm: Communicator) -> Topology:
         return Topology.regular(p, int(env))
     if p == 1:
         return Topology.flat(1)
+    if os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(p):
+        # the launcher started every rank on this node (torchrun, run_processes)
+        return Topology.regular(p, p)
     if comm.one_process:  # in-process ranks share a host: one node unless set explicitly
         return Topology.regular(p, p)
     code = _key_code(comm.node_key())

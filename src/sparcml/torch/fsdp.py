@@ -21,7 +21,10 @@ chunk boundaries and the library's codec (:mod:`sparcml.collectives.codec`): ran
 ``j`` sums the ``P`` pieces of its chunk in rank order. The paper follows the split
 with an allgather to make an allreduce; FSDP stops after the split (its next forward
 all-gathers parameters, not gradients) — using the split alone as a reduce-scatter,
-with error feedback and quantization, is beyond the paper.
+with error feedback and quantization, is beyond the paper. On ranks that span several
+nodes of several ranks (:attr:`~sparcml.comm.Communicator.topology`), the split runs in
+two levels (:func:`~sparcml.collectives.reduce_scatter`: inside the node, then between
+nodes), so each node's NIC carries the node's sum once.
 
 Methods:
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ...collectives import algorithms, sparse_allreduce, split_and_reduce
+from ...collectives import algorithms, reduce_scatter, sparse_allreduce
 from ...collectives.codec import EXACT, QUANTIZE_MODES, StreamCodec
 from ...collectives.registry import algorithm_info
 from ...comm import Communicator
@@ -178,11 +178,11 @@ def scatter_sparse(
 def scatter(
     stream: SparseStream, comm: Communicator, codec: StreamCodec, bounds: list[int]
 ) -> torch.Tensor:
-    """This rank's chunk of the sum of ``stream`` over ranks (the split phase alone)."""
+    """This rank's chunk of the sum of ``stream`` over ranks: the split phase alone, or
+    in two levels on ranks that span nodes (:func:`~sparcml.collectives.reduce_scatter`)."""
     if codec is not EXACT:
         codec = codec.with_call(comm.next_sequence(), comm.rank)
-    mine, _, _ = split_and_reduce(stream, comm, codec, bounds)
-    return mine.to_dense()
+    return reduce_scatter(stream, comm, codec, bounds).to_dense()
 
 
 SPARSE = register_method(
