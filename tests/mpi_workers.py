@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import sparcml
 from inputs import PATTERNS, dense_reference, make_stream
-from sparcml.comm import MPICommunicator
+from sparcml.comm import MPICommunicator, Topology
 from sparcml.errors import CommError, CommTimeoutError, RankMismatchError
 from sparcml.wire import encode
 from train_workers import sync_train
@@ -50,6 +50,21 @@ def collectives(comm: MPICommunicator) -> dict:
         mismatch = None
     except RankMismatchError as e:
         mismatch = str(e)
+    if p % 2 == 0:
+        # the two-level algorithms on 2-rank nodes: groups over MPI's point to point
+        # (a communicator of their own, so the training below runs flat as over gloo)
+        nodes = MPICommunicator(timeout=60)
+        nodes.set_topology(Topology.regular(p, 2))
+        for size in (97, 70_001):
+            for pattern in PATTERNS:
+                streams = [make_stream(pattern, r, p, size) for r in range(p)]
+                ref = dense_reference(streams)
+                for algo in ("twolevel_shard", "twolevel_leader"):
+                    out = sparcml.sparse_allreduce(streams[comm.rank], nodes, algorithm=algo)
+                    if not torch.equal(out.to_dense().double(), ref):
+                        bad.append((size, pattern, algo, "2-rank nodes"))
+                    results.append(encode(out))
+        nodes.close()
     dense = comm.allreduce(torch.arange(6, dtype=torch.float32) * (comm.rank + 1))
     gathered = comm.allgather(torch.tensor([comm.rank, 7]))
     return {

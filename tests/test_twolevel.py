@@ -405,7 +405,8 @@ def test_fsdp_reduce_scatter_on_two_nodes() -> None:
 
 @pytest.mark.parametrize(("nodes", "per"), [(2, 2), (2, 3), (3, 2)])
 def test_oktopk_on_nodes_equals_flat(nodes: int, per: int) -> None:
-    """Ok-Topk's split-and-reduce and balanced allgather in two levels give the flat
+    """Ok-Topk's split-and-reduce and balanced allgather in two levels
+    (``OkTopkState(two_level=True)``) give the flat
     run's result (integer-valued accumulators: every sum exact, so the thresholds
     agree) over calls that refresh and reuse thresholds and boundaries; bitwise
     identical on every rank."""
@@ -416,7 +417,7 @@ def test_oktopk_on_nodes_equals_flat(nodes: int, per: int) -> None:
     def fn(comm, topo):  # type: ignore[no-untyped-def]
         if topo is not None:
             comm.set_topology(topo)
-        state = OkTopkState(tau=2, tau_prime=3)
+        state = OkTopkState(tau=2, tau_prime=3, two_level=topo is not None)
         outs = []
         for call in range(5):
             g = torch.Generator().manual_seed(100 * call + comm.rank)

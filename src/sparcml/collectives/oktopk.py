@@ -27,11 +27,12 @@ Output: the global sparse result (bitwise identical on every rank) and, per rank
 the positions of its local selection that are in the result, for Ok-Topk SGD's
 residual update ``eps = acc - acc(indexes)``.
 
-On ranks that span several nodes of several ranks
-(:attr:`~sparcml.comm.Communicator.topology`), steps 3 and 5 run in two levels
+With ``OkTopkState(two_level=True)`` on ranks that span several nodes of several
+ranks (:attr:`~sparcml.comm.Communicator.topology`), steps 3 and 5 run in two levels
 (:func:`~sparcml.collectives.reduce_scatter`,
 :func:`~sparcml.collectives.sparse_allgather.allgather_buffers_on_nodes`): inside the
-node, then one lane per local rank between nodes (beyond the paper, which is flat).
+node, then one lane per local rank between nodes (beyond the paper, which is flat;
+off by default, measured slower at 1 Gbit/s: see :class:`OkTopkState`).
 
 Cost: ``(2P + 2 log2 P) alpha + [2k, 6k] (P-1)/P beta`` (slides: "Total Cost <=
 (2p + 2 lg p) alpha + 6k (p-1)/p beta"); split-and-reduce alone
@@ -54,12 +55,12 @@ from ..errors import RankMismatchError
 from ..merge import merge_positions
 from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
 from ..stream import SparseStream, index_bytes
-from ._common import log2_ceil
+from ._common import log2_ceil, split_and_reduce
 from .codec import EXACT, StreamCodec
 from .headers import CallSettings, check_consistent
 from .reduce_scatter import reduce_scatter
 from .registry import register
-from .sparse_allgather import allgather_buffers_on_nodes
+from .sparse_allgather import allgather_buffers, allgather_buffers_on_nodes
 
 if TYPE_CHECKING:
     from ..costmodel import CostModel
@@ -81,6 +82,11 @@ class OkTopkState:
         local_threshold, global_threshold, boundaries: the reused values.
         last_local_indices: positions of this rank's selection in the last result.
         last_send_bytes: bytes this rank sent in the last call's split phase.
+        two_level: on ranks that span several nodes of several ranks, run steps 3
+            and 5 in two levels (inside the node, then between nodes; beyond the
+            paper). Off by default: at 2 x 4 ranks on 1 Gbit/s NICs it was slower
+            than flat (docs/cluster.md, "Nodes with several ranks"): Ok-Topk's
+            O(k) traffic does not fill the NIC, and two levels add rounds.
     """
 
     tau: int = 64
@@ -92,6 +98,7 @@ class OkTopkState:
     boundaries: list[int] | None = None
     last_local_indices: torch.Tensor | None = None
     last_send_bytes: int = 0
+    two_level: bool = False
 
     def __post_init__(self) -> None:
         if self.tau < 1 or self.tau_prime < 1 or self.quantiles < 1:
@@ -269,11 +276,14 @@ def _oktopk(
     if bounds[-1] != n:
         mismatch = RankMismatchError(f"oktopk: boundaries end at {bounds[-1]}, the vector has {n}")
         raise mark_uniform(mismatch, False)  # seen here only: tell the others
-    # Step 3: split and reduce (alltoallv sends to r+1, r+2, ... first); on nodes of
-    # several ranks in two levels (inside the node, then between nodes: beyond the paper)
-    before = comm.stats.bytes_sent
-    region = reduce_scatter(local, comm, codec, bounds)
-    state.last_send_bytes = comm.stats.bytes_sent - before
+    # Step 3: split and reduce (alltoallv sends to r+1, r+2, ... first); with
+    # state.two_level on nodes of several ranks, inside the node, then between nodes
+    if state.two_level:
+        before = comm.stats.bytes_sent
+        region = reduce_scatter(local, comm, codec, bounds)
+        state.last_send_bytes = comm.stats.bytes_sent - before
+    else:
+        region, _, state.last_send_bytes = split_and_reduce(local, comm, codec, bounds)
     # Step 4: global top-k by a (reused) global threshold
     counts: list[int] | None = None
     if refresh or state.global_threshold is None:
@@ -303,7 +313,9 @@ def _oktopk(
     # (kept as raw pairs, never a stream: a stream past delta would turn dense over
     # the whole N and claim positions of other ranks' regions)
     kept_idx = region.indices[keep] + bounds[me]
-    indices, values = _balanced_allgather(kept_idx, region.values[keep], n, comm, counts)
+    indices, values = _balanced_allgather(
+        kept_idx, region.values[keep], n, comm, counts, state.two_level
+    )
     state.calls += 1
     state.last_local_indices = idx[_in_sorted(idx, indices)]
     return OkTopkResult(SparseStream.from_sorted(indices, values, n), state.last_local_indices)
@@ -347,9 +359,11 @@ def _balanced_allgather(
     size: int,
     comm: Communicator,
     counts: list[int],
+    two_level: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 5: every rank ends with the concatenation of all ranks' kept entries
-    (``counts``: every rank's number of kept entries, gathered first)."""
+    (``counts``: every rank's number of kept entries, gathered first; ``two_level``:
+    the final allgather in two levels on nodes)."""
     p, me = comm.world_size, comm.rank
     device = kept_val.device
     total = sum(counts)
@@ -385,7 +399,7 @@ def _balanced_allgather(
     held = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
     # Allgather of the equal shares by recursive doubling (log2 P rounds); rank
     # order is region order, so the concatenation is sorted.
-    blocks = allgather_buffers_on_nodes(held, comm)
+    blocks = allgather_buffers_on_nodes(held, comm) if two_level else allgather_buffers(held, comm)
     # (this rank's block is on its device, the received ones where the transport
     # delivered them)
     pairs = torch.cat([b.to(device) for b in blocks])
