@@ -22,7 +22,15 @@ from .registry import algorithm_info
 if TYPE_CHECKING:
     from ..costmodel import CostModel
 
-__all__ = ["DEFAULT_INNER", "check_inner", "inner_codec", "node_and_lane", "node_ks"]
+__all__ = [
+    "DEFAULT_INNER",
+    "check_inner",
+    "inner_codec",
+    "inner_cost",
+    "node_and_lane",
+    "node_ks",
+    "node_shape",
+]
 
 #: The flat algorithm between nodes unless ``inner=`` names another: latency-optimal
 #: (``log2`` of the number of nodes rounds), and with few nodes it moves what the

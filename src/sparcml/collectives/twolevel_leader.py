@@ -83,6 +83,8 @@ def twolevel_leader(
     if comm.world_size == 1:
         return stream.clone()
     topo = comm.topology
+    if topo.ranks_per_node == 1:  # every rank leads its node: the inner algorithm alone
+        return get_algorithm(inner)(stream, comm.subgroup(topo.leaders()), codec)
     node = comm.subgroup(topo.node_ranks(comm.rank))
     size, dtype, device = stream.size, stream.dtype, stream.device
     if node.rank != 0:
@@ -96,16 +98,13 @@ def twolevel_leader(
         buf = h.wait()
         assert buf is not None
         parts.append(decode_or_empty(buf, size, dtype, device, codec))
-    total = SparseStream.sum(parts) if len(parts) > 1 else parts[0]
-    # Step 2: the leaders' sparse allreduce.
+    total = SparseStream.sum(parts)
+    # Step 2: the leaders' sparse allreduce of the node sums.
     if topo.num_nodes > 1:
         leaders = comm.subgroup(topo.leaders())
-        own = node.world_size == 1
-        total = get_algorithm(inner)(stream if own else total, leaders, inner_codec(codec, own))
-    # Step 3: the result to the node's other ranks, exactly.
-    if node.world_size > 1:
-        buf = encode_or_empty(total)  # the exact encoding: every rank the same bits
-        sends = [node.isend(buf, j) for j in range(1, node.world_size)]
-        for h in sends:
-            h.wait()
+        total = get_algorithm(inner)(total, leaders, inner_codec(codec, own=False))
+    # Step 3: the result to the node's other ranks, exactly (every rank the same bits).
+    buf = encode_or_empty(total)
+    for h in [node.isend(buf, j) for j in range(1, node.world_size)]:
+        h.wait()
     return total

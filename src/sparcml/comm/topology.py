@@ -32,6 +32,7 @@ papers assume regular nodes; the refusal is ours.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 from collections.abc import Sequence
@@ -118,11 +119,16 @@ class Topology:
         """One level only: a single node, or one rank per node."""
         return self.num_nodes == 1 or self.ranks_per_node == 1
 
+    @functools.cached_property
+    def _place(self) -> dict[int, tuple[int, int]]:
+        """Every rank's (node, local rank), built once (lookups are O(1) at any P)."""
+        return {r: (i, j) for i, node in enumerate(self.nodes) for j, r in enumerate(node)}
+
     def node_of(self, rank: int) -> int:
-        return next(i for i, n in enumerate(self.nodes) if rank in n)
+        return self._place[rank][0]
 
     def local_rank(self, rank: int) -> int:
-        return self.nodes[self.node_of(rank)].index(rank)
+        return self._place[rank][1]
 
     def node_ranks(self, rank: int) -> tuple[int, ...]:
         """The ranks on ``rank``'s node (the intra-node group)."""
