@@ -11,9 +11,14 @@ one process group, after a barrier each, the slowest rank per call:
   ``sparse_allreduce(..., algorithm="dense")`` (a fresh dense vector per call);
 * the plain gloo collectives that carry the split allgather's bytes:
   ``all_to_all_single`` of the split phase and ``all_gather_into_tensor`` of the
-  reduced ranges (sizes from the density, 3-byte indices and float32 values),
+  reduced ranges (sizes from the density: the index fields the default coding
+  sends, :func:`sparcml.indexcode.index_field_nbytes`, and float32 values),
   next to ``sparse_allreduce(..., algorithm="ssar_split_allgather")`` itself on
-  uniform random indices.
+  uniform random indices, with the default index coding and with
+  ``index_coding="fixed"``;
+* the same for recursive doubling (P a power of two): the ``log2 P`` rounds of
+  ``isend``/``irecv`` between partners, each of the expected size of the
+  partial sum it carries, next to ``ssar_recursive_double``.
 
     sudo .venv/bin/sparcml cluster -P 8 --rate 1gbit -- \\
         .venv/bin/python benchmarks/transport_floor.py -N 16M -d 0.00781
@@ -34,7 +39,7 @@ from sparcml import SparseStream
 from sparcml.collectives import sparse_allreduce
 from sparcml.comm import TorchDistCommunicator
 from sparcml.compress.selection import k_of
-from sparcml.stream import index_bytes
+from sparcml.indexcode import index_field_nbytes
 from sparcml.tools.cli.common import size_arg
 
 
@@ -85,11 +90,15 @@ def main() -> None:
     stream = SparseStream(idx, torch.randn(k, generator=g), n)
     timeit("sparse_allreduce(algorithm='dense')", lambda: sparse_allreduce(stream, comm, "dense"))
     # the split allgather's bytes: k pairs cut into P pieces, then the reduced ranges
-    pair = index_bytes(n // p) + 4
-    reduced = int(n / p * (1 - (1 - args.density) ** p))  # expected union of one range
-    piece = torch.zeros(k * pair // p, dtype=torch.uint8)
+    width, d = n // p, args.density
+    reduced = round(width * (1 - (1 - d) ** p))  # expected union of one range
+
+    def pairs_nbytes(size: int, nnz: int) -> int:  # a message's index field and values
+        return index_field_nbytes(size, nnz) + 4 * nnz
+
+    piece = torch.zeros(pairs_nbytes(width, k // p), dtype=torch.uint8)
     split_in, split_out = piece.repeat(p), torch.empty(p * piece.numel(), dtype=torch.uint8)
-    mine = torch.zeros(reduced * pair, dtype=torch.uint8)
+    mine = torch.zeros(pairs_nbytes(width, reduced), dtype=torch.uint8)
     gathered = torch.empty(p * mine.numel(), dtype=torch.uint8)
     timeit(
         f"gloo all_to_all_single, {piece.numel() * (p - 1) / 1e6:.2f} MB out",
@@ -99,10 +108,36 @@ def main() -> None:
         f"gloo all_gather_into_tensor, {mine.numel() / 1e6:.2f} MB per rank",
         lambda: dist.all_gather_into_tensor(gathered, mine),
     )
-    timeit(
-        "sparse_allreduce(algorithm='ssar_split_allgather')",
-        lambda: sparse_allreduce(stream, comm, "ssar_split_allgather"),
-    )
+    for coding in ("auto", "fixed"):
+        timeit(
+            f"sparse_allreduce(algorithm='ssar_split_allgather'), {coding}",
+            lambda coding=coding: sparse_allreduce(
+                stream, comm, "ssar_split_allgather", index_coding=coding
+            ),
+        )
+    if p & (p - 1) == 0 and p > 1:
+        # recursive doubling: round t sends the partial sum of 2^(t-1) ranks' k pairs
+        rounds = p.bit_length() - 1
+        sizes = [round(n * (1 - (1 - d) ** (1 << t))) for t in range(rounds)]
+        sends = [torch.zeros(pairs_nbytes(n, m), dtype=torch.uint8) for m in sizes]
+        recvs = [torch.empty_like(b) for b in sends]
+
+        def exchanges() -> None:
+            for t in range(rounds):
+                peer = me ^ (1 << t)
+                reqs = [dist.isend(sends[t], peer), dist.irecv(recvs[t], peer)]
+                for r in reqs:
+                    r.wait()
+
+        total = sum(b.numel() for b in sends) / 1e6
+        timeit(f"gloo isend/irecv of recursive doubling's rounds, {total:.2f} MB out", exchanges)
+        for coding in ("auto", "fixed"):
+            timeit(
+                f"sparse_allreduce(algorithm='ssar_recursive_double'), {coding}",
+                lambda coding=coding: sparse_allreduce(
+                    stream, comm, "ssar_recursive_double", index_coding=coding
+                ),
+            )
     timeit(f"gloo all_reduce in place ({4 * n / 1e6:.1f} MB), again", lambda: dist.all_reduce(x))
     dist.destroy_process_group()
 

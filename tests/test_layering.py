@@ -17,7 +17,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "sparcml"
 
 CORE = {
-    "stream", "merge", "kernels", "cpu_kernels", "wire", "errors", "reinterpret", "costmodel",
+    "stream", "merge", "kernels", "cpu_kernels", "wire", "indexcode", "errors", "reinterpret",
+    "costmodel",
     "finite",
 }  # fmt: skip
 # layer -> the layers it may import (besides itself and the core)

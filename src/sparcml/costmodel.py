@@ -34,7 +34,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .stream import dense_threshold, index_bytes
+from .indexcode import index_field_nbytes
+from .stream import dense_threshold
 from .wire import HEADER_BYTES
 
 __all__ = ["CostModel", "calibration_path", "expected_fill_in"]
@@ -170,14 +171,15 @@ class CostModel:
     def message_time(self, pairs: float, size: int, isize: int, copies: float = 1.0) -> float:
         """Time of one message carrying ``copies`` streams of ``size`` with ``pairs`` pairs each.
 
-        A stream past ``delta`` travels dense (SparCML sec. 5.1). The algorithms'
+        A stream past ``delta`` travels dense (SparCML sec. 5.1); a sparse one's
+        indices take the smaller index field (:func:`sparcml.indexcode.layout`). The algorithms'
         cost formulas (registered with each algorithm, :mod:`sparcml.collectives`)
         are written with this and ``alpha``, ``beta``, ``gamma``.
         """
         if pairs > dense_threshold(size, _dtype_of(isize)):
             nbytes, beta = size * isize, self.beta
         else:
-            nbytes, beta = pairs * (index_bytes(size) + isize), self.beta_pairs
+            nbytes, beta = index_field_nbytes(size, pairs) + pairs * isize, self.beta_pairs
         return self.alpha + beta * copies * (nbytes + HEADER_BYTES)
 
 

@@ -17,6 +17,8 @@ import numpy as np
 
 __all__ = [
     "above_positions",
+    "elias_fano_decode",
+    "elias_fano_encode",
     "merge2",
     "merge_bitmap",
     "merge_k",
@@ -152,6 +154,133 @@ def widen_increasing(  # pragma: no cover - compiled
             return i
         out[i] = x + offset
         prev = x
+    if n and prev >= size:
+        return n
+    return -1
+
+
+_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
+_CTZ = np.zeros(64, dtype=np.int64)  # de Bruijn table: the position of a word's lowest set bit
+for _i in range(64):
+    _CTZ[((1 << _i) * 0x03F79D71B4CB0A89 & 0xFFFF_FFFF_FFFF_FFFF) >> 58] = _i
+_U8, _U58, _BYTE = np.uint64(8), np.uint64(58), np.uint64(0xFF)
+_T7, _T14, _T28 = np.uint64(7), np.uint64(14), np.uint64(28)
+_K1, _K2 = np.uint64(0x00AA00AA00AA00AA), np.uint64(0x0000CCCC0000CCCC)
+_K3 = np.uint64(0x00000000F0F0F0F0)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _transpose8(x: Any) -> Any:  # pragma: no cover - compiled
+    # the 8 x 8 bit matrix in a word (byte r, bit c) transposed: bit r of byte c
+    # (Hacker's Delight, sec. 7-3): eight indices' low bits <-> eight bit planes
+    t = (x ^ (x >> _T7)) & _K1
+    x = x ^ t ^ (t << _T7)
+    t = (x ^ (x >> _T14)) & _K2
+    x = x ^ t ^ (t << _T14)
+    t = (x ^ (x >> _T28)) & _K3
+    return x ^ t ^ (t << _T28)
+
+
+@numba.njit(cache=True, nogil=True)
+def elias_fano_encode(  # pragma: no cover - compiled
+    indices: Any,
+    low_bits: int,
+    a: int,
+    b: int,
+    plane_len: int,
+    lows: Any,
+    planes: Any,
+    bitmap: Any,
+) -> None:
+    # sparcml.indexcode's Elias-Fano field of strictly increasing indices: the
+    # low a bytes of each; bit 8a + j of each in plane j, eight indices at a time
+    # through a bit transpose; bit (x >> low_bits) + i of the bitmap, a word at a
+    # time (no branch on the data). The bitmap arrives zeroed.
+    n = indices.shape[0]
+    shift = 8 * a
+    mask = (1 << b) - 1
+    for g in range(plane_len):
+        word = np.uint64(0)
+        for t in range(min(8, n - 8 * g)):
+            i = 8 * g + t
+            x = indices[i]
+            for k in range(a):
+                lows[i * a + k] = (x >> (8 * k)) & 0xFF
+            word |= np.uint64((x >> shift) & mask) << np.uint64(8 * t)
+        if b:
+            word = _transpose8(word)
+            for j in range(b):
+                planes[j * plane_len + g] = (word >> np.uint64(8 * j)) & _BYTE
+    nbytes = bitmap.shape[0]
+    at = -1
+    word = np.uint64(0)
+    for i in range(n):
+        p = (indices[i] >> low_bits) + i
+        if p >> 6 != at:
+            for k in range(8):  # the finished word's bytes
+                if at >= 0 and at * 8 + k < nbytes:
+                    bitmap[at * 8 + k] = (word >> np.uint64(8 * k)) & _BYTE
+            at = p >> 6
+            word = np.uint64(0)
+        word |= np.uint64(1) << np.uint64(p & 63)
+    for k in range(8):
+        if at >= 0 and at * 8 + k < nbytes:
+            bitmap[at * 8 + k] = (word >> np.uint64(8 * k)) & _BYTE
+
+
+@numba.njit(cache=True, nogil=True)
+def elias_fano_decode(  # pragma: no cover - compiled
+    lows: Any,
+    a: int,
+    planes: Any,
+    b: int,
+    plane_len: int,
+    bitmap: Any,
+    nbits: int,
+    low_bits: int,
+    size: int,
+    out: Any,
+    offset: int,
+) -> int:
+    # the inverse, checked: -1 when the field holds len(out) strictly increasing
+    # indices below size; else i > 0 not increasing at i, len(out) the last one
+    # >= size, -2 a bitmap that holds another count or a set bit past nbits.
+    # Pass 1: the high parts, a bitmap word at a time (its set bits by de Bruijn
+    # multiplication); pass 2: the low bits ORed in, eight indices at a time.
+    n = out.shape[0]
+    nbytes = bitmap.shape[0]
+    i = 0
+    for q in range(0, nbytes, 8):
+        word = np.uint64(0)
+        for k in range(min(8, nbytes - q)):
+            word |= np.uint64(bitmap[q + k]) << np.uint64(8 * k)
+        while word:
+            lowest = word & (~word + np.uint64(1))
+            p = q * 8 + _CTZ[(lowest * _DEBRUIJN) >> _U58]
+            word ^= lowest
+            if i == n or p >= nbits:
+                return -2
+            out[i] = (p - i) << low_bits
+            i += 1
+    if i != n:
+        return -2
+    shift = 8 * a
+    prev = np.int64(-1)
+    for g in range(plane_len):
+        word = np.uint64(0)
+        if b:
+            for j in range(b):
+                word |= np.uint64(planes[j * plane_len + g]) << np.uint64(8 * j)
+            word = _transpose8(word)
+        for t in range(min(8, n - 8 * g)):
+            i = 8 * g + t
+            x = out[i] | (np.int64((word >> np.uint64(8 * t)) & _BYTE) << shift)
+            if a:
+                x |= _field(lows, i * a, a)
+            if x <= prev:
+                return i
+            out[i] = x + offset
+            prev = x
     if n and prev >= size:
         return n
     return -1

@@ -14,7 +14,9 @@ with ``tensor.view(dtype)`` directly has two traps that valid input hits:
 :func:`as_bytes` and :func:`bytes_as` view when they can and copy only when they
 must; :func:`index_low_bytes` / :func:`indices_from_low_bytes` are the ``c``-byte
 index encoding every format shares (little-endian, the low ``c`` bytes of the
-``int64``). Pure tensor code: CPU or CUDA.
+``int64``); :func:`pack_bools` / :func:`unpack_bools` the bit fields (eight flags
+a byte, first flag in the lowest bit) of quantized payloads and of Elias--Fano
+index fields. Pure tensor code: CPU or CUDA.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "BOOL_SPREAD",
     "as_bytes",
     "bytes_as",
     "dense_1d",
     "index_low_bytes",
     "indices_from_low_bytes",
+    "pack_bools",
+    "unpack_bools",
     "write_low_bytes",
 ]
 
@@ -115,3 +120,39 @@ def indices_from_low_bytes(raw: torch.Tensor, c: int) -> torch.Tensor:
 
 
 _WORDS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.int64}
+
+
+BOOL_SPREAD = 0x0102040810204080  # gathers the low bit of 8 bytes into the top byte
+
+
+def pack_bools(flags: torch.Tensor) -> torch.Tensor:
+    """Pack booleans (or 0/1 bytes) 8 per byte, first flag in the lowest bit.
+
+    Multiplying the 8 bytes, read as one little-endian int64, by ``BOOL_SPREAD`` moves
+    byte ``j``'s low bit to bit ``56 + j``: four tensor operations per 8 flags.
+
+    Example:
+        >>> pack_bools(torch.tensor([True, False, True])).tolist()
+        [5]
+    """
+    n = flags.numel()
+    f = flags.reshape(-1).to(torch.uint8)
+    pad = (-n) % 8
+    if pad:
+        f = torch.cat([f, torch.zeros(pad, dtype=torch.uint8, device=f.device)])
+    words = f.view(torch.int64)
+    return ((words * BOOL_SPREAD) >> 56).to(torch.uint8)  # the low byte, sign extension dropped
+
+
+_BIT_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def unpack_bools(buf: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_bools`: the ``8 * len(buf)`` flags as 0/1 ``uint8``, one
+    table lookup (a gather) per byte."""
+    table = _BIT_TABLES.get(buf.device)
+    if table is None:
+        shifts = torch.arange(8, dtype=torch.uint8)
+        table = ((torch.arange(256, dtype=torch.int32)[:, None] >> shifts) & 1).to(torch.uint8)
+        table = _BIT_TABLES.setdefault(buf.device, table.to(buf.device))
+    return table[buf.long()].reshape(-1)

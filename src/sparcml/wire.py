@@ -4,22 +4,27 @@ Layout (little-endian), 24-byte header then data::
 
     offset size  field
     0      3     magic b"SpS"
-    3      1     format version (2)
-    4      1     flags: bit 0 = dense
-    5      1     index bytes c (1 to 8, sec. 5.1's ceil(log2(N) / 8); 0 if dense)
+    3      1     format version (3)
+    4      1     flags: bit 0 = dense, bit 1 = Elias--Fano index field
+    5      1     index width: c, the bytes of a fixed index field (1 to 8, sec. 5.1's
+                 ceil(log2(N) / 8)); l, the low bits of an Elias--Fano field; 0 if dense
     6      1     value dtype code (1 float32, 2 float16, 3 bfloat16, 4 float64)
     7      1     reserved, 0
     8      8     N, the vector dimension (uint64)
     16     8     nnz, the number of values that follow (uint64; N if dense)
-    24     c*nnz indices (sparse only), the low c bytes of each index
+    24     ..    the index field (sparse only): c*nnz bytes, the low c bytes of each
+                 index, or the Elias--Fano field of :mod:`sparcml.indexcode`
     ..     isize*nnz values
 
-A sparse stream costs ``24 + nnz * (c + isize)`` bytes, a dense one
-``24 + N * isize``: the sizes sec. 5.1's ``delta`` compares.
+A sparse stream costs ``24 + F + nnz * isize`` bytes, where ``F`` is the smaller
+index field (:func:`sparcml.indexcode.layout`: ``c * nnz``, or about
+``(2 + log2(N / nnz)) / 8`` bytes an index coded Elias--Fano), a dense one
+``24 + N * isize``.
 
 :func:`decode` rejects anything that is not such a buffer (wrong magic or
 version, unknown dtype, truncated or trailing bytes, indices out of range or not
-strictly increasing) with a :class:`~sparcml.errors.WireFormatError`.
+strictly increasing, an Elias--Fano field holding another count) with a
+:class:`~sparcml.errors.WireFormatError`.
 
 Several encoded streams travel together as a *bundle* (:func:`pack` /
 :func:`unpack`), used by the recursive-doubling allgather: a header with the
@@ -35,6 +40,14 @@ from collections.abc import Sequence
 import torch
 
 from .errors import WireFormatError
+from .indexcode import (
+    ELIAS_FANO,
+    MAX_LOW_BITS,
+    elias_fano_nbytes,
+    layout,
+    read_elias_fano,
+    write_elias_fano,
+)
 from .kernels import compiled
 from .reinterpret import as_bytes, bytes_as, dense_1d, indices_from_low_bytes, write_low_bytes
 from .stream import SparseStream, index_bytes
@@ -57,7 +70,10 @@ __all__ = [
 ]
 
 MAGIC = b"SpS"
-VERSION = 2  # 2: c is the fewest bytes that hold N (version 1 rounded it up to 2, 4 or 8)
+# 2: c is the fewest bytes that hold N (version 1 rounded it up to 2, 4 or 8);
+# 3: the index field may be Elias--Fano coded (flag bit 1)
+VERSION = 3
+_DENSE, _ELIAS_FANO = 1, 2
 _HEADER = struct.Struct("<3sBBBBBQQ")
 HEADER_BYTES = _HEADER.size  # 24
 
@@ -90,20 +106,25 @@ def code_dtype(code: int) -> torch.dtype:
         raise WireFormatError(f"unknown value dtype code {code}") from None
 
 
-def encoded_nbytes(stream: SparseStream) -> int:
-    """Size in bytes of :func:`encode` ``(stream)``, without encoding it."""
+def encoded_nbytes(stream: SparseStream, *, elias_fano: bool = True) -> int:
+    """Size in bytes of :func:`encode` ``(stream, elias_fano=...)``, without encoding it."""
     isize = stream.values.element_size()
     if stream.is_dense:
         return HEADER_BYTES + stream.size * isize
-    return HEADER_BYTES + stream.nnz * (index_bytes(stream.size) + isize)
+    field = layout(stream.size, stream.nnz, elias_fano=elias_fano)
+    return HEADER_BYTES + field.nbytes + stream.nnz * isize
 
 
 def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
-def encode(stream: SparseStream) -> torch.Tensor:
+def encode(stream: SparseStream, *, elias_fano: bool = True) -> torch.Tensor:
     """Encode ``stream`` as one contiguous uint8 tensor on the stream's device.
+
+    A sparse stream's indices take the smaller index field
+    (:func:`sparcml.indexcode.layout`); ``elias_fano=False`` keeps the fixed
+    ``c``-byte fields.
 
     Example:
         >>> s = SparseStream(torch.tensor([3]), torch.tensor([1.5]), 10)
@@ -119,14 +140,26 @@ def encode(stream: SparseStream) -> torch.Tensor:
             MAGIC, VERSION, 1, 0, dtype_code(stream.dtype), 0, stream.size, stream.size
         )
         return torch.cat([_bytes_tensor(header, device), values])
-    c, nnz = index_bytes(stream.size), stream.nnz
-    header = _HEADER.pack(MAGIC, VERSION, 0, c, dtype_code(stream.dtype), 0, stream.size, nnz)
+    nnz = stream.nnz
+    field = layout(stream.size, nnz, elias_fano=elias_fano)
+    ef = field.coding == ELIAS_FANO
+    flags = _ELIAS_FANO if ef else 0
+    header = _HEADER.pack(
+        MAGIC, VERSION, flags, field.width, dtype_code(stream.dtype), 0, stream.size, nnz
+    )
     # one write of each field into the message (the index field starts 8-byte aligned;
-    # the values are aligned when c is a word width, else decode copies them once)
-    out = torch.empty(HEADER_BYTES + nnz * c + values.numel(), dtype=torch.uint8, device=device)
+    # the values are aligned behind an Elias--Fano field or a word-wide fixed one,
+    # else decode copies them once)
+    out = torch.empty(
+        HEADER_BYTES + field.nbytes + values.numel(), dtype=torch.uint8, device=device
+    )
     out[:HEADER_BYTES].copy_(_bytes_tensor(header, device))
-    write_index_field(out[HEADER_BYTES : HEADER_BYTES + nnz * c], stream.indices, c)
-    out[HEADER_BYTES + nnz * c :].copy_(values)
+    index_field = out[HEADER_BYTES : HEADER_BYTES + field.nbytes]
+    if ef:
+        write_elias_fano(index_field, stream.indices, stream.size, field.width)
+    else:
+        write_index_field(index_field, stream.indices, field.width)
+    out[HEADER_BYTES + field.nbytes :].copy_(values)
     return out
 
 
@@ -144,7 +177,7 @@ def _read_header(buf: torch.Tensor) -> tuple[int, int, int, int, int, int]:
         raise WireFormatError(f"not a sparse-stream message (magic {magic!r})")
     if version != VERSION:
         raise WireFormatError(f"unsupported wire format version {version} (this is {VERSION})")
-    if flags & ~1 or reserved:
+    if flags & ~(_DENSE | _ELIAS_FANO) or flags == _DENSE | _ELIAS_FANO or reserved:
         raise WireFormatError(f"malformed header: flags={flags:#x}, reserved={reserved}")
     return flags, c, code, size, nnz, version
 
@@ -172,44 +205,86 @@ def decode(
     (no copy): do not overwrite ``buf`` while the stream is in use. A dense
     stream gets its own copy (dense streams are summed in place).
     """
-    dense, c, dtype, size, nnz = _checked_header(buf, expect_size, expect_dtype)
+    head = _checked_header(buf, expect_size, expect_dtype)
     target = torch.device(device) if device is not None else buf.device
     body = buf[HEADER_BYTES:].to(target)
-    if dense:
-        return SparseStream.dense(body.clone().view(dtype))
-    indices = torch.empty(nnz, dtype=torch.int64, device=target)
-    widen_checked(body[: nnz * c], c, size, indices)
+    if head.dense:
+        return SparseStream.dense(body.clone().view(head.dtype))
+    indices = torch.empty(head.nnz, dtype=torch.int64, device=target)
+    _read_index_field(head, body[: head.field], indices)
     # a view into the message when aligned: sparse streams never write their values
-    values = bytes_as(body[nnz * c :], dtype)
-    return SparseStream.from_sorted(indices, values, size)
+    values = bytes_as(body[head.field :], head.dtype)
+    return SparseStream.from_sorted(indices, values, head.size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """A header checked against its message's length."""
+
+    dense: bool
+    ef: bool  # an Elias--Fano index field
+    width: int  # c bytes, or l low bits
+    dtype: torch.dtype
+    size: int
+    nnz: int
+    field: int  # the index field's bytes
+
+
+def _read_index_field(
+    head: _Checked, raw: torch.Tensor, out: torch.Tensor, offset: int = 0, what: str = "message"
+) -> None:
+    """The message's indices into ``out`` (plus ``offset``), checked."""
+    if not head.ef:
+        widen_checked(raw, head.width, head.size, out, offset, what)
+        return
+    stop = read_elias_fano(raw, head.size, head.width, out, offset)
+    if stop == -1:
+        return
+    if stop == -2:
+        raise WireFormatError(
+            f"the Elias-Fano index field of {what} does not hold {head.nnz} indices"
+        )
+    if stop == out.numel():
+        last = int(out[-1]) - offset
+        raise WireFormatError(f"index {last} in {what} out of range for size {head.size}")
+    raise WireFormatError(f"indices in {what} are not strictly increasing")
 
 
 def _checked_header(
     buf: torch.Tensor, expect_size: int | None, expect_dtype: torch.dtype | None
-) -> tuple[bool, int, torch.dtype, int, int]:
-    """``(dense, c, dtype, size, nnz)`` of a message whose length matches its header."""
-    flags, c, code, size, nnz, _ = _read_header(buf)
+) -> _Checked:
+    """The header of a message whose length matches it."""
+    flags, width, code, size, nnz, _ = _read_header(buf)
     dtype = code_dtype(code)
     if expect_size is not None and size != expect_size:
         raise WireFormatError(f"message holds a stream of size {size}, expected {expect_size}")
     if expect_dtype is not None and dtype != expect_dtype:
         raise WireFormatError(f"message holds {dtype} values, expected {expect_dtype}")
     isize = dtype.itemsize
-    dense = bool(flags & 1)
+    dense, ef = bool(flags & _DENSE), bool(flags & _ELIAS_FANO)
+    field = 0
     if dense:
-        if c != 0 or nnz != size:
-            raise WireFormatError(f"malformed dense header: c={c}, nnz={nnz}, size={size}")
+        if width != 0 or nnz != size:
+            raise WireFormatError(f"malformed dense header: c={width}, nnz={nnz}, size={size}")
         need = HEADER_BYTES + size * isize
     else:
-        if not 1 <= c <= 8 or c < index_bytes(size):
-            raise WireFormatError(f"index width {c} bytes cannot address a stream of size {size}")
         if nnz > size:
             raise WireFormatError(f"malformed header: nnz={nnz} exceeds size {size}")
-        need = HEADER_BYTES + nnz * (c + isize)
+        if ef:
+            if width > MAX_LOW_BITS or not nnz:
+                raise WireFormatError(f"malformed Elias-Fano header: l={width}, nnz={nnz}")
+            field = elias_fano_nbytes(size, nnz, width)
+        else:
+            if not 1 <= width <= 8 or width < index_bytes(size):
+                raise WireFormatError(
+                    f"index width {width} bytes cannot address a stream of size {size}"
+                )
+            field = nnz * width
+        need = HEADER_BYTES + field + nnz * isize
     if buf.numel() != need:
         what = "truncated" if buf.numel() < need else "trailing bytes in"
         raise WireFormatError(f"{what} message: {buf.numel()} bytes, header says {need}")
-    return dense, c, dtype, size, nnz
+    return _Checked(dense, ef, width, dtype, size, nnz, field)
 
 
 def decode_concat(
@@ -243,23 +318,24 @@ def decode_concat(
     heads = []
     for j, (buf, size) in enumerate(zip(bufs, sizes, strict=True)):
         try:
-            dense, c, _, _, nnz = _checked_header(buf, size, dtype)
+            head = _checked_header(buf, size, dtype)
         except WireFormatError as e:
             raise WireFormatError(f"range {j}: {e}") from None
-        if dense:
+        if head.dense:
             return None
-        heads.append((c, nnz))
+        heads.append(head)
     target = torch.device(device) if device is not None else bufs[0].device
-    total = sum(nnz for _, nnz in heads)
+    total = sum(h.nnz for h in heads)
     indices = torch.empty(total, dtype=torch.int64, device=target)
     values = torch.empty(total, dtype=dtype, device=target)
     start = offset = 0
-    for j, (buf, size, (c, nnz)) in enumerate(zip(bufs, sizes, heads, strict=True)):
+    for j, (buf, size, h) in enumerate(zip(bufs, sizes, heads, strict=True)):
         body = buf[HEADER_BYTES:].to(target)
-        widen_checked(body[: nnz * c], c, size, indices[start : start + nnz], offset, f"range {j}")
+        stop = start + h.nnz
+        _read_index_field(h, body[: h.field], indices[start:stop], offset, f"range {j}")
         # a byte copy: the values need not be aligned in the message (c = 3)
-        as_bytes(values[start : start + nnz]).copy_(body[nnz * c :])
-        start += nnz
+        as_bytes(values[start:stop]).copy_(body[h.field :])
+        start = stop
         offset += size
     return SparseStream.from_sorted(indices, values, offset)
 
@@ -317,19 +393,21 @@ class StreamHeader:
 
     size: int
     nnz: int
-    index_bytes: int
+    index_width: int  # c bytes per index, or l low bits (Elias--Fano)
     value_bytes: int
     dense: bool
+    elias_fano: bool = False
 
     @property
     def nbytes(self) -> int:
         """The encoded stream's length in bytes, header included."""
-        body = (
-            self.size * self.value_bytes
-            if self.dense
-            else self.nnz * (self.index_bytes + self.value_bytes)
-        )
-        return HEADER_BYTES + body
+        if self.dense:
+            return HEADER_BYTES + self.size * self.value_bytes
+        if self.elias_fano:
+            field = elias_fano_nbytes(self.size, self.nnz, self.index_width)
+        else:
+            field = self.nnz * self.index_width
+        return HEADER_BYTES + field + self.nnz * self.value_bytes
 
 
 def peek(buf: torch.Tensor, offset: int = 0) -> StreamHeader | None:
@@ -347,7 +425,7 @@ def peek(buf: torch.Tensor, offset: int = 0) -> StreamHeader | None:
     if magic != MAGIC or code not in _CODE_DTYPES:
         return None
     isize = torch.empty((), dtype=_CODE_DTYPES[code]).element_size()
-    return StreamHeader(size, nnz, c, isize, bool(flags & 1))
+    return StreamHeader(size, nnz, c, isize, bool(flags & _DENSE), bool(flags & _ELIAS_FANO))
 
 
 def peek_bundle(buf: torch.Tensor) -> list[tuple[int, int]] | None:

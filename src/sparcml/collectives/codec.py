@@ -29,6 +29,19 @@ the same bytes (the partners of recursive doubling) share a seed
 Results stay bitwise identical on every rank: a quantized message is decoded
 from its bytes by every rank that uses it, the sender included, and final
 results are handed on exactly (:meth:`encode_exact`).
+
+Index coding (``index_coding``, lossless whatever it is; :data:`INDEX_CODINGS`):
+
+* ``"auto"`` (default): exact messages of CPU streams carry their indices
+  Elias--Fano coded where that is smaller than the ``c``-byte fields
+  (:mod:`sparcml.indexcode`, chosen per message); on other devices, whose fields
+  would take a dozen kernel launches a message that fast device links rarely
+  repay, the fixed fields; quantized messages the fixed fields;
+* ``"fixed"``: sec. 5.1's ``c``-byte fields in every message (the wire of
+  version 2, no coding work);
+* ``"elias-fano"``: as ``"auto"``, on every device;
+* ``"delta"``: as ``"auto"``, and quantized messages carry varints of the
+  gaps (:func:`sparcml.compress.packing.encode_index_deltas`).
 """
 
 from __future__ import annotations
@@ -46,12 +59,33 @@ from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import decode, decode_concat, encode
 
-__all__ = ["EXACT", "HEADER_BYTES", "QUANTIZE_MODES", "CarriedHeaders", "FirstRound", "StreamCodec"]
+__all__ = [
+    "EXACT",
+    "HEADER_BYTES",
+    "INDEX_CODINGS",
+    "QUANTIZE_MODES",
+    "CarriedHeaders",
+    "FirstRound",
+    "StreamCodec",
+    "check_index_coding",
+]
 
 HEADER_BYTES = 48
 """Size of a rank's consistency header (:func:`~sparcml.collectives.headers.check_consistent`)."""
 
 QUANTIZE_MODES = ("dense", "contributions", "all")
+
+#: the index codings (module doc); the first two keep their numbers in the
+#: consistency header of earlier versions
+INDEX_CODINGS = ("fixed", "delta", "auto", "elias-fano")
+
+
+def check_index_coding(index_coding: object) -> None:
+    """Raise ``ValueError`` naming the choices unless ``index_coding`` is one of them."""
+    if index_coding not in INDEX_CODINGS:
+        names = ", ".join(map(repr, INDEX_CODINGS))
+        raise ValueError(f"index_coding must be one of {names}, got {index_coding!r}")
+
 
 # The base of the own-generator seeds of quantizers built with seed=None: random
 # per process, so such runs are not reproducible but still independent across ranks.
@@ -168,9 +202,8 @@ class StreamCodec:
     Args:
         quantizer: a value quantizer (``sparcml.compress.get("qsgd", bits=4)``), or None.
         quantize: ``"dense"``, ``"contributions"`` or ``"all"`` (module docstring).
-        index_coding: indices of quantized sparse messages as ``c``-byte words
-            (``"fixed"``) or varints of their gaps (``"delta"``); exact messages
-            keep the fixed format.
+        index_coding: how indices travel (module doc): ``"auto"``, ``"fixed"``,
+            ``"elias-fano"`` or ``"delta"``.
     """
 
     def __init__(
@@ -178,7 +211,7 @@ class StreamCodec:
         quantizer: Quantizer | None = None,
         quantize: str = "dense",
         sequence: int = 0,
-        index_coding: str = "fixed",
+        index_coding: str = "auto",
         rank: int = 0,
     ) -> None:
         if quantizer is not None and not isinstance(quantizer, Quantizer):
@@ -190,8 +223,7 @@ class StreamCodec:
             raise ValueError(
                 f"quantize must be one of {', '.join(map(repr, QUANTIZE_MODES))}, got {quantize!r}"
             )
-        if index_coding not in ("fixed", "delta"):
-            raise ValueError(f"index_coding must be 'fixed' or 'delta', got {index_coding!r}")
+        check_index_coding(index_coding)
         self.quantizer = quantizer
         self.quantize = quantize
         self.index_coding = index_coding
@@ -265,8 +297,9 @@ class StreamCodec:
         if self._quantizes(stream, partial):
             assert self.quantizer is not None
             gen = self._generator(stream.device, shared_seed)
-            return encode_quantized_stream(stream, self.quantizer, gen, self.index_coding)
-        return encode(stream)
+            coding = "delta" if self.index_coding == "delta" else "fixed"
+            return encode_quantized_stream(stream, self.quantizer, gen, coding)
+        return self.encode_exact(stream)
 
     def quantize_own(self, stream: SparseStream) -> SparseStream:
         """Under ``"contributions"``: this rank's own contribution as it would be sent
@@ -277,10 +310,16 @@ class StreamCodec:
             return stream
         return self.decode(self.encode(stream), stream.size, stream.dtype, stream.device)
 
-    @staticmethod
-    def encode_exact(stream: SparseStream) -> torch.Tensor:
-        """The exact encoding, for final results handed to other ranks."""
-        return encode(stream)
+    def encode_exact(self, stream: SparseStream) -> torch.Tensor:
+        """The exact encoding, for final results handed to other ranks (indices coded
+        as ``index_coding`` says)."""
+        return encode(stream, elias_fano=self.elias_fano(stream.device))
+
+    def elias_fano(self, device: torch.device) -> bool:
+        """Whether exact messages of streams on ``device`` may carry Elias--Fano indices."""
+        if self.index_coding == "fixed":
+            return False
+        return self.index_coding == "elias-fano" or device.type == "cpu"
 
     def decode(
         self, buf: torch.Tensor, size: int | None, dtype: torch.dtype, device: torch.device

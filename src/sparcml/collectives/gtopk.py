@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..comm import Communicator, resolve
-from ..stream import SparseStream, index_bytes
+from ..indexcode import index_field_nbytes
+from ..stream import SparseStream
 from ._common import log2_ceil
 from .codec import EXACT, StreamCodec
 from .registry import register
@@ -52,7 +53,7 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
     """Tree reduction keeping ``k`` per level, then broadcast (paper 001's table:
     ``2 log P alpha + 4k log P beta`` in words), a merge per level."""
     k = max(ks) if ks else 0
-    pair = index_bytes(n) + isize
+    pair = index_field_nbytes(n, k) / max(k, 1) + isize  # indices as the wire codes them
     log_p = log2_ceil(p)
     return 2 * log_p * (model.alpha + model.beta_pairs * k * pair) + model.gamma * 2 * k * log_p
 

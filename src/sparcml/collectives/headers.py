@@ -30,7 +30,7 @@ from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
 from ..wire import code_dtype, dtype_code
 from ._common import held_ranks, largest_power_of_two
-from .codec import HEADER_BYTES, QUANTIZE_MODES
+from .codec import HEADER_BYTES, INDEX_CODINGS, QUANTIZE_MODES
 from .registry import algorithms
 
 __all__ = [
@@ -124,7 +124,7 @@ class CallSettings:
     quantizer: str | None = None
     quantizer_params: str = ""
     quantize: str = "dense"
-    index_coding: str = "fixed"
+    index_coding: str = "auto"
     k: int | None = None
     inner: str | None = None  # the two-level algorithms' algorithm between nodes
 
@@ -156,8 +156,8 @@ class CallSettings:
         and (quantizer parameters, k + 1), as signed int64."""
         q = _name_id(self.quantizer) if self.quantizer is not None else 0
         mode = QUANTIZE_MODES.index(self.quantize) + 1 if self.quantize in QUANTIZE_MODES else 15
-        coding = ("fixed", "delta").index(self.index_coding) + 1 if self.index_coding in (
-            "fixed", "delta") else 15  # fmt: skip
+        known = self.index_coding in INDEX_CODINGS
+        coding = INDEX_CODINGS.index(self.index_coding) + 1 if known else 15
         if self.quantizer is None:
             mode = coding = 0
         algorithm = self.algorithm if self.inner is None else f"{self.algorithm}:{self.inner}"

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..comm import Communicator, resolve
-from ..stream import SparseStream, index_bytes
+from ..indexcode import index_field_nbytes
+from ..stream import SparseStream
 from ._common import fold_messages, log2_ceil
 from .codec import EXACT, StreamCodec
 from .registry import register
@@ -32,7 +33,7 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
     """Recursive-doubling allgather of every rank's ``k`` pairs (paper 001's table:
     ``log P alpha + 2(P-1) k beta`` in words), then the merge of ``P k`` pairs."""
     k_mean = sum(ks) / len(ks) if ks else 0.0
-    pair = index_bytes(n) + isize
+    pair = index_field_nbytes(n, k_mean) / max(k_mean, 1) + isize  # indices as the wire codes them
     return (
         (log2_ceil(p) + fold_messages(p)) * model.alpha
         + model.beta_pairs * (p - 1) * k_mean * pair

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import WireFormatError
+from ..reinterpret import BOOL_SPREAD, pack_bools
 
 __all__ = [
     "pack_bits",
@@ -35,24 +36,6 @@ def packed_nbytes(n: int, bits: int) -> int:
     return (n if bits > 8 else 0) + planes * ((n + 7) // 8)
 
 
-_SPREAD = 0x0102040810204080  # gathers the low bit of 8 bytes into the top byte
-
-
-def pack_bools(flags: torch.Tensor) -> torch.Tensor:
-    """Pack booleans (or 0/1 bytes) 8 per byte, first flag in the lowest bit.
-
-    Multiplying the 8 bytes, read as one little-endian int64, by ``_SPREAD`` moves
-    byte ``j``'s low bit to bit ``56 + j``: four tensor operations per 8 flags.
-    """
-    n = flags.numel()
-    f = flags.reshape(-1).to(torch.uint8)
-    pad = (-n) % 8
-    if pad:
-        f = torch.cat([f, torch.zeros(pad, dtype=torch.uint8, device=f.device)])
-    words = f.view(torch.int64)
-    return ((words * _SPREAD) >> 56).to(torch.uint8)  # the low byte, sign extension dropped
-
-
 def pack_bools_into(dst: torch.Tensor, flags: torch.Tensor) -> None:
     """:func:`pack_bools` writing into ``dst`` through scratch buffers (no allocation)."""
     from ._kernels import scratch
@@ -63,7 +46,7 @@ def pack_bools_into(dst: torch.Tensor, flags: torch.Tensor) -> None:
     f[:n].copy_(flags.reshape(-1))
     f[n:].zero_()
     words = scratch("pack_words", width // 8, torch.int64, flags.device)
-    torch.mul(f.view(torch.int64), _SPREAD, out=words)
+    torch.mul(f.view(torch.int64), BOOL_SPREAD, out=words)
     words >>= 56
     dst.copy_(words)  # the low byte of each word
 

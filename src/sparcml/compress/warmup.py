@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..indexcode import elias_fano_nbytes, read_elias_fano, write_elias_fano
 from ..merge import merge_positions
 from ..reinterpret import index_low_bytes
 from ..wire import widen_increasing, write_index_field
@@ -37,6 +38,9 @@ def warm_kernels() -> None:
     for c in (1, 2, 3, 4, 8):  # 3: the compiled pass of every width that is not a word
         widen_increasing(index_low_bytes(torch.tensor([1, 2]), c), c, 4, out)
     write_index_field(torch.empty(6, dtype=torch.uint8), torch.tensor([1, 2]), 3)
+    field = torch.empty(elias_fano_nbytes(4096, 2, 9), dtype=torch.uint8)  # a low byte, a plane
+    write_elias_fano(field, torch.tensor([1, 2000]), 4096, 9)
+    read_elias_fano(field, 4096, 9, out)
     for dtype in (torch.int16, torch.int32, torch.int64):
         above_positions(torch.tensor([1, 3], dtype=dtype), -1, 2, 0, out)
     for dtype in (torch.float32, torch.float64):

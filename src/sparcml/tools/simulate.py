@@ -49,7 +49,8 @@ from ..comm.sim import Charge, SimCommunicator, bytes_charge, simulate_ranks
 from ..comm.topology import Topology
 from ..compress.selection import k_of
 from ..costmodel import CostModel, expected_fill_in
-from ..stream import SparseStream, index_bytes
+from ..indexcode import layout
+from ..stream import SparseStream
 from ..wire import HEADER_BYTES, peek, peek_bundle
 from .bench.allreduce import gradient_like
 from .bench.harness import write_json
@@ -205,8 +206,10 @@ def _stream_charge(buf: torch.Tensor, offset: int, scale: int) -> Charge | None:
         return None
     if h.dense:
         return Charge(HEADER_BYTES + h.size * scale * h.value_bytes, h.size * scale, True)
-    full_c = index_bytes(h.size * scale)
-    return Charge(HEADER_BYTES + h.nnz * scale * (full_c + h.value_bytes), h.nnz * scale, False)
+    # the full-scale message's index field, coded as the small one was
+    size, nnz = h.size * scale, h.nnz * scale
+    field = layout(size, nnz, elias_fano=h.elias_fano).nbytes
+    return Charge(HEADER_BYTES + field + nnz * h.value_bytes, nnz, False)
 
 
 def model_time(model: CostModel, algorithm: str, p: int, n: int, k: int, isize: int = 4) -> float:

@@ -535,8 +535,11 @@ def _v2_settings(saved: dict[str, Any]) -> dict[str, Any]:
 def _in_effect(settings: dict[str, Any]) -> dict[str, Any]:
     """Settings without those that change nothing: ``momentum_masking`` without
     momentum correction (so that checkpoints made before its default changed load
-    where it never applied); the same for each layer rule's settings."""
+    where it never applied), ``index_coding`` (lossless: it changes the bytes on the
+    wire, never the model; checkpoints made before its default became ``"auto"``
+    load); the same for each layer rule's settings."""
     out = dict(settings)
+    out.pop("index_coding", None)
     if not out.get("momentum"):
         out.pop("momentum_masking", None)
     if isinstance(out.get("layers"), list):

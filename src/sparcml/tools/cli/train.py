@@ -223,7 +223,7 @@ def _hyper(args: argparse.Namespace) -> dict:
         hyper["momentum"] = args.momentum_correction
     if args.momentum_masking is not None:
         hyper["momentum_masking"] = args.momentum_masking
-    if args.index_coding != "fixed":
+    if args.index_coding != "auto":
         hyper["index_coding"] = args.index_coding
     if args.algorithm:
         hyper["algorithm"] = args.algorithm
@@ -542,9 +542,11 @@ def add_parsers(sub: Any) -> None:
     )
     tr.add_argument(
         "--index-coding",
-        choices=["fixed", "delta"],
-        default="fixed",
-        help="indices of quantized sparse messages: c-byte words or varints of the gaps",
+        choices=["auto", "fixed", "elias-fano", "delta"],  # sparcml.collectives.codec.INDEX_CODINGS
+        default="auto",
+        help="how the sparse methods' indices travel: auto (Elias-Fano where smaller, for CPU "
+        "tensors), fixed (c-byte words), elias-fano (where smaller, on every device), delta "
+        "(auto, and quantized messages' indices as varints of the gaps)",
     )
     tr.add_argument(
         "--momentum-correction",

@@ -331,7 +331,7 @@ def method_hyper(
         # methods get DGC momentum correction (the optimizer then runs without)
         h["momentum"] = momentum
     if h.get("index_coding") and "index_coding" not in method_spec(method).config.field_names():
-        h.pop("index_coding")  # index coding applies to quantized sparse messages only
+        h.pop("index_coding")  # index coding applies to the sparse methods only
     if h.get("algorithm") and "algorithm" not in method_spec(method).config.field_names():
         h.pop("algorithm")  # the sparse allreduce algorithm: for the methods that run one
     return h

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ...collectives import algorithms, reduce_scatter, sparse_allreduce
-from ...collectives.codec import EXACT, QUANTIZE_MODES, StreamCodec
+from ...collectives.codec import EXACT, QUANTIZE_MODES, StreamCodec, check_index_coding
 from ...collectives.registry import algorithm_info
 from ...comm import Communicator
 from ...compress.base import Composed, Selector, check_kind, split_composition
@@ -89,8 +89,11 @@ class TopK(MethodConfig):
         quantize: with a quantizer, which messages are quantized: ``"contributions"``
             (SparCML's Alg. 1: each rank's selection once, partial sums exact),
             ``"all"`` (partial sums re-quantized at every stage) or ``"dense"``.
-        index_coding: ``"delta"``: indices of quantized sparse messages as varints of
-            their gaps; ``"fixed"``: ``c``-byte words.
+        index_coding: how indices travel (:mod:`sparcml.collectives.codec`):
+            ``"auto"`` (Elias--Fano where smaller, for CPU streams), ``"fixed"``
+            (``c``-byte words), ``"elias-fano"`` (where smaller, on every device)
+            or ``"delta"`` (as ``"auto"``, and quantized messages' indices as
+            varints of their gaps).
     """
 
     NAME_FIELDS: ClassVar[tuple[str, ...]] = ("selector", "quantizer")
@@ -101,7 +104,7 @@ class TopK(MethodConfig):
     algorithm: str = "auto"
     compressor_params: dict[str, Any] = dataclasses.field(default_factory=dict)
     quantize: str = "contributions"
-    index_coding: str = "fixed"
+    index_coding: str = "auto"
 
     @property
     def name(self) -> str:
@@ -122,8 +125,7 @@ class TopK(MethodConfig):
                 f"quantize must be one of {', '.join(map(repr, QUANTIZE_MODES))}, "
                 f"got {self.quantize!r}"
             )
-        if self.index_coding not in ("fixed", "delta"):
-            raise ValueError(f"index_coding must be 'fixed' or 'delta', got {self.index_coding!r}")
+        check_index_coding(self.index_coding)
         object.__setattr__(self, "compressor_params", dict(self.compressor_params or {}))
 
 
