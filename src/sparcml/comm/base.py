@@ -69,11 +69,29 @@ class CommStats:
 
 
 class Handle:
-    """A pending point-to-point operation. ``wait()`` returns the received tensor (or None)."""
+    """A pending point-to-point operation. ``wait()`` returns the received tensor (or None).
 
-    def __init__(self, waiter: Callable[[], torch.Tensor | None]) -> None:
+    ``progress``, where a backend gives one, moves the operation on without waiting
+    for it to finish: a receive of unknown length over torch.distributed waits for
+    the length and posts the body's receive, so that a caller expecting several
+    messages has all their bodies in flight at once (:meth:`Communicator.alltoallv`).
+    """
+
+    def __init__(
+        self,
+        waiter: Callable[[], torch.Tensor | None],
+        progress: Callable[[], None] | None = None,
+    ) -> None:
         self._waiter: Callable[[], torch.Tensor | None] | None = waiter
+        self._progress = progress
         self._result: torch.Tensor | None = None
+
+    def progress(self) -> None:
+        """Move the operation on without waiting for its end (a no-op where the
+        backend has nothing to start early)."""
+        if self._progress is not None and self._waiter is not None:
+            step, self._progress = self._progress, None
+            step()
 
     @classmethod
     def done(cls, result: torch.Tensor | None = None) -> Handle:
@@ -360,7 +378,7 @@ class Communicator(abc.ABC):
             stats.messages_recv += 1
             return out
 
-        return Handle(counted)
+        return Handle(counted, handle.progress)
 
     def send(self, buf: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(buf, dst, tag).wait()
@@ -392,6 +410,8 @@ class Communicator(abc.ABC):
             raise ValueError(f"alltoallv needs {p} parts (one per rank), got {len(parts)}")
         sends = [self.isend(parts[(me + s) % p], (me + s) % p, tag) for s in range(1, p)]
         recvs = {(me - s) % p: self.irecv((me - s) % p, tag) for s in range(1, p)}
+        for h in recvs.values():  # every body's receive posted before any is waited for
+            h.progress()
         out: list[torch.Tensor] = []
         for j in range(p):
             if j == me:

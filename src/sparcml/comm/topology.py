@@ -241,7 +241,7 @@ class SubCommunicator(Communicator):
             stats.messages_recv += 1
             return out
 
-        return Handle(counted)
+        return Handle(counted, inner.progress)
 
     def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:  # pragma: no cover
         raise CommError("a group sends through its parent's isend")
