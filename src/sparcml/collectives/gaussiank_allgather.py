@@ -29,6 +29,7 @@ __all__ = ["gaussiank"]
     cost=topka_cost,  # TopkA's exchange; the Gaussian fit is two reductions
     quadratic=True,
     family=("topk",),
+    node_aware=True,  # TopkA's allgather, in two levels on nodes
 )
 def gaussiank(
     stream: SparseStream,

@@ -52,6 +52,12 @@ Facts (:class:`AlgorithmInfo`):
   (:mod:`sparcml.comm.topology`); its cost formula reads the model's
   ``ranks_per_node`` and both cost pairs, and ``auto`` considers it only when
   the ranks span several nodes with several ranks each;
+* ``node_aware``: a flat algorithm that, on ranks spanning several nodes of
+  several ranks, runs its exchange in two levels by itself (the allgather of
+  :func:`~sparcml.collectives.sparse_allgather.allgather_buffers_on_nodes`: across
+  nodes lane by lane, then inside the node); its cost formula reads the model's
+  ``ranks_per_node`` and both cost pairs, as a ``two_level`` one's does, but it
+  runs on one node too (TopkA and Gaussiank; beyond paper 001);
 * ``shares_nic``: on a topology with several ranks per node, the node's ranks
   send through one NIC at once, so :func:`predict` costs a flat algorithm's
   messages at ``1/ranks_per_node`` of the bandwidth (False for the dense ring,
@@ -110,6 +116,7 @@ class AlgorithmInfo:
     dense_result: bool = False
     two_level: bool = False
     shares_nic: bool = True
+    node_aware: bool = False
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -146,6 +153,7 @@ def register(
     dense_result: bool = False,
     two_level: bool = False,
     shares_nic: bool = True,
+    node_aware: bool = False,
 ) -> Callable[[F], F]:
     """Decorator adding an allreduce algorithm to the registry under ``name``.
 
@@ -153,7 +161,7 @@ def register(
         name: the ``algorithm=`` name.
         exact, input, auto, cost, quadratic, family, auto_priority,
             header_in_first_round, header_in_rounds, dense_result, two_level,
-            shares_nic: the facts of
+            shares_nic, node_aware: the facts of
             :class:`AlgorithmInfo` (module docstring).
 
     Raises:
@@ -177,7 +185,7 @@ def register(
         _REGISTRY[name] = AlgorithmInfo(
             name, fn, exact, input, auto, cost, quadratic, frozenset(family), alias,
             auto_priority, header_in_first_round, header_in_rounds, dense_result,
-            two_level, shares_nic,
+            two_level, shares_nic, node_aware,
         )  # fmt: skip
         return fn
 
@@ -261,7 +269,8 @@ def predict(
 
     On a model for several ranks per node (:meth:`~sparcml.costmodel.CostModel.for_topology`)
     a flat algorithm that ``shares_nic`` is costed with the NIC's bandwidth shared
-    by the node's ranks (:meth:`~sparcml.costmodel.CostModel.sharing_nic`), a
+    by the node's ranks (a ``two_level`` or ``node_aware`` one costs the two levels
+    itself) (:meth:`~sparcml.costmodel.CostModel.sharing_nic`), a
     conservative bound: its messages inside a node are costed as if they crossed it.
 
     Raises:
@@ -272,7 +281,7 @@ def predict(
         raise ValueError(f"algorithm {name!r} has no cost formula")
     if world_size == 1:
         return 0.0
-    if model.ranks_per_node > 1 and not info.two_level:
+    if model.ranks_per_node > 1 and not (info.two_level or info.node_aware):
         rpn = model.ranks_per_node
         model = model.sharing_nic(rpn) if info.shares_nic else model.for_topology(1)
     return info.cost(model, world_size, size, ks, isize)

@@ -110,7 +110,7 @@ def allgather_buffers_on_nodes(buf: torch.Tensor, comm: Communicator) -> list[to
 def sparse_allgather(
     stream: SparseStream, comm: Communicator | None = None, async_op: bool = False
 ) -> list[SparseStream] | Work:
-    """Gather every rank's sparse stream on every rank (recursive doubling).
+    """Gather every rank's sparse stream on every rank (recursive doubling; in two levels on nodes).
 
     Args:
         stream: this rank's contribution; sizes may differ between ranks, all
@@ -149,6 +149,9 @@ def gather_streams(
     Every stream, this rank's own included, is decoded from the gathered bytes,
     so a lossy codec leaves every rank with the same values. ``partial``: the
     streams are partial sums, not the ranks' own contributions (see :mod:`.codec`).
+    On ranks spanning several nodes of several ranks the bytes gather in two
+    levels (:func:`allgather_buffers_on_nodes`: each block crosses the node's NIC
+    once per other node instead of once per rank there); flat elsewhere.
     """
-    bufs = allgather_buffers(codec.encode(stream, partial=partial), comm)
+    bufs = allgather_buffers_on_nodes(codec.encode(stream, partial=partial), comm)
     return [codec.decode(b, None, stream.dtype, stream.device) for b in bufs]

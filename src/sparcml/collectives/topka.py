@@ -29,19 +29,32 @@ from .sparse_allgather import gather_streams
 __all__ = ["topka"]
 
 
+def _allgather_cost(model: CostModel, p: int, pairs: float, pair: float) -> float:
+    """Recursive-doubling allgather of ``pairs`` pairs from each of ``p`` ranks."""
+    return (log2_ceil(p) + fold_messages(p)) * model.alpha + model.beta_pairs * (
+        p - 1
+    ) * pairs * pair
+
+
 def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
     """Recursive-doubling allgather of every rank's ``k`` pairs (paper 001's table:
-    ``log P alpha + 2(P-1) k beta`` in words), then the merge of ``P k`` pairs."""
+    ``log P alpha + 2(P-1) k beta`` in words), then the merge of ``P k`` pairs. On
+    ``M`` nodes of ``L`` ranks (``model.ranks_per_node``) the allgather runs in two
+    levels (the ``node_aware`` fact): across nodes in ``L`` lanes sharing the NIC,
+    ``M`` ranks each, then inside the node of ``L`` ranks holding ``M k`` pairs each."""
     k_mean = sum(ks) / len(ks) if ks else 0.0
-    pair = index_field_nbytes(n, k_mean) / max(k_mean, 1) + isize  # indices as the wire codes them
-    return (
-        (log2_ceil(p) + fold_messages(p)) * model.alpha
-        + model.beta_pairs * (p - 1) * k_mean * pair
-        + model.gamma * p * k_mean
-    )
+    pair = index_field_nbytes(n, k_mean) / max(k_mean, 1) + isize  # as the wire codes them
+    merge = model.gamma * p * k_mean
+    lanes = model.ranks_per_node
+    if lanes <= 1 or p % lanes or p == lanes:
+        flat = model.inside() if p == lanes else model
+        return _allgather_cost(flat, p, k_mean, pair) + merge
+    nodes = p // lanes
+    across = _allgather_cost(model.sharing_nic(lanes), nodes, k_mean, pair)
+    return across + _allgather_cost(model.inside(), lanes, nodes * k_mean, pair) + merge
 
 
-@register("topka", input="selection", cost=cost, quadratic=True, family=("topk",))
+@register("topka", input="selection", cost=cost, quadratic=True, family=("topk",), node_aware=True)
 def topka(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:
