@@ -19,12 +19,10 @@ times (slowest rank per call, after a barrier) for pieces of a few sizes:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from transport_floor import slowest_rank_timer  # this folder, on sys.path when run as a script
 
 import sparcml.comm.torchdist as torchdist
 from sparcml.comm import TorchDistCommunicator
@@ -43,18 +41,7 @@ def main() -> None:
     p, me = dist.get_world_size(), dist.get_rank()
     comm = TorchDistCommunicator()
 
-    def timeit(name: str, fn: Callable[[], object]) -> None:
-        fn()
-        times = []
-        for _ in range(args.calls):
-            dist.barrier()
-            t = time.perf_counter()
-            fn()
-            worst = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            times.append(float(worst) * 1e3)
-        if me == 0:
-            print(f"{name:<48} p50 {statistics.median(times):7.1f} ms  min {min(times):7.1f}")
+    timeit = slowest_rank_timer(args.calls)
 
     if me == 0:
         print(f"P={p}, EAGER_BYTES={torchdist.EAGER_BYTES}", flush=True)

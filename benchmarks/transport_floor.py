@@ -43,7 +43,10 @@ from sparcml.indexcode import index_field_nbytes
 from sparcml.tools.cli.common import size_arg
 
 
-def _timer(calls: int) -> Callable[[str, Callable[[], object]], None]:
+def slowest_rank_timer(calls: int) -> Callable[[str, Callable[[], object]], None]:
+    """``timeit(name, fn)``: ``fn`` once untimed, then ``calls`` times after a barrier
+    each; rank 0 prints the slowest rank's p50, min and max (also used by
+    ``alltoallv_eager.py``)."""
     rank = dist.get_rank()
 
     def timeit(name: str, fn: Callable[[], object]) -> None:
@@ -76,7 +79,7 @@ def main() -> None:
     torch.set_num_threads(1)
     p, me = dist.get_world_size(), dist.get_rank()
     comm = TorchDistCommunicator()
-    timeit = _timer(args.calls)
+    timeit = slowest_rank_timer(args.calls)
     n, k = args.size, k_of(args.density, args.size)
     if me == 0:
         thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")

@@ -62,3 +62,27 @@ def make_stream(
 def dense_reference(streams: list[SparseStream]) -> torch.Tensor:
     """The sum over ranks, computed densely in float64."""
     return torch.stack([s.to_dense().to(torch.float64) for s in streams]).sum(0)
+
+
+def decode_corrupted(
+    buf: torch.Tensor, pos: int, junk: bytes
+) -> tuple[torch.Tensor, SparseStream | None]:
+    """``buf`` with ``junk`` written from ``pos`` (modulo its length), and the stream
+    it decodes to, checked well formed (indices strictly increasing, in range); None
+    when the decoder refuses it with a WireFormatError."""
+    from sparcml.errors import WireFormatError
+    from sparcml.wire import decode
+
+    buf = buf.clone()
+    pos = pos % buf.numel()
+    for i, byte in enumerate(junk):
+        if pos + i < buf.numel():
+            buf[pos + i] = byte
+    try:
+        s = decode(buf)
+    except WireFormatError:
+        return buf, None
+    if not s.is_dense and s.nnz:
+        idx = s.indices.long()
+        assert bool((idx[1:] > idx[:-1]).all()) and int(idx[0]) >= 0 and int(idx[-1]) < s.size
+    return buf, s
