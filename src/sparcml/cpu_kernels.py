@@ -163,7 +163,7 @@ _DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
 _CTZ = np.zeros(64, dtype=np.int64)  # de Bruijn table: the position of a word's lowest set bit
 for _i in range(64):
     _CTZ[((1 << _i) * 0x03F79D71B4CB0A89 & 0xFFFF_FFFF_FFFF_FFFF) >> 58] = _i
-_U8, _U58, _BYTE = np.uint64(8), np.uint64(58), np.uint64(0xFF)
+_U58, _BYTE = np.uint64(58), np.uint64(0xFF)
 _T7, _T14, _T28 = np.uint64(7), np.uint64(14), np.uint64(28)
 _K1, _K2 = np.uint64(0x00AA00AA00AA00AA), np.uint64(0x0000CCCC0000CCCC)
 _K3 = np.uint64(0x00000000F0F0F0F0)
@@ -246,22 +246,30 @@ def elias_fano_decode(  # pragma: no cover - compiled
     # indices below size; else i > 0 not increasing at i, len(out) the last one
     # >= size, -2 a bitmap that holds another count or a set bit past nbits.
     # Pass 1: the high parts, a bitmap word at a time (its set bits by de Bruijn
-    # multiplication); pass 2: the low bits ORed in, eight indices at a time.
+    # multiplication; a set bit past nbits can only sit in the last byte, checked
+    # first); pass 2: the low bits ORed in, eight indices at a time.
     n = out.shape[0]
     nbytes = bitmap.shape[0]
+    if nbits & 7 and nbytes and bitmap[nbytes - 1] >> (nbits & 7):
+        return -2  # a set bit past the bitmap's end
     i = 0
     for q in range(0, nbytes, 8):
         word = np.uint64(0)
-        for k in range(min(8, nbytes - q)):
-            word |= np.uint64(bitmap[q + k]) << np.uint64(8 * k)
+        if q + 8 <= nbytes:
+            for k in range(8):
+                word |= np.uint64(bitmap[q + k]) << np.uint64(8 * k)
+        else:
+            for k in range(nbytes - q):
+                word |= np.uint64(bitmap[q + k]) << np.uint64(8 * k)
+        base = q * 8 - i
         while word:
             lowest = word & (~word + np.uint64(1))
-            p = q * 8 + _CTZ[(lowest * _DEBRUIJN) >> _U58]
             word ^= lowest
-            if i == n or p >= nbits:
+            if i == n:
                 return -2
-            out[i] = (p - i) << low_bits
+            out[i] = (base + _CTZ[(lowest * _DEBRUIJN) >> _U58]) << low_bits
             i += 1
+            base -= 1
     if i != n:
         return -2
     shift = 8 * a
