@@ -178,3 +178,16 @@ def test_bench_gpu_runs_its_three_tables_on_the_cpu(tmp_path, capsys) -> None:  
     if not torch.cuda.is_available():
         assert main(["bench-gpu", "-q"]) == 2  # cuda asked for, none here
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_bench_local_counts_the_bytes_the_messages_take() -> None:
+    """bench-local's bounds count the messages as sent (their smaller index fields)."""
+    from sparcml.indexcode import index_field_nbytes
+    from sparcml.tools.bench.local import _rank_bound_bytes, kernel_rows
+
+    rows = {r["kernel"]: r for r in kernel_rows(1 << 16, 4, 0.02, 1)}
+    assert all(r["bound_ms"] > 0 for r in rows.values())
+    n, k = 1 << 20, 8192
+    coded = _rank_bound_bytes("ssar_split_allgather", n, 4, k, 4 * k)
+    wire_pair = index_field_nbytes(n, k) / k + 4
+    assert coded == round(k * 12 + 2 * k * wire_pair + k * 12 + 4 * k * wire_pair + 4 * k * 12)

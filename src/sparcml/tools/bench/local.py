@@ -37,8 +37,9 @@ from ...compress.natural import NaturalCompression
 from ...compress.selection import k_of
 from ...compress.topk import TopK
 from ...finite import all_finite
+from ...indexcode import index_field_nbytes
 from ...reinterpret import index_low_bytes
-from ...stream import SparseStream, index_bytes
+from ...stream import SparseStream
 from ...wire import decode, decode_concat, encode, widen_increasing
 
 __all__ = ["collective_rows", "copy_bandwidth", "kernel_rows", "uniform_stream"]
@@ -83,9 +84,8 @@ def stream_cases(n: int, p: int, density: float, device: str | torch.device = "c
     ``sparcml bench-local`` (CPU) and ``sparcml bench-gpu`` time the same cases."""
     k = k_of(density, n)
     width = n // p
-    c, isize = index_bytes(width), 4  # the ranges' indices are relative to their start
+    isize = 4
     pair = 8 + isize  # an in-memory pair: int64 index, float32 value
-    wire_pair = c + isize
     pieces = [uniform_stream(width, max(k // p, 1), 100 + r, device) for r in range(p)]
     reduced = SparseStream.sum(pieces)
     half = max(int(n * (1 - (1 - density) ** (p // 2))), 1)
@@ -93,6 +93,7 @@ def stream_cases(n: int, p: int, density: float, device: str | torch.device = "c
     union = a + b
     parts = [uniform_stream(width, reduced.nnz, 200 + r, device) for r in range(p)]
     bufs = [encode(x) for x in parts]
+    wire = sum(b.numel() for b in bufs)  # the messages as sent (the smaller index fields)
     decoded = [decode(x) for x in bufs]
     result = SparseStream.concat(decoded)
     return [
@@ -111,13 +112,13 @@ def stream_cases(n: int, p: int, density: float, device: str | torch.device = "c
         (
             f"encode {p} reduced ranges",
             p * reduced.nnz,
-            p * reduced.nnz * (pair + wire_pair),
+            p * reduced.nnz * pair + wire,
             lambda: [encode(x) for x in parts],
         ),
         (
             f"decode {p} reduced ranges",
             p * reduced.nnz,
-            p * reduced.nnz * (wire_pair + 8),
+            wire + p * reduced.nnz * 8,
             lambda: [decode(x) for x in bufs],
         ),
         (
@@ -129,7 +130,7 @@ def stream_cases(n: int, p: int, density: float, device: str | torch.device = "c
         (
             f"decode {p} ranges straight into the result",
             result.nnz,
-            result.nnz * (wire_pair + pair),
+            wire + result.nnz * pair,
             lambda: decode_concat(bufs, [width] * p, torch.float32),
         ),
     ]
@@ -236,11 +237,12 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
 
 def _rank_bound_bytes(algorithm: str, n: int, p: int, k: int, result_nnz: int) -> int:
     """Bytes one rank must read and write for one call (module docstring)."""
-    c, isize = index_bytes(n), 4
-    pair, wire_pair = 8 + isize, c + isize
+    isize = 4
+    # a pair on the wire: the index field the default coding sends, and the value
+    pair, wire_pair = 8 + isize, index_field_nbytes(n, k) / max(k, 1) + isize
     if algorithm == "ssar_split_allgather":
         mine = result_nnz // p
-        return (
+        return round(
             k * pair  # read its own pairs
             + 2 * k * wire_pair  # write the pieces, read the received ones
             + mine * pair  # write the reduced range
@@ -254,7 +256,7 @@ def _rank_bound_bytes(algorithm: str, n: int, p: int, k: int, result_nnz: int) -
         merged = int(n * (1 - (1 - d) ** group))
         total += held * pair + 2 * held * wire_pair + merged * pair
         held = merged
-    return total
+    return round(total)
 
 
 def collective_rows(
