@@ -89,9 +89,11 @@ def test_wire_round_trip_matches_cpu_bytes(dtype: torch.dtype, size: int) -> Non
     idx = torch.randperm(size, generator=g)[:nnz].sort().values
     cpu = SparseStream(idx, torch.randn(nnz, generator=g).to(dtype), size)
     dev = cpu.to(DEVICE)
-    buf = encode(dev)
-    assert buf.device.type == torch.device(DEVICE).type
-    assert torch.equal(buf.cpu(), encode(cpu))  # the same bytes on the wire
+    for coding in (True, False):  # Elias-Fano indices where smaller; the fixed fields
+        buf = encode(dev, elias_fano=coding)
+        assert buf.device.type == torch.device(DEVICE).type
+        assert torch.equal(buf.cpu(), encode(cpu, elias_fano=coding))  # the same bytes
+        assert decode(buf).to("cpu").equal(cpu)
     back = decode(buf)
     _on_device(back)
     assert back.to("cpu").equal(cpu)

@@ -156,7 +156,9 @@ def write_elias_fano(out: torch.Tensor, indices: torch.Tensor, size: int, low_bi
     parts = _Parts.of(size, n, low_bits)
     if out.numel() != parts.nbytes:
         raise ValueError(f"an Elias-Fano field of {n} indices takes {parts.nbytes} bytes")
-    out.zero_()
+    # both writers fill the low bytes and planes; the bitmap's empty words and the
+    # padding stay as zeroed here
+    out[parts.bitmap_at :].zero_()
     if not n:
         return
     idx = dense_1d(indices.to(torch.int64))

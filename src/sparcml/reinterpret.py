@@ -31,6 +31,7 @@ __all__ = [
     "index_low_bytes",
     "indices_from_low_bytes",
     "pack_bools",
+    "sub_byte_table",
     "unpack_bools",
     "write_low_bytes",
 ]
@@ -144,15 +145,21 @@ def pack_bools(flags: torch.Tensor) -> torch.Tensor:
     return ((words * BOOL_SPREAD) >> 56).to(torch.uint8)  # the low byte, sign extension dropped
 
 
-_BIT_TABLES: dict[torch.device, torch.Tensor] = {}
+_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def sub_byte_table(bits: int, device: torch.device) -> torch.Tensor:
+    """``[256, 8 // bits]`` int32: the ``bits``-bit codes held in each byte value,
+    lowest bits first (``bits`` in 1, 2, 4): unpacking is one gather per byte."""
+    key = (bits, device)
+    table = _TABLES.get(key)
+    if table is None:
+        shifts = torch.arange(8 // bits, dtype=torch.int32) * bits
+        table = (torch.arange(256, dtype=torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
+        table = _TABLES.setdefault(key, table.to(device))
+    return table
 
 
 def unpack_bools(buf: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_bools`: the ``8 * len(buf)`` flags as 0/1 ``uint8``, one
-    table lookup (a gather) per byte."""
-    table = _BIT_TABLES.get(buf.device)
-    if table is None:
-        shifts = torch.arange(8, dtype=torch.uint8)
-        table = ((torch.arange(256, dtype=torch.int32)[:, None] >> shifts) & 1).to(torch.uint8)
-        table = _BIT_TABLES.setdefault(buf.device, table.to(buf.device))
-    return table[buf.long()].reshape(-1)
+    """Inverse of :func:`pack_bools`: the ``8 * len(buf)`` flags as 0/1 ``int32``."""
+    return sub_byte_table(1, buf.device)[buf.long()].reshape(-1)

@@ -106,12 +106,17 @@ def code_dtype(code: int) -> torch.dtype:
         raise WireFormatError(f"unknown value dtype code {code}") from None
 
 
-def encoded_nbytes(stream: SparseStream, *, elias_fano: bool = True) -> int:
+def _elias_fano_allowed(stream: SparseStream, elias_fano: bool | None) -> bool:
+    """``elias_fano`` as given, or (None) for CPU streams only, as ``index_coding="auto"``."""
+    return stream.device.type == "cpu" if elias_fano is None else elias_fano
+
+
+def encoded_nbytes(stream: SparseStream, *, elias_fano: bool | None = None) -> int:
     """Size in bytes of :func:`encode` ``(stream, elias_fano=...)``, without encoding it."""
     isize = stream.values.element_size()
     if stream.is_dense:
         return HEADER_BYTES + stream.size * isize
-    field = layout(stream.size, stream.nnz, elias_fano=elias_fano)
+    field = layout(stream.size, stream.nnz, elias_fano=_elias_fano_allowed(stream, elias_fano))
     return HEADER_BYTES + field.nbytes + stream.nnz * isize
 
 
@@ -119,12 +124,13 @@ def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
-def encode(stream: SparseStream, *, elias_fano: bool = True) -> torch.Tensor:
+def encode(stream: SparseStream, *, elias_fano: bool | None = None) -> torch.Tensor:
     """Encode ``stream`` as one contiguous uint8 tensor on the stream's device.
 
     A sparse stream's indices take the smaller index field
-    (:func:`sparcml.indexcode.layout`); ``elias_fano=False`` keeps the fixed
-    ``c``-byte fields.
+    (:func:`sparcml.indexcode.layout`) where ``elias_fano`` allows it: True on
+    every device, False never (sec. 5.1's fixed ``c``-byte fields), None (default)
+    for CPU streams only, as ``index_coding="auto"`` does.
 
     Example:
         >>> s = SparseStream(torch.tensor([3]), torch.tensor([1.5]), 10)
@@ -141,7 +147,7 @@ def encode(stream: SparseStream, *, elias_fano: bool = True) -> torch.Tensor:
         )
         return torch.cat([_bytes_tensor(header, device), values])
     nnz = stream.nnz
-    field = layout(stream.size, nnz, elias_fano=elias_fano)
+    field = layout(stream.size, nnz, elias_fano=_elias_fano_allowed(stream, elias_fano))
     ef = field.coding == ELIAS_FANO
     flags = _ELIAS_FANO if ef else 0
     header = _HEADER.pack(
@@ -270,6 +276,8 @@ def _checked_header(
     else:
         if nnz > size:
             raise WireFormatError(f"malformed header: nnz={nnz} exceeds size {size}")
+        if size > 1 << 63:  # indices are int64
+            raise WireFormatError(f"malformed header: size {size} exceeds 2^63")
         if ef:
             if width > MAX_LOW_BITS or not nnz:
                 raise WireFormatError(f"malformed Elias-Fano header: l={width}, nnz={nnz}")

@@ -103,11 +103,14 @@ def partition_boundaries(size: int, parts: int) -> list[int]:
     return [j * size // parts for j in range(parts + 1)]
 
 
-def encode_or_empty(stream: SparseStream, codec: StreamCodec = EXACT) -> torch.Tensor:
-    """The message for ``stream``, or a zero-length payload for a sparse stream with no entries."""
+def encode_or_empty(
+    stream: SparseStream, codec: StreamCodec = EXACT, *, exact: bool = False
+) -> torch.Tensor:
+    """The message for ``stream`` (exact, in ``codec``'s index coding, with ``exact``),
+    or a zero-length payload for a sparse stream with no entries."""
     if not stream.is_dense and stream.nnz == 0:
         return torch.empty(0, dtype=torch.uint8, device=stream.device)
-    return codec.encode(stream)
+    return codec.encode_exact(stream) if exact else codec.encode(stream)
 
 
 def decode_or_empty(

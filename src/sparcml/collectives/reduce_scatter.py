@@ -28,7 +28,7 @@ import itertools
 
 from ..comm import Communicator
 from ..stream import SparseStream
-from ._common import split_and_reduce
+from ._common import partition_boundaries, split_and_reduce
 from ._twolevel import inner_codec, node_and_lane
 from .codec import EXACT, StreamCodec
 
@@ -63,7 +63,7 @@ def reduce_scatter(
     if topo is None or topo.is_flat:
         return split_and_reduce(stream, comm, codec, bounds)[0]
     if bounds is None:
-        bounds = [j * stream.size // p for j in range(p + 1)]
+        bounds = partition_boundaries(stream.size, p)
     first, codec.first_round = codec.first_round, None
     if first is not None:
         # a consistency header meant for a flat split's messages: every rank's, checked

@@ -27,6 +27,7 @@ from ..errors import WireFormatError
 from ..stream import SparseStream
 from ..wire import pack, unpack
 from ._common import largest_power_of_two
+from ._twolevel import node_and_lane
 from .codec import EXACT, StreamCodec
 
 __all__ = [
@@ -91,8 +92,7 @@ def allgather_buffers_on_nodes(buf: torch.Tensor, comm: Communicator) -> list[to
     topo = comm.topology if comm.world_size > 1 else None
     if topo is None or topo.is_flat:
         return allgather_buffers(buf, comm)
-    lane = comm.subgroup(topo.lane_ranks(comm.rank))
-    node = comm.subgroup(topo.node_ranks(comm.rank))
+    node, lane = node_and_lane(comm)
     # Step 1: this lane's blocks, in node order.
     across = allgather_buffers(buf, lane)
     # Step 2: every lane's blocks inside the node.

@@ -104,7 +104,7 @@ def twolevel_leader(
         leaders = comm.subgroup(topo.leaders())
         total = get_algorithm(inner)(total, leaders, inner_codec(codec, own=False))
     # Step 3: the result to the node's other ranks, exactly (every rank the same bits).
-    buf = encode_or_empty(total)
+    buf = encode_or_empty(total, codec, exact=True)
     for h in [node.isend(buf, j) for j in range(1, node.world_size)]:
         h.wait()
     return total

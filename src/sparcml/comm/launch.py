@@ -69,7 +69,12 @@ def _worker(
     import torch.distributed as dist
 
     # every rank on this host, as torchrun sets it: one node (comm.topology)
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+    os.environ.update(
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+    )
 
     from . import TorchDistCommunicator
 

@@ -177,8 +177,10 @@ def detect_topology(comm: Communicator) -> Topology:
         return Topology.regular(p, int(env))
     if p == 1:
         return Topology.flat(1)
-    if os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(p):
-        # the launcher started every rank on this node (torchrun, run_processes)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if local and local == os.environ.get("WORLD_SIZE", "").strip():
+        # the launcher started the whole job on this node (torchrun, run_processes):
+        # this communicator's ranks, a sub-group's too, share it
         return Topology.regular(p, p)
     if comm.one_process:  # in-process ranks share a host: one node unless set explicitly
         return Topology.regular(p, p)

@@ -294,7 +294,11 @@ class TorchDistCommunicator(Communicator):
                 size = -size - 1
             inline = min(size, EAGER_BYTES - 8) if eager else 0
             if size == inline:
-                body.append((head[8 : 8 + size], note, None))
+                # a small message gets its own bytes: a view would keep the whole
+                # EAGER_BYTES receive buffer alive as long as the message is used
+                small = size <= EAGER_BYTES // 4
+                got = head[8 : 8 + size]
+                body.append((got.clone() if small else got, note, None))
                 return
             out = torch.empty(size, dtype=torch.uint8, device=self.device)
             out[:inline].copy_(head[8 : 8 + inline])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import WireFormatError
-from ..reinterpret import BOOL_SPREAD, pack_bools
+from ..reinterpret import BOOL_SPREAD, pack_bools, sub_byte_table
 
 __all__ = [
     "pack_bits",
@@ -67,27 +67,10 @@ def _pack_sub_byte(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _unpack_table(bits: int, device: torch.device) -> torch.Tensor:
-    """``[256, 8 // bits]`` int32: the codes held in each byte value, lowest bits first."""
-    key = (bits, device)
-    table = _TABLES.get(key)
-    if table is None:
-        per = 8 // bits
-        shifts = torch.arange(per, dtype=torch.int32) * bits
-        table = ((torch.arange(256, dtype=torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).to(
-            device
-        )
-        _TABLES[key] = table
-    return table
-
-
 def _unpack_sub_byte(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     """The ``n`` int32 codes of a sub-byte packing: one table lookup per byte (a gather),
     instead of a shift-and-mask pass per code position and a stack."""
-    return _unpack_table(bits, buf.device)[buf.long()].reshape(-1)[:n]
+    return sub_byte_table(bits, buf.device)[buf.long()].reshape(-1)[:n]
 
 
 def _pack_sub_byte_into(dst: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
