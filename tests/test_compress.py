@@ -573,3 +573,47 @@ def test_every_registered_operator_keeps_the_contract(name: str) -> None:
     y = op.decompress(payload, ctx)
     assert y.shape == (20, 50) and y.dtype == x.dtype and all_finite(y)
     assert torch.equal(op.decompress(payload, ctx), y)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["randn", "ties", "sorted", "heavy_tail", "sparse", "reversed", "nan_inf", "hidden", "sampled"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_k_exact_in_one_pass_equals_the_general_path(kind: str, dtype: torch.dtype) -> None:
+    """The one-pass selection on bit patterns gives the threshold and positions of
+    ``magnitude`` + ``kth_largest`` + ``top_k_positions`` bit for bit: signed data,
+    ties broken by position, NaN above +-inf (ranked with the largest finite value),
+    large entries the sample does not see (``hidden``) or the only ones it sees
+    (``sampled``: it misses for k above n / 12, the general path answers), and
+    strided input."""
+    from sparcml.compress.selection import magnitude
+    from sparcml.compress.threshold_reuse import kth_largest, top_k_exact, top_k_positions
+
+    n = 200_003
+    g = torch.Generator().manual_seed(11)
+    x = {
+        "randn": lambda: torch.randn(n, generator=g),
+        "ties": lambda: torch.randint(-50, 50, (n,), generator=g).float(),
+        "sorted": lambda: torch.arange(n, dtype=torch.float32) - n // 2,
+        "heavy_tail": lambda: torch.randn(n, generator=g) ** 7,
+        "sparse": lambda: torch.zeros(n).index_fill_(0, torch.arange(0, n, 97), -1.0),
+        "reversed": lambda: torch.arange(n, 0, -1, dtype=torch.float32),
+        "nan_inf": lambda: torch.randn(n, generator=g).index_fill_(
+            0, torch.arange(5, n, 1009), float("nan")
+        ).index_fill_(0, torch.arange(7, n, 1013), float("-inf")),
+        "hidden": lambda: (torch.randn(n, generator=g) * 1e-3).index_fill_(
+            0, torch.arange(1, n, 12), 5.0  # the sample's stride is n // 2^14 = 12
+        ),
+        "sampled": lambda: (torch.randn(n, generator=g) * 1e-3).index_fill_(
+            0, torch.arange(0, n, 12), 5.0  # the sample sees only these: it misses
+        ),
+    }[kind]().to(dtype)
+    for y in (x, torch.stack([x, x], 1)[:, 1]):  # contiguous and strided
+        for k in (1, 7, n // 1000, n // 100, n // 10, n // 4):
+            mag = magnitude(y)
+            t = kth_largest(mag, k)
+            want = top_k_positions(mag, t, k)
+            got_t, got = top_k_exact(y, k)
+            assert got_t == t and torch.equal(got, want), (kind, dtype, k)
+            assert t == 0 or got.numel() == k

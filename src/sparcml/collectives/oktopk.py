@@ -49,8 +49,8 @@ import torch
 
 from ..comm import Communicator, resolve
 from ..comm.abort import mark_uniform
-from ..compress.selection import scratch_magnitude, select_above
-from ..compress.threshold_reuse import kth_largest
+from ..compress.selection import select_above
+from ..compress.threshold_reuse import kth_largest, top_k_exact
 from ..errors import RankMismatchError
 from ..merge import merge_positions
 from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
@@ -261,7 +261,7 @@ def _oktopk(
     refresh = state.calls % state.tau_prime == 0 or state.local_threshold is None
     # Step 1: local top-k by a (reused) threshold
     if refresh:
-        state.local_threshold = kth_largest(scratch_magnitude(x), k)
+        state.local_threshold = top_k_exact(x, k)[0]
     idx = select_above(x, state.local_threshold, strict=state.local_threshold == 0)
     if not refresh and not _near_k(idx.numel(), k):
         # count guard (the authors' code nudges the threshold when the count leaves
@@ -340,7 +340,7 @@ def _exact_again(x: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[float, tor
         sel = x[idx]
         t = kth_largest(torch.nan_to_num(sel.abs(), nan=float("inf")), k)
         return t, idx[_at_least(sel, t)]
-    t = kth_largest(scratch_magnitude(x), k)
+    t = top_k_exact(x, k)[0]
     return t, select_above(x, t, strict=t == 0)
 
 

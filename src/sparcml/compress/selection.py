@@ -14,6 +14,7 @@ from .base import Selector, check_input
 
 __all__ = [
     "KSpec",
+    "MAGNITUDE_BITS",
     "ReusedThreshold",
     "above_positions",
     "bracket_band",
@@ -126,7 +127,9 @@ def _above_flags_f32(chunk: torch.Tensor, t: float, strict: bool) -> torch.Tenso
     return flags
 
 
-_BITS = {
+#: the integer type and sign mask of each float dtype: magnitudes order like the
+#: masked bit patterns (NaN above +inf)
+MAGNITUDE_BITS = {
     torch.float32: (torch.int32, 0x7FFF_FFFF),
     torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF),
     torch.float16: (torch.int16, 0x7FFF),
@@ -142,7 +145,7 @@ def _above_positions_cpu(x: torch.Tensor, t: float, strict: bool) -> torch.Tenso
     The threshold is rounded to ``x``'s dtype first, as torch's comparison of a
     tensor with a Python scalar does.
     """
-    idtype, mask = _BITS[x.dtype]
+    idtype, mask = MAGNITUDE_BITS[x.dtype]
     tb = int(torch.tensor(t, dtype=x.dtype).view(idtype)) + (1 if strict else 0)
     words = dense_1d(x).view(idtype)
     parts = []

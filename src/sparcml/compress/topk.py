@@ -7,7 +7,7 @@ import torch
 from ..stream import SparseStream
 from .base import Selector, check_input, register
 from .selection import KSpec, scratch_magnitude, stream_of
-from .threshold_reuse import BRACKET_MIN, kth_largest, top_k_positions
+from .threshold_reuse import BRACKET_MIN, top_k_exact
 
 __all__ = ["TopK"]
 
@@ -17,9 +17,10 @@ class TopK(Selector):
     """The ``k`` entries of largest magnitude (NaN counts as largest).
 
     Large tensors on the CPU (``2^16`` entries and more): the exact k-th largest magnitude
-    ``t`` by :func:`~.threshold_reuse.kth_largest` (a bracketed search, faster
-    than ``torch.topk`` on large CPU tensors), then every entry above ``t`` and the
-    first entries equal to ``t`` in index order; small ones, ``t = 0``, or tensors on
+    ``t`` and every entry above it, then the first entries equal to ``t`` in index
+    order, by :func:`~.threshold_reuse.top_k_exact` (a bracketed search, in one pass
+    over float32/float64 entries, faster than ``torch.topk`` on large CPU tensors);
+    small ones, ``t = 0``, or tensors on
     a GPU (where ``torch.topk`` measured faster: docs/benchmarks.md, "On a GPU"):
     ``torch.topk``.
     Either way exactly ``k`` entries of the largest magnitudes.
@@ -40,13 +41,11 @@ class TopK(Selector):
     def select(self, tensor: torch.Tensor) -> SparseStream:
         x = check_input(tensor, self.name)
         k = self.spec.of(x.numel())
-        mag = scratch_magnitude(x)  # (dropped before this call returns)
         # (the bracketed search reads counts back to the host at every step: on a GPU
         # torch.topk is faster, docs/benchmarks.md "On a GPU")
-        if k and mag.numel() >= BRACKET_MIN and x.device.type == "cpu":
-            t = kth_largest(mag, k)
+        if k and x.numel() >= BRACKET_MIN and x.device.type == "cpu":
+            t, idx = top_k_exact(x, k)
             if t > 0:  # (t = 0: the top-k includes zeros, which positions above t omit)
-                idx = top_k_positions(mag, t, k)
                 return SparseStream.from_sorted(idx, x[idx], x.numel())
-        idx = torch.topk(mag, k, sorted=False).indices
+        idx = torch.topk(scratch_magnitude(x), k, sorted=False).indices
         return stream_of(x, idx)
