@@ -13,8 +13,8 @@ from ._kernels import chunks, scratch
 from .base import Selector, check_input
 
 __all__ = [
-    "KSpec",
     "MAGNITUDE_BITS",
+    "KSpec",
     "ReusedThreshold",
     "above_positions",
     "bracket_band",

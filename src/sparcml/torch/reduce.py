@@ -336,9 +336,16 @@ def reduce_group(
         elif settings.momentum and not after:
             group.momentum_correction.keep(names, sizes, u)  # every entry was sent
         if bounds is not None or not average:
-            return total  # Step 7 is the caller's (FSDP's reduce op, Alg. 1's g)
-        # Step 7: the average (a lossless method's momentum applied to it).
-        avg = total if spec.averages else total / p
+            # Step 7 is the caller's (FSDP's reduce op, Alg. 1's g)
+            return total.to_dense() if isinstance(total, SparseStream) else total
+        # Step 7: the average (a lossless method's momentum applied to it); a sparse
+        # sum divided on its entries before densifying (O(nnz), zeros stay zeros:
+        # the bits of the dense division without its pass over the bucket)
+        if isinstance(total, SparseStream) and not total.is_dense and not spec.averages:
+            avg = SparseStream.from_sorted(total.indices, total.values / p, total.size).to_dense()
+        else:
+            dense = total.to_dense() if isinstance(total, SparseStream) else total
+            avg = dense if spec.averages else dense / p
         if after:
             u = group.momentum_correction.accumulate(names, sizes, avg.to(work.dtype))
             group.momentum_correction.keep(names, sizes, u)

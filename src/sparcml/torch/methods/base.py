@@ -79,12 +79,13 @@ __all__ = [
 @dataclasses.dataclass
 class MethodResult:
     """What a method did with one bucket: this rank's sent part (dense, a stream
-    over the bucket, or None when nothing is fed back), the sum over ranks (flat;
-    this rank's chunk for a reduce-scatter) and the seconds its selection took
-    (statistics: compress vs communicate)."""
+    over the bucket, or None when nothing is fed back), the sum over ranks (flat, or
+    a stream over the bucket, which the pipeline averages on its entries before
+    densifying; this rank's dense chunk for a reduce-scatter) and the seconds its
+    selection took (statistics: compress vs communicate)."""
 
     sent: torch.Tensor | SparseStream | None
-    total: torch.Tensor
+    total: torch.Tensor | SparseStream
     select_s: float = 0.0
 
 

@@ -156,7 +156,7 @@ def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodRes
         call_id=bucket.step,
         nonfinite=nonfinite,
     )
-    return MethodResult(selected, total.to_dense(), select_s)
+    return MethodResult(selected, total, select_s)  # (the pipeline averages the stream)
 
 
 def scatter_sparse(
