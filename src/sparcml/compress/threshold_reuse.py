@@ -104,8 +104,9 @@ def top_k_exact(x: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
     selection reads ``x`` once where :func:`kth_largest` +
     :func:`top_k_positions` wrote ``|x|`` and read it twice (``sparcml bench-local``
     times the selectors). A sample that misses (fewer than ``k`` at or above
-    ``t_lo``), a top-k that reaches zeros, and other dtypes or devices take that
-    general path; the result is the same bits either way.
+    ``t_lo``), a sample or a top-k that reaches zeros (a gradient with fewer than
+    about ``k`` non-zeros), and other dtypes or devices take that general path;
+    the result is the same bits either way.
     """
     n = x.numel()
     floats = x.dtype in (torch.float32, torch.float64)
@@ -121,6 +122,10 @@ def top_k_exact(x: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
 def _top_k_by_bits(x: torch.Tensor, k: int) -> tuple[float, torch.Tensor] | None:
     n = x.numel()
     t_lo, _ = _bracket(magnitude(x[:: _stride(n)]), k, n)
+    if t_lo == 0:  # the sample's top reaches zeros: the scan would keep every entry
+        if int(torch.count_nonzero(x)) < k:  # (NaN counts) the top-k holds zeros: t = 0
+            return 0.0, select_above(x, 0.0)  # top_k_positions's answer at t = 0
+        return None
     cand = select_above(x, t_lo, strict=False)  # sorted; NaN and +-inf included
     if cand.numel() < k:
         return None  # the sample missed

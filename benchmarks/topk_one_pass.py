@@ -1,0 +1,93 @@
+"""The exact top-k selection on one CPU thread: one pass over the bit patterns
+against the general path (issue 30, item 2: the lean step).
+
+For each size and density, uniform random normal entries (the papers' setting),
+the median time of
+
+* ``one pass``: :func:`sparcml.compress.threshold_reuse.top_k_exact`, what
+  ``TopK.select`` runs on large float32/float64 CPU tensors (a strided sample for
+  the bracket's lower end, one compiled scan of ``|x| >= t_lo`` on the bit
+  patterns, the k-th largest and the selection from those few);
+* ``general``: :func:`~sparcml.compress.selection.magnitude` into a scratch
+  buffer, :func:`~sparcml.compress.threshold_reuse.kth_largest` (its bracket
+  pass) and :func:`~sparcml.compress.threshold_reuse.top_k_positions` (the
+  positions pass): what it ran before, and still runs for other dtypes;
+* ``torch.topk`` of the magnitudes, for reference,
+
+the two exact paths checked equal (threshold and positions) on every input, and
+the bytes of one read of the input over the one-pass time.
+
+    .venv/bin/python benchmarks/topk_one_pass.py -N 262144,1323280,16M -d 0.01,0.001
+
+Times depend on the machine: run it on a quiet one (the load average is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from sparcml.compress.selection import magnitude, scratch_magnitude
+from sparcml.compress.threshold_reuse import kth_largest, top_k_exact, top_k_positions
+from sparcml.tools.cli.common import size_arg
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def _general(x: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
+    mag = scratch_magnitude(x)
+    t = kth_largest(mag, k)
+    return t, top_k_positions(mag, t, k)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-N", "--sizes", default="262144,1323280,16M")
+    ap.add_argument("-d", "--densities", default="0.01,0.001")
+    ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"exact top-k on one thread, float32, uniform normal entries; load average {load}")
+    print(
+        f"{'N':>10} {'density':>8} {'k':>8} {'one pass ms':>12} {'general ms':>11} "
+        f"{'torch.topk ms':>14} {'general/one':>12} {'GB/s read':>10}"
+    )
+    g = torch.Generator().manual_seed(args.seed)
+    for n in (size_arg(s) for s in args.sizes.split(",")):
+        x = torch.randn(n, generator=g)
+        for d in (float(s) for s in args.densities.split(",")):
+            k = max(1, round(d * n))
+            t1, p1 = top_k_exact(x, k)
+            t2, p2 = _general(x, k)
+            if t1 != t2 or not torch.equal(p1, p2):
+                raise SystemExit(f"N={n} d={d}: the two paths differ")
+            one = _median_ms(lambda: top_k_exact(x, k), args.repeats)  # noqa: B023
+            gen = _median_ms(lambda: _general(x, k), args.repeats)  # noqa: B023
+            ref = _median_ms(
+                lambda: torch.topk(magnitude(x), k, sorted=False),  # noqa: B023
+                max(3, args.repeats // 4),
+            )
+            gbs = x.numel() * x.element_size() / (one * 1e-3) / 1e9
+            print(
+                f"{n:>10} {d:>8g} {k:>8} {one:>12.3f} {gen:>11.3f} {ref:>14.3f} "
+                f"{gen / one:>11.2f}x {gbs:>10.1f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
