@@ -588,7 +588,13 @@ def test_top_k_exact_in_one_pass_equals_the_general_path(kind: str, dtype: torch
     (``sampled``: it misses for k above n / 12, the general path answers), and
     strided input."""
     from sparcml.compress.selection import magnitude
-    from sparcml.compress.threshold_reuse import kth_largest, top_k_exact, top_k_positions
+    from sparcml.compress.threshold_reuse import (
+        _by_bits,
+        kth_largest,
+        kth_magnitude,
+        top_k_exact,
+        top_k_positions,
+    )
 
     n = 200_003
     g = torch.Generator().manual_seed(11)
@@ -599,14 +605,20 @@ def test_top_k_exact_in_one_pass_equals_the_general_path(kind: str, dtype: torch
         "heavy_tail": lambda: torch.randn(n, generator=g) ** 7,
         "sparse": lambda: torch.zeros(n).index_fill_(0, torch.arange(0, n, 97), -1.0),
         "reversed": lambda: torch.arange(n, 0, -1, dtype=torch.float32),
-        "nan_inf": lambda: torch.randn(n, generator=g).index_fill_(
-            0, torch.arange(5, n, 1009), float("nan")
-        ).index_fill_(0, torch.arange(7, n, 1013), float("-inf")),
+        "nan_inf": lambda: (
+            torch.randn(n, generator=g)
+            .index_fill_(0, torch.arange(5, n, 1009), float("nan"))
+            .index_fill_(0, torch.arange(7, n, 1013), float("-inf"))
+        ),
         "hidden": lambda: (torch.randn(n, generator=g) * 1e-3).index_fill_(
-            0, torch.arange(1, n, 12), 5.0  # the sample's stride is n // 2^14 = 12
+            0,
+            torch.arange(1, n, 12),
+            5.0,  # the sample's stride is n // 2^14 = 12
         ),
         "sampled": lambda: (torch.randn(n, generator=g) * 1e-3).index_fill_(
-            0, torch.arange(0, n, 12), 5.0  # the sample sees only these: it misses
+            0,
+            torch.arange(0, n, 12),
+            5.0,  # the sample sees only these: it misses
         ),
     }[kind]().to(dtype)
     for y in (x, torch.stack([x, x], 1)[:, 1]):  # contiguous and strided
@@ -617,3 +629,30 @@ def test_top_k_exact_in_one_pass_equals_the_general_path(kind: str, dtype: torch
             got_t, got = top_k_exact(y, k)
             assert got_t == t and torch.equal(got, want), (kind, dtype, k)
             assert t == 0 or got.numel() == k
+            assert kth_magnitude(y, k) == t, (kind, dtype, k)
+    if kind in ("randn", "ties", "heavy_tail", "hidden", "nan_inf"):
+        for k in (7, n // 100):  # the one pass answered (not the general path)
+            assert _by_bits(x, k, positions=True) is not None, (kind, k)
+
+
+def test_top_k_exact_falls_back_when_infinities_rank_below_the_sample() -> None:
+    """NaN at 40 sampled positions makes the sample's t_lo = +inf; the scan keeps
+    the NaN and the 80 infinities (k or more), but infinities rank with the largest
+    finite value (magnitude()'s order), below NaN, so fewer than k candidates reach
+    t_lo: the one pass must hand over to the general path, whose answer includes
+    finite FLT_MAX entries the scan at t_lo left out."""
+    from sparcml.compress.selection import magnitude
+    from sparcml.compress.threshold_reuse import _by_bits, kth_largest, top_k_exact, top_k_positions
+
+    n = 200_003  # sample stride 12
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    x[torch.arange(7, 7 + 30 * 89, 89)] = torch.finfo(torch.float32).max
+    x[torch.arange(5, 5 + 80 * 97, 97)] = float("-inf")
+    x[torch.arange(0, 40 * 12, 12)] = float("nan")  # 40 NaN + 80 inf: 120 candidates
+    k = 100
+    assert _by_bits(x, k, positions=True) is None
+    mag = magnitude(x)
+    t = kth_largest(mag, k)
+    got_t, got = top_k_exact(x, k)
+    assert got_t == t == torch.finfo(torch.float32).max
+    assert torch.equal(got, top_k_positions(mag, t, k)) and got.numel() == k

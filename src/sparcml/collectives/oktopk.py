@@ -50,7 +50,7 @@ import torch
 from ..comm import Communicator, resolve
 from ..comm.abort import mark_uniform
 from ..compress.selection import select_above
-from ..compress.threshold_reuse import kth_largest, top_k_exact
+from ..compress.threshold_reuse import kth_largest, kth_magnitude
 from ..errors import RankMismatchError
 from ..merge import merge_positions
 from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_bytes
@@ -261,7 +261,7 @@ def _oktopk(
     refresh = state.calls % state.tau_prime == 0 or state.local_threshold is None
     # Step 1: local top-k by a (reused) threshold
     if refresh:
-        state.local_threshold = top_k_exact(x, k)[0]
+        state.local_threshold = kth_magnitude(x, k)
     idx = select_above(x, state.local_threshold, strict=state.local_threshold == 0)
     if not refresh and not _near_k(idx.numel(), k):
         # count guard (the authors' code nudges the threshold when the count leaves
@@ -340,7 +340,7 @@ def _exact_again(x: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[float, tor
         sel = x[idx]
         t = kth_largest(torch.nan_to_num(sel.abs(), nan=float("inf")), k)
         return t, idx[_at_least(sel, t)]
-    t = top_k_exact(x, k)[0]
+    t = kth_magnitude(x, k)
     return t, select_above(x, t, strict=t == 0)
 
 

@@ -29,7 +29,14 @@ from .selection import (
     select_above,
 )
 
-__all__ = ["BRACKET_MIN", "ThresholdReuse", "kth_largest", "top_k_exact", "top_k_positions"]
+__all__ = [
+    "BRACKET_MIN",
+    "ThresholdReuse",
+    "kth_largest",
+    "kth_magnitude",
+    "top_k_exact",
+    "top_k_positions",
+]
 
 
 #: below this many entries :func:`kth_largest` is one ``torch.topk``
@@ -95,37 +102,57 @@ def top_k_exact(x: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
     ``t`` the ``k``-th largest magnitude, the positions sorted, ties at ``t`` broken
     by position (:func:`top_k_positions`); ``1 <= k <= numel``.
 
-    Large float32/float64 tensors on the CPU, in one pass over ``x`` (beyond the
-    papers, which only ask for the exact top-k): the sample of :func:`kth_largest`
-    gives ``t_lo`` below the k-th largest; one compiled scan of ``x``'s bit
-    patterns (sign masked off: magnitudes order like them, NaN above +inf) keeps the
-    positions with ``|x| >= t_lo`` (about ``k`` plus the band); the k-th largest
-    and the selection come from those few. No magnitude tensor is written, so the
-    selection reads ``x`` once where :func:`kth_largest` +
-    :func:`top_k_positions` wrote ``|x|`` and read it twice (``sparcml bench-local``
-    times the selectors). A sample that misses (fewer than ``k`` at or above
-    ``t_lo``), a sample or a top-k that reaches zeros (a gradient with fewer than
-    about ``k`` non-zeros), and other dtypes or devices take that general path;
-    the result is the same bits either way.
+    Float32/float64 tensors on the CPU of ``2^16`` entries and more, ``k`` at most
+    a quarter of them, in one pass over ``x`` (beyond the papers, which only ask
+    for the exact top-k): the sample of :func:`kth_largest` gives ``t_lo``, as a
+    rule below the k-th largest; one compiled scan of ``x``'s bit patterns (sign
+    masked off: magnitudes order like them) keeps the positions with ``|x| >=
+    t_lo`` (about ``k`` plus the band); the k-th largest and the selection come
+    from those few. No magnitude tensor is written, so the selection reads ``x``
+    once where :func:`kth_largest` + :func:`top_k_positions` wrote ``|x|`` and read
+    it twice (``benchmarks/topk_one_pass.py`` times both). When the sample's top
+    reaches zeros, a count of the non-zeros decides: fewer than ``k``, and ``t =
+    0`` with the non-zeros as positions (two passes). The general path answers
+    everything else: a sample that misses (fewer than ``k`` at or above
+    ``t_lo``, infinities counted as the largest finite value), a sample reaching
+    zeros with ``k`` non-zeros or more, other sizes, dtypes and devices; the same
+    bits either way.
     """
-    n = x.numel()
-    floats = x.dtype in (torch.float32, torch.float64)
-    if x.device.type == "cpu" and floats and n >= BRACKET_MIN and k <= n // 4:
-        found = _top_k_by_bits(x, k)
-        if found is not None:
-            return found
+    found = _by_bits(x, k, positions=True) if _by_bits_applies(x, k) else None
+    if found is not None:
+        t, idx = found
+        assert idx is not None
+        return t, idx
     mag = scratch_magnitude(x)  # (dropped before this call returns)
     t = kth_largest(mag, k)
     return t, top_k_positions(mag, t, k)
 
 
-def _top_k_by_bits(x: torch.Tensor, k: int) -> tuple[float, torch.Tensor] | None:
+def kth_magnitude(x: torch.Tensor, k: int) -> float:
+    """The ``k``-th largest magnitude of a 1-D ``x`` (:func:`top_k_exact`'s ``t``,
+    without the positions): Ok-Topk's local threshold."""
+    found = _by_bits(x, k, positions=False) if _by_bits_applies(x, k) else None
+    if found is not None:
+        return found[0]
+    return kth_largest(scratch_magnitude(x), k)
+
+
+def _by_bits_applies(x: torch.Tensor, k: int) -> bool:
+    n = x.numel()
+    floats = x.dtype in (torch.float32, torch.float64)
+    return x.device.type == "cpu" and floats and n >= BRACKET_MIN and k <= n // 4
+
+
+def _by_bits(x: torch.Tensor, k: int, positions: bool) -> tuple[float, torch.Tensor | None] | None:
+    """:func:`top_k_exact`'s one pass: ``(t, positions or None)``, or None when the
+    general path must answer."""
     n = x.numel()
     t_lo, _ = _bracket(magnitude(x[:: _stride(n)]), k, n)
     if t_lo == 0:  # the sample's top reaches zeros: the scan would keep every entry
-        if int(torch.count_nonzero(x)) < k:  # (NaN counts) the top-k holds zeros: t = 0
-            return 0.0, select_above(x, 0.0)  # top_k_positions's answer at t = 0
-        return None
+        if int(torch.count_nonzero(x)) >= k:  # (NaN counts, as |x| > 0 does)
+            return None
+        # the top-k holds zeros: t = 0, and top_k_positions's answer, the non-zeros
+        return 0.0, select_above(x, 0.0) if positions else None
     cand = select_above(x, t_lo, strict=False)  # sorted; NaN and +-inf included
     if cand.numel() < k:
         return None  # the sample missed
@@ -136,14 +163,13 @@ def _top_k_by_bits(x: torch.Tensor, k: int) -> tuple[float, torch.Tensor] | None
     bits = x[cand].view(idtype) & mask
     bits = torch.where(bits == inf_bits, inf_bits - 1, bits).clamp_(max=inf_bits)
     tb = int(torch.topk(bits, k, sorted=False).values.min())
-    lo_bits = int(torch.tensor(t_lo, dtype=x.dtype).view(idtype))
-    if tb == 0 or tb < lo_bits:
-        # the top-k reaches zeros (torch.topk's choice among them), or fewer than k
-        # candidates reach t_lo once infinities count as the largest finite value
+    if tb < int(torch.tensor(t_lo, dtype=x.dtype).view(idtype)):
+        # fewer than k candidates reach t_lo once infinities count as the largest
+        # finite value (t_lo = inf): entries below t_lo may belong to the top-k
         return None
     t = float(torch.tensor(tb, dtype=idtype).view(x.dtype))
-    if cand.numel() == k:
-        return t, cand
+    if not positions or cand.numel() == k:
+        return t, cand if positions else None
     keep = bits > tb
     above = int(keep.sum())
     if above < k:  # the first entries tied at t, in index order

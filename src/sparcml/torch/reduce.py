@@ -261,6 +261,7 @@ def reduce_group(
                 # (warm-up under FSDP2: the dense chunks through the split)
                 result = scatter_dense(group, bucket, g, bounds)
                 compress_s = result.select_s
+                assert isinstance(result.total, torch.Tensor)
                 return result.total
             if settings.momentum:
                 # with momentum correction the optimizer has no momentum: warm-up

@@ -3,10 +3,11 @@
 A method is what the per-group pipeline (:mod:`sparcml.torch.reduce`, step 5)
 runs on the accumulated gradient ``acc``: ``run(group, bucket, acc) ->
 MethodResult(sent, total)``, where ``sent`` is what this rank sent (dense or a
-stream over ``acc``; None when nothing is fed back) and ``total`` the flat sum
-over ranks. A method reads its group (:class:`~sparcml.torch.runtime.Group`:
-the config, the communicator, its operators and its own runtime state) and
-returns what it did; it never writes into the group's counters. A registration
+stream over ``acc``; None when nothing is fed back) and ``total`` the sum over
+ranks (flat, or a stream over the bucket, which step 7 averages on its
+entries). A method reads its group (:class:`~sparcml.torch.runtime.Group`: the
+config, the communicator, its operators and its own runtime state) and returns
+what it did; it never writes into the group's counters. A registration
 carries:
 
 * ``kind``: the method's key (``"dense"``, ``"sparse"``, ...);
