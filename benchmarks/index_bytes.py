@@ -22,26 +22,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
 from sparcml import SparseStream, sparse_allreduce
 from sparcml.comm import run_ranks
 from sparcml.compress.packing import decode_index_deltas, encode_index_deltas
+from sparcml.tools.bench.local import median_seconds
 from sparcml.tools.cli.common import size_arg
 from sparcml.wire import decode, encode
-
-
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def _message_rows(n: int, densities: list[float], repeats: int, rate: float) -> None:
@@ -65,12 +54,12 @@ def _message_rows(n: int, densities: list[float], repeats: int, rate: float) -> 
         vbytes = 4 * k + 24
         per = [(fixed.numel() - vbytes) / k, varint / k, (coded.numel() - vbytes) / k]
         enc = [
-            _median_ms(lambda s=s: encode(s, elias_fano=False), repeats),
-            _median_ms(lambda s=s: encode(s), repeats),
+            1e3 * median_seconds(lambda s=s: encode(s, elias_fano=False), repeats),
+            1e3 * median_seconds(lambda s=s: encode(s), repeats),
         ]
         dec = [
-            _median_ms(lambda b=fixed: decode(b), repeats),
-            _median_ms(lambda b=coded: decode(b), repeats),
+            1e3 * median_seconds(lambda b=fixed: decode(b), repeats),
+            1e3 * median_seconds(lambda b=coded: decode(b), repeats),
         ]
         saved_ms = (fixed.numel() - coded.numel()) * 8 / rate * 1e3
         print(

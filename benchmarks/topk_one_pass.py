@@ -26,25 +26,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
 from sparcml.compress.selection import magnitude, scratch_magnitude
 from sparcml.compress.threshold_reuse import kth_largest, top_k_exact, top_k_positions
+from sparcml.tools.bench.local import median_seconds
 from sparcml.tools.cli.common import size_arg
-
-
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def _general(x: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
@@ -76,9 +64,9 @@ def main() -> None:
             t2, p2 = _general(x, k)
             if t1 != t2 or not torch.equal(p1, p2):
                 raise SystemExit(f"N={n} d={d}: the two paths differ")
-            one = _median_ms(lambda: top_k_exact(x, k), args.repeats)  # noqa: B023
-            gen = _median_ms(lambda: _general(x, k), args.repeats)  # noqa: B023
-            ref = _median_ms(
+            one = 1e3 * median_seconds(lambda: top_k_exact(x, k), args.repeats)  # noqa: B023
+            gen = 1e3 * median_seconds(lambda: _general(x, k), args.repeats)  # noqa: B023
+            ref = 1e3 * median_seconds(
                 lambda: torch.topk(magnitude(x), k, sorted=False),  # noqa: B023
                 max(3, args.repeats // 4),
             )

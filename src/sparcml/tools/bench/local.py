@@ -42,10 +42,17 @@ from ...reinterpret import index_low_bytes
 from ...stream import SparseStream
 from ...wire import decode, decode_concat, encode, widen_increasing
 
-__all__ = ["collective_rows", "copy_bandwidth", "kernel_rows", "uniform_stream"]
+__all__ = [
+    "collective_rows",
+    "copy_bandwidth",
+    "kernel_rows",
+    "median_seconds",
+    "uniform_stream",
+]
 
 
-def _median_s(fn: Callable[[], Any], reps: int) -> float:
+def median_seconds(fn: Callable[[], Any], reps: int) -> float:
+    """The median wall seconds of ``reps`` calls of ``fn`` after one untimed call."""
     fn()  # warm-up (compiles kernels on first use)
     times = []
     for _ in range(reps):
@@ -59,7 +66,7 @@ def copy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> float:
     """Bytes per second of a large copy (read + write counted), the memory bound's unit."""
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_s(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), reps)
 
 
 def uniform_stream(
@@ -222,7 +229,7 @@ def kernel_rows(n: int, p: int, density: float, reps: int = 7) -> list[dict[str,
     ]
     rows = []
     for name, elems, nbytes, fn in cases:
-        s = _median_s(fn, reps)
+        s = median_seconds(fn, reps)
         rows.append(
             {
                 "kernel": name,
