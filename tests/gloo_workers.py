@@ -29,7 +29,7 @@ def reduce_every_algorithm(comm):  # type: ignore[no-untyped-def]
     out = []
     for size, pattern, dtype in CASES:
         s = make_stream(pattern, comm.rank, comm.world_size, size, dtype)
-        for algo in [*algorithms(exact=True), "auto"]:
+        for algo in [*algorithms(exact=True, variants=False), "auto"]:
             comm.stats.reset()
             r = sparse_allreduce(s, comm, algorithm=algo)
             out.append((size, pattern, algo, encode(s), encode(r), comm.stats.bytes_sent))

@@ -30,7 +30,7 @@ def collectives(comm: MPICommunicator) -> dict:
         for pattern in PATTERNS:
             streams = [make_stream(pattern, r, p, size, dtype) for r in range(p)]
             ref = dense_reference(streams)
-            for algo in [*sparcml.algorithms(exact=True), "auto"]:
+            for algo in [*sparcml.algorithms(exact=True, variants=False), "auto"]:
                 out = sparcml.sparse_allreduce(streams[comm.rank], comm, algorithm=algo)
                 if not torch.equal(out.to_dense().double(), ref):
                     bad.append((size, pattern, algo))

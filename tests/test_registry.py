@@ -41,12 +41,29 @@ def test_every_registration_carries_its_facts() -> None:
         if info.auto:
             assert info.exact and info.input == "stream"
     assert algorithm_info("topkdsa").alias_of == "ssar_split_allgather"
-    assert algorithms(auto=True) == sorted(
+    assert algorithms(auto=True, variants=False) == sorted(
         ["dense", "dsar_split_allgather", "ssar_recursive_double", "ssar_split_allgather",
          "twolevel_leader", "twolevel_shard"]
     )  # fmt: skip
-    two_level = [a for a in algorithms() if algorithm_info(a).two_level]
+    two_level = [a for a in algorithms(variants=False) if algorithm_info(a).two_level]
     assert two_level == ["twolevel_leader", "twolevel_shard"]
+    variants = {
+        a: algorithm_info(a).variant_of for a in algorithms() if algorithm_info(a).variant_of
+    }
+    assert variants == {
+        f"{base}+{inner}": base
+        for base in two_level
+        for inner in ("ssar_split_allgather", "dsar_split_allgather")
+    }
+    for name, base in variants.items():
+        v, b = algorithm_info(name), algorithm_info(base)
+        assert (v.auto, v.two_level, v.auto_priority, v.exact) == (
+            b.auto,
+            b.two_level,
+            b.auto_priority,
+            b.exact,
+        )
+        assert v.options == () and name.split("+")[1] in v.summary
     assert set(topk_algorithms()) == {"dense", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk"}
 
 

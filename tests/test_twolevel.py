@@ -254,6 +254,52 @@ def test_auto_takes_the_topology() -> None:
     assert not algorithm_info(run_ranks(8, fn, None)[0]).two_level
 
 
+@pytest.mark.parametrize("algo", TWO_LEVEL)
+@pytest.mark.parametrize("inner", ["ssar_split_allgather", "dsar_split_allgather"])
+def test_inner_variants_are_the_algorithm_with_that_inner(algo: str, inner: str) -> None:
+    """``twolevel_shard+dsar_split_allgather`` (auto's name for the choice between
+    nodes) gives the bits of ``twolevel_shard(inner="dsar_split_allgather")``, on
+    contiguous and interleaved nodes; exact against a float64 reference."""
+    name = f"{algo}+{inner}"
+    assert algorithm_info(name).variant_of == algo
+
+    def fn(comm, topo):  # type: ignore[no-untyped-def]
+        comm.set_topology(topo)
+        s = make_stream("random", comm.rank, 6, 5000, torch.float64)
+        return (
+            sparse_allreduce(s, comm, algorithm=name).to_dense(),
+            sparse_allreduce(s, comm, algorithm=algo, inner=inner).to_dense(),
+        )
+
+    ref = dense_reference([make_stream("random", r, 6, 5000, torch.float64) for r in range(6)])
+    for topo in (_topology(2, 3), _topology(3, 2, interleaved=True)):
+        out = run_ranks(6, fn, topo)
+        for variant, explicit in out:
+            assert torch.equal(variant, explicit) and torch.equal(variant, out[0][0])
+        torch.testing.assert_close(out[0][0], ref, rtol=0, atol=1e-12)
+
+
+def test_auto_chooses_the_inner_algorithm_by_the_model() -> None:
+    """On 2 x 4 ranks the model keeps recursive doubling between the two nodes; on
+    8 x 8 the nodes' sums fill in and it picks the split allgather between nodes.
+    ``auto`` measures one inner per two-level algorithm (the model's best), not all."""
+    from sparcml.collectives.autotune import _candidates, choose
+    from sparcml.collectives.registry import algorithms
+
+    model = CostModel()  # the defaults: what a user without a calibration file gets
+    names = algorithms(auto=True)
+    n = 1 << 24
+    assert choose(model.for_topology(4), 8, n, [131_072] * 8, 4, names) == "twolevel_shard"
+    on_8x8 = model.for_topology(8)
+    ks = [131_072] * 64
+    picked = choose(on_8x8, 64, n, ks, 4, names)
+    assert picked == "twolevel_shard+ssar_split_allgather"
+    assert predict(on_8x8, picked, 64, n, ks, 4) < predict(on_8x8, "twolevel_shard", 64, n, ks, 4)
+    cands, _ = _candidates(on_8x8, 64, n, ks, 4, names)
+    bases = [algorithm_info(a).base for a in cands]
+    assert len(bases) == len(set(bases)) and picked in cands, cands
+
+
 def test_auto_measures_two_level_candidates_and_stays_exact(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -497,3 +543,65 @@ def test_topk_family_cost_on_nodes() -> None:
     assert predict(m.for_topology(8), "topka", 8, n, ks, 4) == cost(m.inside(), 8, n, ks, 4)
     assert predict(m, "topka", 8, n, ks, 4) == cost(m, 8, n, ks, 4)
     assert algorithm_info("topka").node_aware and algorithm_info("gaussiank").node_aware
+    # gTopk on 2 x 4: two of its three levels (up and down) at the inside pair, one
+    # between nodes with the NIC not shared (the same merge work)
+    from sparcml.collectives.gtopk import cost as gtopk_cost
+
+    assert algorithm_info("gtopk").node_aware
+    flat = gtopk_cost(m, 8, n, ks, 4)
+    inside = gtopk_cost(m.inside(), 8, n, ks, 4)
+    assert predict(m.for_topology(4), "gtopk", 8, n, ks, 4) == pytest.approx(
+        flat / 3 + 2 * inside / 3
+    )
+
+
+@pytest.mark.parametrize(("nodes", "per"), [(2, 4), (4, 2), (2, 3), (3, 2)])
+def test_gtopk_tree_keeps_its_first_levels_inside_the_nodes(nodes: int, per: int) -> None:
+    """gTopk (``node_aware``) runs its tree over the ranks in node order: on nodes
+    whose ranks are interleaved (r on node r % nodes) the result is the flat tree's
+    over the inputs renumbered node by node, identical on every rank; on contiguous
+    nodes it is the flat run's bit for bit; and fewer messages cross nodes than in
+    the flat tree over the interleaved ranks (with power-of-two nodes: two per level
+    between nodes, up and down)."""
+    from sparcml.collectives.gtopk import gtopk
+
+    p = nodes * per
+    inter = _topology(nodes, per, interleaved=True)
+    order = [r for node in inter.nodes for r in node]
+
+    def selection(r: int) -> SparseStream:
+        g = torch.Generator().manual_seed(r)
+        idx = torch.sort(torch.randperm(3000, generator=g)[:60]).values
+        return SparseStream.from_sorted(idx, torch.randn(60, generator=g), 3000)
+
+    def fn(comm, topo, inputs):  # type: ignore[no-untyped-def]
+        if topo is not None:
+            comm.set_topology(topo)
+        crossed, send = [0], comm.isend
+
+        def counted(buf, dst, tag=0):  # type: ignore[no-untyped-def]
+            tree = buf.numel() > 64  # not step 1's 8-byte allreduce of k
+            if tree and topo is not None and topo.node_of(dst) != topo.node_of(comm.rank):
+                crossed[0] += 1
+            return send(buf, dst, tag)
+
+        comm.isend = counted
+        out = gtopk(selection(inputs[comm.rank]), comm).to_dense()
+        return out, crossed[0]
+
+    def tree_crossings(ranks: list[int]) -> int:
+        """Messages between nodes of the binomial tree over ``ranks`` (up and down)."""
+        edges = [(ranks[v], ranks[v + d]) for d in (1 << i for i in range(p.bit_length()))
+                 for v in range(0, p, 2 * d) if v + d < p]  # fmt: skip
+        return 2 * sum(inter.node_of(a) != inter.node_of(b) for a, b in edges)
+
+    aware = run_ranks(p, fn, inter, list(range(p)))
+    renumbered = run_ranks(p, fn, None, order)
+    assert all(torch.equal(o, renumbered[0][0]) for o, _ in aware)
+    crossings = sum(c for _, c in aware)
+    assert crossings == tree_crossings(order) < tree_crossings(list(range(p)))
+    if per & (per - 1) == 0:
+        assert crossings == 2 * (nodes - 1)
+    contiguous = run_ranks(p, fn, _topology(nodes, per), list(range(p)))
+    flat = run_ranks(p, fn, None, list(range(p)))
+    assert all(torch.equal(c, f) for (c, _), (f, _) in zip(contiguous, flat, strict=True))

@@ -10,32 +10,45 @@ SparCML between nodes). The topology is the communicator's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..comm import Communicator
 from ..comm.abort import mark_uniform
 from ..costmodel import expected_fill_in
-from .codec import StreamCodec
-from .registry import algorithm_info
+from .codec import EXACT, StreamCodec
+from .registry import algorithm_info, register
+
+if TYPE_CHECKING:
+    from ..stream import SparseStream
 
 if TYPE_CHECKING:
     from ..costmodel import CostModel
 
 __all__ = [
     "DEFAULT_INNER",
+    "INNERS",
     "check_inner",
     "inner_codec",
     "inner_cost",
     "node_and_lane",
     "node_ks",
     "node_shape",
+    "register_inner_variants",
 ]
 
 #: The flat algorithm between nodes unless ``inner=`` names another: latency-optimal
 #: (``log2`` of the number of nodes rounds), and with few nodes it moves what the
 #: split allgather moves.
 DEFAULT_INNER = "ssar_recursive_double"
+
+#: The flat algorithms ``auto`` may run between nodes, the default first. With many
+#: nodes the node sums fill in, and the dynamic split allgather (its pieces switch
+#: to dense past ``delta``) moves the fewest bytes; recursive doubling's later
+#: rounds carry the filled-in sums whole. (The dense allreduce is left to
+#: ``dsar_split_allgather``'s dense pieces: it cannot quantize.)
+INNERS = ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather")
 
 
 def check_inner(name: str) -> None:
@@ -54,6 +67,36 @@ def check_inner(name: str) -> None:
             ),
             True,
         )
+
+
+def register_inner_variants(base: str, cost: Callable[..., float]) -> None:
+    """Register ``base+inner`` = ``base(inner=inner)`` for every other inner algorithm of
+    :data:`INNERS`, with ``base``'s facts and ``cost(..., inner=inner)`` as its cost,
+    so that ``auto`` can choose the algorithm between nodes (its model picks the
+    inner of each two-level algorithm; measurement picks among the algorithms)."""
+    info = algorithm_info(base)
+    summary = info.summary.rstrip(".").split(";")[0]
+    for inner in INNERS:
+        if inner == DEFAULT_INNER:
+            continue
+        register(
+            f"{base}+{inner}", exact=info.exact, input=info.input, auto=info.auto,
+            cost=functools.partial(cost, inner=inner), quadratic=info.quadratic,
+            family=sorted(info.family), auto_priority=info.auto_priority,
+            dense_result=info.dense_result, two_level=info.two_level,
+            shares_nic=info.shares_nic, node_aware=info.node_aware, variant_of=base,
+        )(_variant(info.fn, inner, f"{summary}, with ``{inner}`` between nodes."))  # fmt: skip
+
+
+def _variant(fn: Callable[..., SparseStream], inner: str, doc: str) -> Callable[..., SparseStream]:
+    def variant(
+        stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
+    ) -> SparseStream:
+        return fn(stream, comm, codec, inner=inner)
+
+    variant.__doc__ = doc
+    variant.__name__ = variant.__qualname__ = f"{fn.__name__}_{inner}"
+    return variant
 
 
 def node_and_lane(comm: Communicator) -> tuple[Communicator, Communicator]:

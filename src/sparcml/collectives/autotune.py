@@ -189,9 +189,18 @@ def measuring(comm: Communicator) -> bool:
 def _candidates(
     model: CostModel, p: int, n: int, ks: Sequence[int], isize: int, names: Sequence[str]
 ) -> tuple[list[str], float]:
-    """The candidates worth measuring (model's order), and the best prediction."""
+    """The candidates worth measuring (model's order), and the best prediction.
+
+    Of an algorithm's variants (``twolevel_shard`` and ``twolevel_shard+...``, its
+    inner algorithm between nodes) only the one the model ranks best is measured."""
     pred = {a: predict(model, a, p, n, ks, isize) for a in names}
     best = min(pred.values())
+    pick: dict[str, str] = {}
+    for a in names:  # ties keep the earlier name (the base before its variants)
+        base = algorithm_info(a).base
+        if base not in pick or pred[a] < pred[pick[base]]:
+            pick[base] = a
+    names = [a for a in names if pick[algorithm_info(a).base] == a]
     keep = [a for a in names if pred[a] <= PRUNE_FACTOR * best]
     return sorted(keep, key=lambda a: pred[a]), best
 

@@ -11,6 +11,13 @@ Steps (binomial tree, any ``P``):
 Cost ``2 log2(P) alpha + 4k log2(P) beta`` (paper 001's table: ``k`` pairs up and
 down each of the ``log2 P`` levels). The result is not the sum of the local
 selections but the top-k of a top-k-filtered sum, which bounds the fill-in.
+
+On ranks spanning several nodes (the ``node_aware`` fact; beyond paper 001) the
+tree runs over the ranks in node order (node 0's ranks, then node 1's, ...), so
+with ``L`` ranks per node (a power of two) its first ``log2 L`` levels stay
+inside the node and only the last ``log2 M`` of ``M`` nodes cross, each level
+one message per pair of nodes: the NIC is never shared. On contiguous nodes
+that order is the ranks' own, and the result the flat tree's, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from .registry import register
 if TYPE_CHECKING:
     from ..costmodel import CostModel
 
-__all__ = ["gtopk", "keep_topk"]
+__all__ = ["gtopk", "in_node_order", "keep_topk"]
 
 
 def keep_topk(stream: SparseStream, k: int) -> SparseStream:
@@ -49,16 +56,33 @@ def keep_topk(stream: SparseStream, k: int) -> SparseStream:
     return SparseStream.from_sorted(stream.indices[pos], stream.values[pos], stream.size)
 
 
+def in_node_order(comm: Communicator) -> Communicator:
+    """``comm`` with its ranks renumbered node by node (node 0's ranks first, each
+    node's in ascending order): ``comm`` itself where that is already its order."""
+    order = tuple(r for node in comm.topology.nodes for r in node)
+    return comm if order == tuple(range(comm.world_size)) else comm.subgroup(order)
+
+
 def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
     """Tree reduction keeping ``k`` per level, then broadcast (paper 001's table:
-    ``2 log P alpha + 4k log P beta`` in words), a merge per level."""
+    ``2 log P alpha + 4k log P beta`` in words), a merge per level. On nodes of ``L =
+    model.ranks_per_node`` ranks the first ``floor(log2 L)`` levels (up and down)
+    cost the inside pair, the others the pair between nodes."""
     k = max(ks) if ks else 0
     pair = index_field_nbytes(n, k) / max(k, 1) + isize  # indices as the wire codes them
     log_p = log2_ceil(p)
-    return 2 * log_p * (model.alpha + model.beta_pairs * k * pair) + model.gamma * 2 * k * log_p
+    lanes = model.ranks_per_node
+    inside_levels = (lanes.bit_length() - 1) if lanes > 1 and p % lanes == 0 else 0
+    inside_levels = min(inside_levels, log_p)
+    t = model.gamma * 2 * k * log_p
+    t += 2 * (log_p - inside_levels) * (model.alpha + model.beta_pairs * k * pair)
+    if inside_levels:
+        inside = model.inside()
+        t += 2 * inside_levels * (inside.alpha + inside.beta_pairs * k * pair)
+    return t
 
 
-@register("gtopk", exact=False, input="selection", cost=cost, family=("topk",))
+@register("gtopk", exact=False, input="selection", cost=cost, family=("topk",), node_aware=True)
 def gtopk(
     stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
 ) -> SparseStream:
@@ -70,11 +94,12 @@ def gtopk(
         codec: how the reduce-phase messages are encoded (exact by default).
     """
     comm = resolve(comm)
-    p, me = comm.world_size, comm.rank
     # Step 1: a common k
     k = int(comm.allreduce(torch.tensor([stream.nnz], dtype=torch.int64), op="max"))
-    if p == 1:
+    if comm.world_size == 1:
         return keep_topk(stream, k).clone()
+    comm = in_node_order(comm)  # the tree's first levels inside the nodes
+    p, me = comm.world_size, comm.rank
     acc = keep_topk(stream, k)
     combined = False  # acc holds other ranks' contributions too
     # Step 2: reduce up the binomial tree

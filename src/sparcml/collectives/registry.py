@@ -62,6 +62,12 @@ Facts (:class:`AlgorithmInfo`):
   send through one NIC at once, so :func:`predict` costs a flat algorithm's
   messages at ``1/ranks_per_node`` of the bandwidth (False for the dense ring,
   whose only messages between nodes are one per node and direction);
+* ``variant_of``: it is another registered algorithm with one option fixed (a
+  two-level algorithm with another flat algorithm between nodes:
+  ``twolevel_shard+dsar_split_allgather`` is ``twolevel_shard(inner=
+  "dsar_split_allgather")``), registered so that ``auto`` can choose it; listings
+  leave variants out unless asked (``algorithms(variants=True)``), and ``auto``
+  measures only the variant of each algorithm its model ranks best;
 * ``options``: the keyword options it takes (``k``, ``state``), from its signature.
 """
 
@@ -117,6 +123,12 @@ class AlgorithmInfo:
     two_level: bool = False
     shares_nic: bool = True
     node_aware: bool = False
+    variant_of: str | None = None
+
+    @property
+    def base(self) -> str:
+        """The algorithm this one is a variant of, or its own name."""
+        return self.variant_of or self.name
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -154,6 +166,7 @@ def register(
     two_level: bool = False,
     shares_nic: bool = True,
     node_aware: bool = False,
+    variant_of: str | None = None,
 ) -> Callable[[F], F]:
     """Decorator adding an allreduce algorithm to the registry under ``name``.
 
@@ -161,7 +174,7 @@ def register(
         name: the ``algorithm=`` name.
         exact, input, auto, cost, quadratic, family, auto_priority,
             header_in_first_round, header_in_rounds, dense_result, two_level,
-            shares_nic, node_aware: the facts of
+            shares_nic, node_aware, variant_of: the facts of
             :class:`AlgorithmInfo` (module docstring).
 
     Raises:
@@ -185,7 +198,7 @@ def register(
         _REGISTRY[name] = AlgorithmInfo(
             name, fn, exact, input, auto, cost, quadratic, frozenset(family), alias,
             auto_priority, header_in_first_round, header_in_rounds, dense_result,
-            two_level, shares_nic, node_aware,
+            two_level, shares_nic, node_aware, variant_of,
         )  # fmt: skip
         return fn
 
@@ -241,6 +254,7 @@ def algorithms(
     auto: bool | None = None,
     family: str | None = None,
     aliases: bool = True,
+    variants: bool = True,
 ) -> list[str]:
     """Names of the registered algorithms, sorted, filtered by their facts.
 
@@ -251,6 +265,8 @@ def algorithms(
         family: ``"sparcml"`` or ``"topk"``.
         aliases: include names registered for a function already registered
             under another name (``topkdsa`` is ``ssar_split_allgather``).
+        variants: include an algorithm's variants with an option fixed
+            (``twolevel_shard+dsar_split_allgather``).
     """
     return sorted(
         i.name
@@ -259,6 +275,7 @@ def algorithms(
         and (auto is None or i.auto == auto)
         and (family is None or family in i.family)
         and (aliases or i.alias_of is None)
+        and (variants or i.variant_of is None)
     )
 
 
@@ -300,6 +317,7 @@ def describe() -> list[dict[str, Any]]:
             "family": ",".join(sorted(i.family)),
             "two_level": i.two_level,
             "alias_of": i.alias_of,
+            "variant_of": i.variant_of,
             "summary": i.summary,
         }
         for i in sorted(_REGISTRY.values(), key=lambda i: i.name)

@@ -37,7 +37,15 @@ from ..comm import Communicator, resolve
 from ..costmodel import expected_fill_in
 from ..stream import SparseStream
 from ._common import decode_or_empty, encode_or_empty
-from ._twolevel import DEFAULT_INNER, check_inner, inner_codec, inner_cost, node_ks, node_shape
+from ._twolevel import (
+    DEFAULT_INNER,
+    check_inner,
+    inner_codec,
+    inner_cost,
+    node_ks,
+    node_shape,
+    register_inner_variants,
+)
 from .codec import EXACT, StreamCodec
 from .registry import get_algorithm, register
 
@@ -47,14 +55,17 @@ if TYPE_CHECKING:
 __all__ = ["twolevel_leader"]
 
 
-def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
-    """Steps 1-3 above on contiguous nodes of ``model.ranks_per_node`` ranks."""
+def cost(
+    model: CostModel, p: int, n: int, ks: Sequence[int], isize: int, inner: str = DEFAULT_INNER
+) -> float:
+    """Steps 1-3 above on contiguous nodes of ``model.ranks_per_node`` ranks, ``inner``
+    between nodes."""
     nodes, per = node_shape(model, p)
     inside = model.inside()
     k = max(ks) if ks else 0
     fill = expected_fill_in(n, ks)
     t = (per - 1) * inside.message_time(k, n, isize) + model.gamma * per * k
-    t += inner_cost(model.for_topology(1), nodes, n, node_ks(ks, n, per), isize, DEFAULT_INNER)
+    t += inner_cost(model.for_topology(1), nodes, n, node_ks(ks, n, per), isize, inner)
     return t + (per - 1) * inside.message_time(fill, n, isize)
 
 
@@ -108,3 +119,7 @@ def twolevel_leader(
     for h in [node.isend(buf, j) for j in range(1, node.world_size)]:
         h.wait()
     return total
+
+
+# twolevel_leader+ssar_split_allgather, twolevel_leader+dsar_split_allgather: auto's other inners
+register_inner_variants("twolevel_leader", cost)

@@ -50,6 +50,7 @@ from ._twolevel import (
     node_and_lane,
     node_ks,
     node_shape,
+    register_inner_variants,
 )
 from .codec import EXACT, StreamCodec
 from .registry import get_algorithm, register
@@ -61,14 +62,17 @@ if TYPE_CHECKING:
 __all__ = ["twolevel_shard"]
 
 
-def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
-    """Steps 1-3 above on contiguous nodes of ``model.ranks_per_node`` ranks."""
+def cost(
+    model: CostModel, p: int, n: int, ks: Sequence[int], isize: int, inner: str = DEFAULT_INNER
+) -> float:
+    """Steps 1-3 above on contiguous nodes of ``model.ranks_per_node`` ranks, ``inner``
+    between nodes."""
     nodes, per = node_shape(model, p)
     inside = model.inside()
     width = max(n // per, 1)
     t = split_cost(inside, per, n, ks, isize) if per > 1 else 0.0
     shard_ks = [k / per for k in node_ks(ks, n, per)]
-    t += inner_cost(model.sharing_nic(per), nodes, width, shard_ks, isize, DEFAULT_INNER)
+    t += inner_cost(model.sharing_nic(per), nodes, width, shard_ks, isize, inner)
     fill = expected_fill_in(n, ks)
     if per > 1:
         t += allgather_cost(inside, per, width, fill / per, isize)
@@ -113,3 +117,7 @@ def twolevel_shard(
     # Step 3: allgather of the reduced shards inside the node, then concatenation.
     bufs = allgather_buffers(codec.encode_exact(mine), node)
     return decode_ranges(codec, bufs, bounds, stream, comm.rank, "the node's gathered shards")
+
+
+# twolevel_shard+ssar_split_allgather, twolevel_shard+dsar_split_allgather: auto's other inners
+register_inner_variants("twolevel_shard", cost)

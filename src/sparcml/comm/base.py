@@ -228,9 +228,10 @@ class Communicator(abc.ABC):
         self._groups.clear()
 
     def subgroup(self, members: Sequence[int]) -> Communicator:
-        """The ranks ``members`` (ascending parent ranks, this rank among them) as a
-        communicator over this one's links (:class:`~sparcml.comm.topology.SubCommunicator`;
-        cached, so its traffic counters persist)."""
+        """The ranks ``members`` (parent ranks, this rank among them; rank ``i`` of the
+        group is ``members[i]``) as a communicator over this one's links
+        (:class:`~sparcml.comm.topology.SubCommunicator`; cached, so its traffic
+        counters persist)."""
         key = tuple(members)
         sub = self._groups.get(key)
         if sub is None:

@@ -65,8 +65,9 @@ __all__ = [
 
 
 def default_algorithms() -> list[str]:
-    """What ``sparcml simulate`` runs by default: every registered algorithm but aliases."""
-    return algorithms(aliases=False)
+    """What ``sparcml simulate`` runs by default: every registered algorithm but aliases
+    and variants (``twolevel_shard+dsar_split_allgather`` runs when named)."""
+    return algorithms(aliases=False, variants=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,8 +115,13 @@ class BenchConfig:
 
     def algorithm_list(self, nodes: bool = False) -> list[str]:
         """The rows, dense baselines first; ``nodes``: the ranks span several nodes
-        of several ranks (the two-level rows join the default list)."""
-        flat = [a for a in algorithms(exact=True) if nodes or not algorithm_info(a).two_level]
+        of several ranks (the two-level rows join the default list; their variants
+        with another inner algorithm only when named)."""
+        flat = [
+            a
+            for a in algorithms(exact=True, variants=False)
+            if nodes or not algorithm_info(a).two_level
+        ]
         default = ["dense", DENSE16, *([DENSE_TWOLEVEL] if nodes else []), *flat, "auto"]
         names = list(self.algorithms) or default
         names = list(dict.fromkeys(names))

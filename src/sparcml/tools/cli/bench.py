@@ -343,11 +343,13 @@ def list_algorithms(args: argparse.Namespace) -> int:
     print("sum of the inputs:  " + ", ".join([*exact, "auto"]))
     print("top-k family:       " + ", ".join(topk))
     print()
-    print(f"{'name':<22} {'exact':<6} {'input':<12} {'auto':<5} {'options':<8} summary")
-    for r in describe():
+    rows = describe()
+    w = max(22, *(len(r["name"]) for r in rows))
+    print(f"{'name':<{w}} {'exact':<6} {'input':<12} {'auto':<5} {'options':<8} summary")
+    for r in rows:
         alias = f" (= {r['alias_of']})" if r["alias_of"] else ""
         print(
-            f"{r['name']:<22} {'yes' if r['exact'] else 'no':<6} {r['input']:<12} "
+            f"{r['name']:<{w}} {'yes' if r['exact'] else 'no':<6} {r['input']:<12} "
             f"{'yes' if r['auto'] else '':<5} {r['options']:<8} {r['summary']}{alias}"
         )
     return 0
