@@ -3,6 +3,11 @@ two-level row against the fastest flat sparse row, flat dense gloo, the 16-bit
 dense row and Horovod's two-level dense pattern, and ``auto`` against the fastest
 row. Prints a Markdown table (nothing is written unless you redirect it).
 
+"Flat" rows are neither ``two_level`` nor ``node_aware`` by the registry of the
+code that runs this script: a ``node_aware`` row (TopkA, Gaussiank, gTopk) gathers
+in two levels by itself on nodes, so it is listed in a column of its own (for a
+file made before TopkA became node-aware, that column holds its flat run).
+
     python benchmarks/twolevel_summary.py docs/results/cluster/twolevel/final_2x4_run*.json
 """
 
@@ -23,8 +28,10 @@ def summary_row(path: Path) -> dict[str, object]:
     exact = set(algorithms(exact=True))
     sparse = {a: r["p50"] for a, r in rows.items() if a in exact and a != "dense"}
     two = {a: t for a, t in sparse.items() if algorithm_info(a).two_level}
-    flat = {a: t for a, t in sparse.items() if not algorithm_info(a).two_level}
+    aware = {a: t for a, t in sparse.items() if algorithm_info(a).node_aware}
+    flat = {a: t for a, t in sparse.items() if a not in two and a not in aware}
     best_two, best_flat = min(two, key=two.__getitem__), min(flat, key=flat.__getitem__)
+    best_aware = min(aware, key=aware.__getitem__) if aware else None
     fastest = min([*sparse.values(), *(rows[b]["p50"] for b in BASELINES if b in rows)])
     auto = rows.get("auto")
     t2 = two[best_two]
@@ -34,6 +41,7 @@ def summary_row(path: Path) -> dict[str, object]:
         "ranks_per_node": rows[best_two].get("ranks_per_node", "?"),
         "density": doc["config"]["density"],
         "two_level": f"{best_two} {t2 * 1e3:.2f} ms",
+        "node_aware": f"{best_aware} {aware[best_aware] * 1e3:.2f} ms" if best_aware else "-",
         "flat": f"{best_flat} {flat[best_flat] * 1e3:.2f} ms",
         "vs_flat": f"{flat[best_flat] / t2:.2f}x",
         "vs_dense": f"{rows['dense']['p50'] / t2:.2f}x",
@@ -53,7 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+", type=Path)
     args = ap.parse_args()
-    cols = ["file", "P", "ranks_per_node", "density", "two_level", "flat", "vs_flat",
+    cols = ["file", "P", "ranks_per_node", "density", "two_level", "node_aware", "flat", "vs_flat",
             "vs_dense", "vs_fp16", "vs_dense_twolevel", "auto"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -283,7 +283,7 @@ def test_auto_chooses_the_inner_algorithm_by_the_model() -> None:
     """On 2 x 4 ranks the model keeps recursive doubling between the two nodes; on
     8 x 8 the nodes' sums fill in and it picks the split allgather between nodes.
     ``auto`` measures one inner per two-level algorithm (the model's best), not all."""
-    from sparcml.collectives.autotune import _candidates, choose
+    from sparcml.collectives.autotune import choose, measured_candidates
     from sparcml.collectives.registry import algorithms
 
     model = CostModel()  # the defaults: what a user without a calibration file gets
@@ -295,7 +295,7 @@ def test_auto_chooses_the_inner_algorithm_by_the_model() -> None:
     picked = choose(on_8x8, 64, n, ks, 4, names)
     assert picked == "twolevel_shard+ssar_split_allgather"
     assert predict(on_8x8, picked, 64, n, ks, 4) < predict(on_8x8, "twolevel_shard", 64, n, ks, 4)
-    cands, _ = _candidates(on_8x8, 64, n, ks, 4, names)
+    cands, _ = measured_candidates(on_8x8, 64, n, ks, 4, names)
     bases = [algorithm_info(a).base for a in cands]
     assert len(bases) == len(set(bases)) and picked in cands, cands
 
@@ -605,3 +605,57 @@ def test_gtopk_tree_keeps_its_first_levels_inside_the_nodes(nodes: int, per: int
     contiguous = run_ranks(p, fn, _topology(nodes, per), list(range(p)))
     flat = run_ranks(p, fn, None, list(range(p)))
     assert all(torch.equal(c, f) for (c, _), (f, _) in zip(contiguous, flat, strict=True))
+
+
+@pytest.mark.parametrize("algo", TWO_LEVEL)
+def test_inside_the_node_exact_messages_carry_fixed_index_fields(algo: str) -> None:
+    """Under ``index_coding="auto"`` the node steps send the fixed index fields (bytes
+    are cheap there, Elias-Fano's CPU is not) and the messages between nodes
+    Elias-Fano where it is smaller; ``index_coding="elias-fano"`` codes every one.
+    The result is the same bits either way (lossless)."""
+    from sparcml.wire import peek, peek_bundle
+
+    topo = _topology(2, 2)
+    n, k = 1 << 20, 1 << 13  # d = 0.78%: Elias-Fano is the smaller field
+
+    def fn(comm, coding):  # type: ignore[no-untyped-def]
+        comm.set_topology(topo)
+        seen: dict[bool, set[bool]] = {True: set(), False: set()}  # inside? -> E-F flags
+        send = comm.isend
+
+        def counted(buf, dst, tag=0):  # type: ignore[no-untyped-def]
+            inside = topo.node_of(dst) == topo.node_of(comm.rank)
+            spans = peek_bundle(buf) or [(0, buf.numel())]
+            for off, _ in spans:
+                h = peek(buf, off)
+                if h is not None and not h.dense and h.nnz > 1000:
+                    seen[inside].add(h.elias_fano)
+            return send(buf, dst, tag)
+
+        comm.isend = counted
+        g = torch.Generator().manual_seed(comm.rank)
+        s = SparseStream(torch.randperm(n, generator=g)[:k], torch.randn(k, generator=g), n)
+        out = sparse_allreduce(s, comm, algo, index_coding=coding).to_dense()
+        return out, seen
+
+    auto, ef = run_ranks(4, fn, "auto"), run_ranks(4, fn, "elias-fano")
+    assert all(torch.equal(o, auto[0][0]) for o, _ in auto + ef)
+    inside_auto = set().union(*(s[True] for _, s in auto))
+    across_auto = set().union(*(s[False] for _, s in auto))
+    assert inside_auto == {False} and across_auto == {True}, (inside_auto, across_auto)
+    assert set().union(*(s[True] for _, s in ef)) == {True}
+
+
+def test_codec_inside_the_node() -> None:
+    from sparcml.collectives.codec import StreamCodec
+
+    assert StreamCodec().inside_node().index_coding == "fixed"
+    for named in ("fixed", "elias-fano", "delta"):
+        c = StreamCodec(index_coding=named)
+        assert c.inside_node() is c
+    q = StreamCodec(get("qsgd", bits=4), "contributions")
+    assert q.inside_node() is q  # quantized messages keep their coding and generators
+    m = CostModel()
+    assert m.inside(elias_fano=False).message_time(8192, 1 << 20, 4) > m.inside().message_time(
+        8192, 1 << 20, 4
+    )

@@ -79,6 +79,10 @@ class CostModel:
         ranks_per_node: the topology a prediction is for (:meth:`for_topology`;
             not stored in calibration files): with more than one rank per node, the
             node's ranks share its NIC (:meth:`sharing_nic`).
+        elias_fano: sparse messages may carry Elias--Fano index fields where they
+            are smaller (the default, as ``index_coding="auto"`` sends them);
+            False for messages with the fixed fields (:meth:`inside` with
+            ``elias_fano=False``: the two-level algorithms' steps inside a node).
 
     Two levels go beyond paper 000's single alpha-beta pair: its own production
     run used NCCL inside nodes and SparCML between them (sec. 8), costed here
@@ -94,6 +98,7 @@ class CostModel:
     alpha_intra: float = 10e-6
     beta_intra: float = 2.5e-10
     ranks_per_node: int = 1
+    elias_fano: bool = True
 
     @property
     def gamma_add(self) -> float:
@@ -136,6 +141,7 @@ class CostModel:
         data = dataclasses.asdict(self)
         data.pop("source")
         data.pop("ranks_per_node")  # a property of a run, not of the machine
+        data.pop("elias_fano")  # a property of a message, not of the machine
         p.write_text(json.dumps(data, indent=2) + "\n")
         return p
 
@@ -146,10 +152,18 @@ class CostModel:
             raise ValueError(f"ranks_per_node must be positive, got {ranks_per_node}")
         return dataclasses.replace(self, ranks_per_node=int(ranks_per_node))
 
-    def inside(self) -> CostModel:
-        """The model of messages between two ranks of one node (one level, no NIC)."""
+    def inside(self, elias_fano: bool = True) -> CostModel:
+        """The model of messages between two ranks of one node (one level, no NIC);
+        ``elias_fano=False``: messages with the fixed index fields, as the two-level
+        algorithms send inside a node
+        (:meth:`~sparcml.collectives.codec.StreamCodec.inside_node`)."""
         return dataclasses.replace(
-            self, alpha=self.alpha_intra, beta=self.beta_intra, beta_sparse=None, ranks_per_node=1
+            self,
+            alpha=self.alpha_intra,
+            beta=self.beta_intra,
+            beta_sparse=None,
+            ranks_per_node=1,
+            elias_fano=self.elias_fano and elias_fano,
         )
 
     def sharing_nic(self, ranks: int) -> CostModel:
@@ -179,7 +193,8 @@ class CostModel:
         if pairs > dense_threshold(size, _dtype_of(isize)):
             nbytes, beta = size * isize, self.beta
         else:
-            nbytes, beta = index_field_nbytes(size, pairs) + pairs * isize, self.beta_pairs
+            nbytes = index_field_nbytes(size, pairs, elias_fano=self.elias_fano) + pairs * isize
+            beta = self.beta_pairs
         return self.alpha + beta * copies * (nbytes + HEADER_BYTES)
 
 

@@ -135,10 +135,11 @@ def layout(size: int, nnz: int, *, elias_fano: bool = True) -> IndexLayout:
     return best
 
 
-def index_field_nbytes(size: int, nnz: float) -> int:
-    """Bytes of the index field :func:`layout` chooses (``nnz`` rounded): what the cost
-    model and the simulator charge for a stream's indices."""
-    return layout(size, max(0, round(nnz))).nbytes
+def index_field_nbytes(size: int, nnz: float, *, elias_fano: bool = True) -> int:
+    """Bytes of the index field :func:`layout` chooses (``nnz`` rounded; the fixed
+    fields alone unless ``elias_fano``): what the cost model and the simulator charge
+    for a stream's indices."""
+    return layout(size, max(0, round(nnz)), elias_fano=elias_fano).nbytes
 
 
 def write_elias_fano(out: torch.Tensor, indices: torch.Tensor, size: int, low_bits: int) -> None:

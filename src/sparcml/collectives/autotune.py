@@ -75,6 +75,7 @@ __all__ = [
     "choose",
     "choose_algorithm",
     "common_choice",
+    "measured_candidates",
     "measuring",
     "observe",
     "plan",
@@ -186,10 +187,11 @@ def measuring(comm: Communicator) -> bool:
     return any(c.winner is None for c in auto_choices(comm))
 
 
-def _candidates(
+def measured_candidates(
     model: CostModel, p: int, n: int, ks: Sequence[int], isize: int, names: Sequence[str]
 ) -> tuple[list[str], float]:
-    """The candidates worth measuring (model's order), and the best prediction.
+    """The candidates ``auto`` measures for a new class (model's order: those within
+    :data:`PRUNE_FACTOR` of the best prediction), and the best prediction.
 
     Of an algorithm's variants (``twolevel_shard`` and ``twolevel_shard+...``, its
     inner algorithm between nodes) only the one the model ranks best is measured."""
@@ -227,7 +229,7 @@ def plan(
     cls = AutoClass.of(p, size, ks, isize, lossy)
     entry = table.get(cls)
     if entry is None:
-        cands, best = _candidates(model, p, size, ks, isize, names)
+        cands, best = measured_candidates(model, p, size, ks, isize, names)
         near = _neighbour_winners(table, cls)
         if near:  # a neighbouring density measured already: its winner and the model's
             cands = [a for a in cands if a == cands[0] or a in near]

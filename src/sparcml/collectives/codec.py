@@ -238,6 +238,20 @@ class StreamCodec:
         """The same policy for one collective call: its number and this rank."""
         return StreamCodec(self.quantizer, self.quantize, sequence, self.index_coding, rank)
 
+    def inside_node(self) -> StreamCodec:
+        """The codec of the messages between ranks of one node (the two-level
+        algorithms' steps inside the node). Under ``index_coding="auto"`` exact
+        messages there carry the fixed index fields: bytes inside a node are cheap
+        (NVLink, shared memory, loopback), while Elias--Fano costs ~2-3 ns an index to
+        write and again to read, and on 2 x 4 ranks the node steps write and read
+        about 1.4M indices a call per rank (``docs/cluster.md``, "Fixed indices
+        inside the node"). Beyond paper 000, whose sec. 5.1 leaves the index coding
+        open. The codec itself where the coding was named or a quantizer is set
+        (its messages keep their coding and their generators)."""
+        if self.index_coding != "auto" or self.quantizer is not None:
+            return self
+        return StreamCodec(None, self.quantize, self.sequence, "fixed", self.rank)
+
     def shared_seed(self, *parts: int) -> int:
         """A seed every rank derives alike from this call's number and ``parts``.
 

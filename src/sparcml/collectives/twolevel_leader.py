@@ -22,6 +22,10 @@ fill-in ``K``:
     T = (L-1) (alpha_i + k beta_i) + gamma L k + T_inner(n; K_node, alpha, beta)
         + (L-1) (alpha_i + K beta_i)
 
+Inside the node, exact messages carry the fixed index fields under
+``index_coding="auto"`` (:meth:`~.codec.StreamCodec.inside_node`); between the
+leaders, the call's coding.
+
 Every rank ends with the same bits: the leaders' results are identical (the
 inner algorithm's guarantee) and step 3 hands them on exactly. Quantizers: the
 ranks' own contributions are quantized as the codec says in step 1; under
@@ -61,7 +65,7 @@ def cost(
     """Steps 1-3 above on contiguous nodes of ``model.ranks_per_node`` ranks, ``inner``
     between nodes."""
     nodes, per = node_shape(model, p)
-    inside = model.inside()
+    inside = model.inside(elias_fano=False)  # the node's messages: fixed index fields
     k = max(ks) if ks else 0
     fill = expected_fill_in(n, ks)
     t = (per - 1) * inside.message_time(k, n, isize) + model.gamma * per * k
@@ -98,24 +102,25 @@ def twolevel_leader(
         return get_algorithm(inner)(stream, comm.subgroup(topo.leaders()), codec)
     node = comm.subgroup(topo.node_ranks(comm.rank))
     size, dtype, device = stream.size, stream.dtype, stream.device
+    inside = codec.inside_node()  # fixed index fields inside the node (exact, "auto")
     if node.rank != 0:
         # Step 1: the contribution to the leader; step 3: the result from it.
-        node.send(encode_or_empty(stream, codec), 0)
+        node.send(encode_or_empty(stream, inside), 0)
         return decode_or_empty(node.recv(0), size, dtype, device)
     # Step 1 (leader): the node's sum, in local rank order.
     got = [node.irecv(j) for j in range(1, node.world_size)]
-    parts = [codec.quantize_own(stream)]
+    parts = [inside.quantize_own(stream)]
     for h in got:
         buf = h.wait()
         assert buf is not None
-        parts.append(decode_or_empty(buf, size, dtype, device, codec))
+        parts.append(decode_or_empty(buf, size, dtype, device, inside))
     total = SparseStream.sum(parts)
     # Step 2: the leaders' sparse allreduce of the node sums.
     if topo.num_nodes > 1:
         leaders = comm.subgroup(topo.leaders())
         total = get_algorithm(inner)(total, leaders, inner_codec(codec, own=False))
     # Step 3: the result to the node's other ranks, exactly (every rank the same bits).
-    buf = encode_or_empty(total, codec, exact=True)
+    buf = encode_or_empty(total, inside, exact=True)
     for h in [node.isend(buf, j) for j in range(1, node.world_size)]:
         h.wait()
     return total

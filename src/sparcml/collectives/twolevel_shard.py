@@ -29,6 +29,9 @@ Cost, with inside-node pair ``(alpha_i, beta_i)``, between-node pair
 
 Every rank ends with the same bits: step 2's result is identical on every rank
 of a lane (the inner algorithm's guarantee), step 3 hands it on exactly.
+Inside the node, exact messages carry the fixed index fields under
+``index_coding="auto"`` (:meth:`~.codec.StreamCodec.inside_node`: bytes are cheap
+there, Elias--Fano's CPU is not); between nodes, the call's coding.
 Quantizers: step 1 quantizes each rank's own contribution as the codec says;
 under ``quantize="contributions"`` the partial sums of steps 2-3 travel exactly.
 """
@@ -68,7 +71,7 @@ def cost(
     """Steps 1-3 above on contiguous nodes of ``model.ranks_per_node`` ranks, ``inner``
     between nodes."""
     nodes, per = node_shape(model, p)
-    inside = model.inside()
+    inside = model.inside(elias_fano=False)  # the node's messages: fixed index fields
     width = max(n // per, 1)
     t = split_cost(inside, per, n, ks, isize) if per > 1 else 0.0
     shard_ks = [k / per for k in node_ks(ks, n, per)]
@@ -104,9 +107,10 @@ def twolevel_shard(
     if comm.world_size == 1:
         return stream.clone()
     node, lane = node_and_lane(comm)
+    inside = codec.inside_node()  # fixed index fields inside the node (exact, "auto")
     # Step 1: reduce-scatter inside the node.
     if node.world_size > 1:
-        mine, bounds, _ = split_and_reduce(stream, node, codec)
+        mine, bounds, _ = split_and_reduce(stream, node, inside)
     else:
         mine, bounds = stream, [0, stream.size]
     # Step 2: the shard's sparse allreduce between nodes, one lane per local rank.
@@ -115,8 +119,8 @@ def twolevel_shard(
     if node.world_size == 1:
         return mine
     # Step 3: allgather of the reduced shards inside the node, then concatenation.
-    bufs = allgather_buffers(codec.encode_exact(mine), node)
-    return decode_ranges(codec, bufs, bounds, stream, comm.rank, "the node's gathered shards")
+    bufs = allgather_buffers(inside.encode_exact(mine), node)
+    return decode_ranges(inside, bufs, bounds, stream, comm.rank, "the node's gathered shards")
 
 
 # twolevel_shard+ssar_split_allgather, twolevel_shard+dsar_split_allgather: auto's other inners
