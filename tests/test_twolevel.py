@@ -659,3 +659,50 @@ def test_codec_inside_the_node() -> None:
     assert m.inside(elias_fano=False).message_time(8192, 1 << 20, 4) > m.inside().message_time(
         8192, 1 << 20, 4
     )
+
+
+@pytest.mark.parametrize(("nodes", "per"), [(2, 4), (1, 5), (2, 3)])
+def test_leader_reduces_and_broadcasts_by_trees_inside_the_node(nodes: int, per: int) -> None:
+    """``twolevel_leader`` reduces to the leader and broadcasts back by binomial trees:
+    the leader sends and receives ``ceil(log2 L)`` messages inside its node (not
+    ``L - 1``), every other rank sends at most that many, and the result is exact
+    and identical on every rank."""
+    from sparcml.collectives.twolevel_leader import twolevel_leader
+
+    p, levels = nodes * per, (per - 1).bit_length()
+    topo = _topology(nodes, per)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(topo)
+        inside = [0, 0]  # messages sent, received inside the node (not headers)
+        send, recv = comm.isend, comm.irecv
+
+        def sent(buf, dst, tag=0):  # type: ignore[no-untyped-def]
+            if buf.numel() > 64 and topo.node_of(dst) == topo.node_of(comm.rank):
+                inside[0] += 1
+            return send(buf, dst, tag)
+
+        def received(src, tag=0):  # type: ignore[no-untyped-def]
+            handle = recv(src, tag)
+            if topo.node_of(src) == topo.node_of(comm.rank):
+                wait = handle.wait
+
+                def counted():  # type: ignore[no-untyped-def]
+                    buf = wait()
+                    inside[1] += buf is not None and buf.numel() > 64
+                    return buf
+
+                handle.wait = counted
+            return handle
+
+        comm.isend, comm.irecv = sent, received
+        s = make_stream("random", comm.rank, p, 4000)
+        return twolevel_leader(s, comm).to_dense(), inside  # (no header exchange)
+
+    out = run_ranks(p, fn)
+    ref = dense_reference([make_stream("random", r, p, 4000) for r in range(p)])
+    assert all(torch.equal(o, out[0][0]) for o, _ in out)
+    assert torch.equal(out[0][0].double(), ref)
+    for leader in topo.leaders():
+        assert out[leader][1] == [levels, levels], out[leader][1]
+    assert max(c[0] for _, c in out) <= levels
