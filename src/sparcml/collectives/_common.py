@@ -104,14 +104,13 @@ def partition_boundaries(size: int, parts: int) -> list[int]:
 
 
 def encode_or_empty(
-    stream: SparseStream, codec: StreamCodec = EXACT, *, exact: bool = False, partial: bool = False
+    stream: SparseStream, codec: StreamCodec = EXACT, *, exact: bool = False
 ) -> torch.Tensor:
-    """The message for ``stream`` (exact, in ``codec``'s index coding, with ``exact``;
-    ``partial``: a partial sum of several ranks, see :meth:`StreamCodec.encode`), or a
-    zero-length payload for a sparse stream with no entries."""
+    """The message for ``stream`` (exact, in ``codec``'s index coding, with ``exact``),
+    or a zero-length payload for a sparse stream with no entries."""
     if not stream.is_dense and stream.nnz == 0:
         return torch.empty(0, dtype=torch.uint8, device=stream.device)
-    return codec.encode_exact(stream) if exact else codec.encode(stream, partial=partial)
+    return codec.encode_exact(stream) if exact else codec.encode(stream)
 
 
 def decode_or_empty(

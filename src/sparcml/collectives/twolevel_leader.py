@@ -8,27 +8,19 @@ node busy; here one rank per node does the inter-node work.
 
 With ``L`` ranks per node and ``n`` nodes:
 
-1. Reduce to the leader (the node's lowest rank) by a binomial tree inside the
-   node: for ``d = 1, 2, 4, ...`` local rank ``l`` with ``l mod 2d = d`` sends its
-   (partial) sum to ``l - d``, which adds it to its own (its own first); the
-   leader receives ``ceil(log2 L)`` messages instead of ``L - 1``, and the node's
-   merging is spread over its ranks.
+1. Reduce to the leader (the node's lowest rank): every other rank of the node
+   sends its stream to the leader, which sums the ``L`` contributions in local
+   rank order (deterministic).
 2. The leaders run a flat sparse allreduce (``inner``, default recursive
    doubling, sec. 5.3.1) of their node sums; the NIC carries one rank's traffic.
-3. Broadcast inside the node down the same tree: the leader sends the result,
-   exactly encoded, to its children, and every rank forwards the bytes it
-   received before decoding them (``ceil(log2 L)`` rounds instead of ``L - 1``
-   sends from the leader).
+3. Broadcast inside the node: the leader sends the result, exactly encoded, to
+   every other rank of its node.
 
-The trees are this library's arrangement (paper 000 sec. 8 says only that the
-node reduces first); a direct fan-in and fan-out would cost ``L - 1`` messages on
-the leader each way.
+Cost, with inside-node pair ``(alpha_i, beta_i)``, node fill-in ``K_node``, total
+fill-in ``K``:
 
-Cost, with inside-node pair ``(alpha_i, beta_i)``, the fill-in ``K_j`` of ``2^j``
-ranks' streams, the node fill-in ``K_node`` and the total fill-in ``K``:
-
-    T = sum_{j < log2 L} [(alpha_i + K_j beta_i) + 2 gamma K_j]
-        + T_inner(n; K_node, alpha, beta) + log2(L) (alpha_i + K beta_i)
+    T = (L-1) (alpha_i + k beta_i) + gamma L k + T_inner(n; K_node, alpha, beta)
+        + (L-1) (alpha_i + K beta_i)
 
 Inside the node, exact messages carry the fixed index fields under
 ``index_coding="auto"`` (:meth:`~.codec.StreamCodec.inside_node`); between the
@@ -48,7 +40,7 @@ from typing import TYPE_CHECKING
 from ..comm import Communicator, resolve
 from ..costmodel import expected_fill_in
 from ..stream import SparseStream
-from ._common import decode_or_empty, encode_or_empty, log2_ceil
+from ._common import decode_or_empty, encode_or_empty
 from ._twolevel import (
     DEFAULT_INNER,
     check_inner,
@@ -74,13 +66,11 @@ def cost(
     between nodes."""
     nodes, per = node_shape(model, p)
     inside = model.inside(elias_fano=False)  # the node's messages: fixed index fields
-    levels = log2_ceil(per)
-    t = 0.0
-    for j in range(levels):  # step 1: the partial sums of 2^j ranks climb a level
-        k_j = expected_fill_in(n, ks[: 1 << j]) if ks else 0.0
-        t += inside.message_time(k_j, n, isize) + model.gamma * 2 * k_j
+    k = max(ks) if ks else 0
+    fill = expected_fill_in(n, ks)
+    t = (per - 1) * inside.message_time(k, n, isize) + model.gamma * per * k
     t += inner_cost(model.for_topology(1), nodes, n, node_ks(ks, n, per), isize, inner)
-    return t + levels * inside.message_time(expected_fill_in(n, ks), n, isize)
+    return t + (per - 1) * inside.message_time(fill, n, isize)
 
 
 @register("twolevel_leader", auto=True, cost=cost, auto_priority=4, two_level=True)
@@ -113,37 +103,25 @@ def twolevel_leader(
     node = comm.subgroup(topo.node_ranks(comm.rank))
     size, dtype, device = stream.size, stream.dtype, stream.device
     inside = codec.inside_node()  # fixed index fields inside the node (exact, "auto")
-    me, per = node.rank, node.world_size
-    # Step 1: the node's sum up a binomial tree to the leader (local rank 0).
-    acc, combined = stream, False  # combined: acc holds other ranks' streams too
-    d = 1
-    while d < per:
-        if me % (2 * d) == d:
-            node.send(encode_or_empty(acc, inside, partial=combined), me - d)
-            break
-        if me + d < per:
-            other = decode_or_empty(node.recv(me + d), size, dtype, device, inside)
-            if not combined:
-                acc, combined = inside.quantize_own(acc), True
-            acc = SparseStream.sum([acc, other])
-        d *= 2
-    if me == 0:
-        # Step 2: the leaders' sparse allreduce of the node sums (L >= 2: combined).
-        if topo.num_nodes > 1:
-            leaders = comm.subgroup(topo.leaders())
-            acc = get_algorithm(inner)(acc, leaders, inner_codec(codec, own=False))
-        buf = encode_or_empty(acc, inside, exact=True)
-    else:
-        buf = node.recv(me - (me & -me))  # step 3 from the rank this one sent to
-    # Step 3: the result down the same tree, exactly: forward the bytes, then decode.
-    d = ((me & -me) if me else 1 << (per - 1).bit_length()) // 2
-    sends = []
-    while d >= 1:
-        if me + d < per:
-            sends.append(node.isend(buf, me + d))
-        d //= 2
-    total = acc if me == 0 else decode_or_empty(buf, size, dtype, device)
-    for h in sends:
+    if node.rank != 0:
+        # Step 1: the contribution to the leader; step 3: the result from it.
+        node.send(encode_or_empty(stream, inside), 0)
+        return decode_or_empty(node.recv(0), size, dtype, device)
+    # Step 1 (leader): the node's sum, in local rank order.
+    got = [node.irecv(j) for j in range(1, node.world_size)]
+    parts = [inside.quantize_own(stream)]
+    for h in got:
+        buf = h.wait()
+        assert buf is not None
+        parts.append(decode_or_empty(buf, size, dtype, device, inside))
+    total = SparseStream.sum(parts)
+    # Step 2: the leaders' sparse allreduce of the node sums.
+    if topo.num_nodes > 1:
+        leaders = comm.subgroup(topo.leaders())
+        total = get_algorithm(inner)(total, leaders, inner_codec(codec, own=False))
+    # Step 3: the result to the node's other ranks, exactly (every rank the same bits).
+    buf = encode_or_empty(total, inside, exact=True)
+    for h in [node.isend(buf, j) for j in range(1, node.world_size)]:
         h.wait()
     return total
 
