@@ -30,7 +30,8 @@ def summary_row(path: Path) -> dict[str, object]:
     two = {a: t for a, t in sparse.items() if algorithm_info(a).two_level}
     aware = {a: t for a, t in sparse.items() if algorithm_info(a).node_aware}
     flat = {a: t for a, t in sparse.items() if a not in two and a not in aware}
-    best_two, best_flat = min(two, key=two.__getitem__), min(flat, key=flat.__getitem__)
+    best_two = min(two, key=two.__getitem__)
+    best_flat = min(flat, key=flat.__getitem__) if flat else None
     best_aware = min(aware, key=aware.__getitem__) if aware else None
     fastest = min([*sparse.values(), *(rows[b]["p50"] for b in BASELINES if b in rows)])
     auto = rows.get("auto")
@@ -42,8 +43,8 @@ def summary_row(path: Path) -> dict[str, object]:
         "density": doc["config"]["density"],
         "two_level": f"{best_two} {t2 * 1e3:.2f} ms",
         "node_aware": f"{best_aware} {aware[best_aware] * 1e3:.2f} ms" if best_aware else "-",
-        "flat": f"{best_flat} {flat[best_flat] * 1e3:.2f} ms",
-        "vs_flat": f"{flat[best_flat] / t2:.2f}x",
+        "flat": f"{best_flat} {flat[best_flat] * 1e3:.2f} ms" if best_flat else "-",
+        "vs_flat": f"{flat[best_flat] / t2:.2f}x" if best_flat else "-",
         "vs_dense": f"{rows['dense']['p50'] / t2:.2f}x",
         "vs_fp16": f"{rows['dense_fp16']['p50'] / t2:.2f}x" if "dense_fp16" in rows else "-",
         "vs_dense_twolevel": (

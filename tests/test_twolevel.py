@@ -659,3 +659,31 @@ def test_codec_inside_the_node() -> None:
     assert m.inside(elias_fano=False).message_time(8192, 1 << 20, 4) > m.inside().message_time(
         8192, 1 << 20, 4
     )
+
+
+def test_a_neighbours_winning_variant_keeps_its_algorithm_among_the_candidates(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """A class one density step from one whose measured winner was a variant
+    (``twolevel_leader+dsar_split_allgather``) measures that algorithm again, in the
+    variant the model ranks best here, beside the model's best: the neighbour
+    shortcut compares algorithms, not variant names."""
+    from sparcml.collectives import autotune
+
+    monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 0.0)
+    n, k = 1 << 24, 131_072
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(_topology(2, 4))
+        near = autotune.AutoClass.of(8, n, [2 * k] * 8, 4, False)
+        won = autotune.AutoChoice(near, ["twolevel_leader+dsar_split_allgather"])
+        won.winner = "twolevel_leader+dsar_split_allgather"
+        autotune._CHOICES.setdefault(comm, {})[near] = won
+        name, entry = autotune.plan(comm, n, [k] * 8, 4, False, None, create=True)
+        return name, None if entry is None else entry.candidates
+
+    for name, cands in run_ranks(8, fn):
+        assert name is None and cands is not None
+        bases = [algorithm_info(a).base for a in cands]
+        assert bases[0] == "twolevel_shard" and "twolevel_leader" in bases, cands

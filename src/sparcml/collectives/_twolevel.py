@@ -21,10 +21,8 @@ from .codec import EXACT, StreamCodec
 from .registry import algorithm_info, register
 
 if TYPE_CHECKING:
-    from ..stream import SparseStream
-
-if TYPE_CHECKING:
     from ..costmodel import CostModel
+    from ..stream import SparseStream
 
 __all__ = [
     "DEFAULT_INNER",

@@ -232,7 +232,9 @@ def plan(
         cands, best = measured_candidates(model, p, size, ks, isize, names)
         near = _neighbour_winners(table, cls)
         if near:  # a neighbouring density measured already: its winner and the model's
-            cands = [a for a in cands if a == cands[0] or a in near]
+            # (a variant's winner keeps its algorithm: the model picks the inner here)
+            won = {algorithm_info(w).base for w in near}
+            cands = [a for a in cands if a == cands[0] or algorithm_info(a).base in won]
         if best < MEASURE_ABOVE_S or len(cands) == 1:
             return cands[0], None
         if not create:

@@ -36,7 +36,9 @@ Index coding (``index_coding``, lossless whatever it is; :data:`INDEX_CODINGS`):
   Elias--Fano coded where that is smaller than the ``c``-byte fields
   (:mod:`sparcml.indexcode`, chosen per message); on other devices, whose fields
   would take a dozen kernel launches a message that fast device links rarely
-  repay, the fixed fields; quantized messages the fixed fields;
+  repay, the fixed fields; quantized messages the fixed fields; and the
+  two-level algorithms' exact messages inside a node (no quantizer set) the
+  fixed fields too, where bytes are cheap (:meth:`StreamCodec.inside_node`);
 * ``"fixed"``: sec. 5.1's ``c``-byte fields in every message (the wire of
   version 2, no coding work);
 * ``"elias-fano"``: as ``"auto"``, on every device;

@@ -66,13 +66,16 @@ def in_node_order(comm: Communicator) -> Communicator:
 def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
     """Tree reduction keeping ``k`` per level, then broadcast (paper 001's table:
     ``2 log P alpha + 4k log P beta`` in words), a merge per level. On nodes of ``L =
-    model.ranks_per_node`` ranks the first ``floor(log2 L)`` levels (up and down)
-    cost the inside pair, the others the pair between nodes."""
+    model.ranks_per_node`` ranks (a power of two) the first ``log2 L`` levels (up and
+    down) cost the inside pair, the others the pair between nodes; with ``L`` not a
+    power of two some early levels cross nodes, so every level is charged between
+    nodes (an upper bound)."""
     k = max(ks) if ks else 0
     pair = index_field_nbytes(n, k) / max(k, 1) + isize  # indices as the wire codes them
     log_p = log2_ceil(p)
     lanes = model.ranks_per_node
-    inside_levels = (lanes.bit_length() - 1) if lanes > 1 and p % lanes == 0 else 0
+    power_of_two = lanes > 1 and lanes & (lanes - 1) == 0
+    inside_levels = (lanes.bit_length() - 1) if power_of_two and p % lanes == 0 else 0
     inside_levels = min(inside_levels, log_p)
     t = model.gamma * 2 * k * log_p
     t += 2 * (log_p - inside_levels) * (model.alpha + model.beta_pairs * k * pair)

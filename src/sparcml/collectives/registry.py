@@ -53,11 +53,13 @@ Facts (:class:`AlgorithmInfo`):
   ``ranks_per_node`` and both cost pairs, and ``auto`` considers it only when
   the ranks span several nodes with several ranks each;
 * ``node_aware``: a flat algorithm that, on ranks spanning several nodes of
-  several ranks, runs its exchange in two levels by itself (the allgather of
-  :func:`~sparcml.collectives.sparse_allgather.allgather_buffers_on_nodes`: across
-  nodes lane by lane, then inside the node); its cost formula reads the model's
-  ``ranks_per_node`` and both cost pairs, as a ``two_level`` one's does, but it
-  runs on one node too (TopkA and Gaussiank; beyond paper 001);
+  several ranks, arranges its exchange by the nodes itself (TopkA and Gaussiank:
+  the allgather of
+  :func:`~sparcml.collectives.sparse_allgather.allgather_buffers_on_nodes`, across
+  nodes lane by lane, then inside the node; gTopk: its tree over the ranks in node
+  order); its cost formula reads the model's ``ranks_per_node`` and both cost
+  pairs, as a ``two_level`` one's does, but it runs on one node too (beyond paper
+  001);
 * ``shares_nic``: on a topology with several ranks per node, the node's ranks
   send through one NIC at once, so :func:`predict` costs a flat algorithm's
   messages at ``1/ranks_per_node`` of the bandwidth (False for the dense ring,
@@ -65,9 +67,11 @@ Facts (:class:`AlgorithmInfo`):
 * ``variant_of``: it is another registered algorithm with one option fixed (a
   two-level algorithm with another flat algorithm between nodes:
   ``twolevel_shard+dsar_split_allgather`` is ``twolevel_shard(inner=
-  "dsar_split_allgather")``), registered so that ``auto`` can choose it; listings
-  leave variants out unless asked (``algorithms(variants=True)``), and ``auto``
-  measures only the variant of each algorithm its model ranks best;
+  "dsar_split_allgather")``), registered so that ``auto`` can choose it; the
+  benchmark and simulator defaults and the parameterised tests leave variants
+  out (``algorithms(variants=False)``; ``algorithms()`` includes them, as every
+  name a call may pass), and ``auto`` measures only the variant of each algorithm
+  its model ranks best;
 * ``options``: the keyword options it takes (``k``, ``state``), from its signature.
 """
 

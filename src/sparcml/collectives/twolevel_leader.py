@@ -65,7 +65,9 @@ def cost(
     """Steps 1-3 above on contiguous nodes of ``model.ranks_per_node`` ranks, ``inner``
     between nodes."""
     nodes, per = node_shape(model, p)
-    inside = model.inside(elias_fano=False)  # the node's messages: fixed index fields
+    # the node's messages with the fixed index fields (as sent without a quantizer;
+    # the Elias-Fano coding work they save is local work the model does not count)
+    inside = model.inside(elias_fano=False)
     k = max(ks) if ks else 0
     fill = expected_fill_in(n, ks)
     t = (per - 1) * inside.message_time(k, n, isize) + model.gamma * per * k

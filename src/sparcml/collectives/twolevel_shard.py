@@ -71,7 +71,9 @@ def cost(
     """Steps 1-3 above on contiguous nodes of ``model.ranks_per_node`` ranks, ``inner``
     between nodes."""
     nodes, per = node_shape(model, p)
-    inside = model.inside(elias_fano=False)  # the node's messages: fixed index fields
+    # the node's messages with the fixed index fields (as sent without a quantizer;
+    # the Elias-Fano coding work they save is local work the model does not count)
+    inside = model.inside(elias_fano=False)
     width = max(n // per, 1)
     t = split_cost(inside, per, n, ks, isize) if per > 1 else 0.0
     shard_ks = [k / per for k in node_ks(ks, n, per)]

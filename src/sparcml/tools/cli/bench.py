@@ -348,6 +348,8 @@ def list_algorithms(args: argparse.Namespace) -> int:
     print(f"{'name':<{w}} {'exact':<6} {'input':<12} {'auto':<5} {'options':<8} summary")
     for r in rows:
         alias = f" (= {r['alias_of']})" if r["alias_of"] else ""
+        if r["variant_of"]:
+            alias = f" (= {r['variant_of']}, inner={r['name'].split('+', 1)[1]})"
         print(
             f"{r['name']:<{w}} {'yes' if r['exact'] else 'no':<6} {r['input']:<12} "
             f"{'yes' if r['auto'] else '':<5} {r['options']:<8} {r['summary']}{alias}"
