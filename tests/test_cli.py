@@ -191,3 +191,27 @@ def test_bench_local_counts_the_bytes_the_messages_take() -> None:
     coded = _rank_bound_bytes("ssar_split_allgather", n, 4, k, 4 * k)
     wire_pair = index_field_nbytes(n, k) / k + 4
     assert coded == round(k * 12 + 2 * k * wire_pair + k * 12 + 4 * k * wire_pair + 4 * k * 12)
+
+
+def test_phase_clocks_record_every_call_on_every_clock() -> None:
+    """The phase benchmarks' helper: a wrapped function's calls are timed on the wall
+    clock and in user and system CPU, medians per (clock, phase), one column per rank."""
+    import time
+
+    from sparcml.tools.bench.phases import CLOCKS, Phases, table
+
+    phases = Phases()
+    busy = phases.timed("1 busy", lambda n: sum(range(n)))
+    sleepy = phases.timed("2 sleep", time.sleep)
+    assert busy(200_000) == sum(range(200_000))
+    for _ in range(3):
+        sleepy(0.01)
+    assert {k for k in phases.spent} == {(c, p) for c in CLOCKS for p in ("1 busy", "2 sleep")}
+    ms = phases.medians_ms()
+    assert ms[("wall", "2 sleep")] >= 10.0 and ms[("user", "2 sleep")] < 5.0
+    assert len(phases.spent[("wall", "2 sleep")]) == 3
+    lines = table([ms, None, ms])  # a rank that sent nothing is left out
+    assert len(lines) == 6 and lines[0].split()[:3] == ["sys", "1", "busy"]
+    assert all(len(line.split()) == 3 + 2 for line in lines)
+    phases.clear()
+    assert phases.spent == {}
