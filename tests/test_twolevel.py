@@ -553,6 +553,9 @@ def test_topk_family_cost_on_nodes() -> None:
     assert predict(m.for_topology(4), "gtopk", 8, n, ks, 4) == pytest.approx(
         flat / 3 + 2 * inside / 3
     )
+    # 3 ranks a node: the tree's early levels cross nodes too, so every level is
+    # charged between nodes (the flat formula, the NIC not shared)
+    assert predict(m.for_topology(3), "gtopk", 6, n, ks[:6], 4) == gtopk_cost(m, 6, n, ks[:6], 4)
 
 
 @pytest.mark.parametrize(("nodes", "per"), [(2, 4), (4, 2), (2, 3), (3, 2)])

@@ -80,7 +80,7 @@ def phase_job(
     import torch.distributed as dist
 
     from ...collectives import sparse_allreduce
-    from ...comm import TorchDistCommunicator
+    from ...comm import TopologyError, TorchDistCommunicator
     from ...compress.selection import k_of
     from ...stream import SparseStream
     from ..cli.common import size_arg
@@ -113,8 +113,10 @@ def phase_job(
         total()
     every: list[dict[tuple[str, str], float] | None] = [None] * p
     dist.all_gather_object(every, phases.medians_ms())
-    head = (
-        f"P={p} {comm.topology} N={n:,} k={k:,} index_coding={args.index_coding}: p50 ms per rank"
-    )
+    try:
+        nodes = str(comm.topology)
+    except TopologyError:  # irregular nodes (refused alike on every rank)
+        nodes = "irregular nodes"
+    head = f"P={p} {nodes} N={n:,} k={k:,} index_coding={args.index_coding}: p50 ms per rank"
     dist.destroy_process_group()
     return [head, *table(every)] if me == 0 else None
