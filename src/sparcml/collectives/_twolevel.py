@@ -18,7 +18,7 @@ from ..comm import Communicator
 from ..comm.abort import mark_uniform
 from ..costmodel import expected_fill_in
 from .codec import EXACT, StreamCodec
-from .registry import algorithm_info, register
+from .registry import algorithm_info, register_variant
 
 if TYPE_CHECKING:
     from ..costmodel import CostModel
@@ -75,15 +75,9 @@ def register_inner_variants(base: str, cost: Callable[..., float]) -> None:
     info = algorithm_info(base)
     summary = info.summary.rstrip(".").split(";")[0]
     for inner in INNERS:
-        if inner == DEFAULT_INNER:
-            continue
-        register(
-            f"{base}+{inner}", exact=info.exact, input=info.input, auto=info.auto,
-            cost=functools.partial(cost, inner=inner), quadratic=info.quadratic,
-            family=sorted(info.family), auto_priority=info.auto_priority,
-            dense_result=info.dense_result, two_level=info.two_level,
-            shares_nic=info.shares_nic, node_aware=info.node_aware, variant_of=base,
-        )(_variant(info.fn, inner, f"{summary}, with ``{inner}`` between nodes."))  # fmt: skip
+        if inner != DEFAULT_INNER:
+            fn = _variant(info.fn, inner, f"{summary}, with ``{inner}`` between nodes.")
+            register_variant(base, f"{base}+{inner}", fn, functools.partial(cost, inner=inner))
 
 
 def _variant(fn: Callable[..., SparseStream], inner: str, doc: str) -> Callable[..., SparseStream]:

@@ -67,11 +67,12 @@ Facts (:class:`AlgorithmInfo`):
 * ``variant_of``: it is another registered algorithm with one option fixed (a
   two-level algorithm with another flat algorithm between nodes:
   ``twolevel_shard+dsar_split_allgather`` is ``twolevel_shard(inner=
-  "dsar_split_allgather")``), registered so that ``auto`` can choose it; the
-  benchmark and simulator defaults and the parameterised tests leave variants
-  out (``algorithms(variants=False)``; ``algorithms()`` includes them, as every
-  name a call may pass), and ``auto`` measures only the variant of each algorithm
-  its model ranks best;
+  "dsar_split_allgather")``), registered by :func:`register_variant` (the base's
+  facts, its own function and cost) so that ``auto`` can choose it; the benchmark
+  and simulator defaults and the parameterised tests leave variants out
+  (``algorithms(variants=False)``; ``algorithms()`` includes them, as every name a
+  call may pass), and ``auto`` measures only the variant of each algorithm its
+  model ranks best;
 * ``options``: the keyword options it takes (``k``, ``state``), from its signature.
 """
 
@@ -97,6 +98,7 @@ __all__ = [
     "get_algorithm",
     "predict",
     "register",
+    "register_variant",
 ]
 
 Algorithm = Callable[..., "SparseStream"]
@@ -170,7 +172,6 @@ def register(
     two_level: bool = False,
     shares_nic: bool = True,
     node_aware: bool = False,
-    variant_of: str | None = None,
 ) -> Callable[[F], F]:
     """Decorator adding an allreduce algorithm to the registry under ``name``.
 
@@ -178,7 +179,7 @@ def register(
         name: the ``algorithm=`` name.
         exact, input, auto, cost, quadratic, family, auto_priority,
             header_in_first_round, header_in_rounds, dense_result, two_level,
-            shares_nic, node_aware, variant_of: the facts of
+            shares_nic, node_aware: the facts of
             :class:`AlgorithmInfo` (module docstring).
 
     Raises:
@@ -202,11 +203,28 @@ def register(
         _REGISTRY[name] = AlgorithmInfo(
             name, fn, exact, input, auto, cost, quadratic, frozenset(family), alias,
             auto_priority, header_in_first_round, header_in_rounds, dense_result,
-            two_level, shares_nic, node_aware, variant_of,
+            two_level, shares_nic, node_aware,
         )  # fmt: skip
         return fn
 
     return deco
+
+
+def register_variant(base: str, name: str, fn: Algorithm, cost: CostFn) -> None:
+    """Register ``name`` as a variant of ``base`` (fact ``variant_of``): ``fn`` is
+    ``base``'s function with an option fixed, ``cost`` its cost formula; every other
+    fact is ``base``'s.
+
+    Raises:
+        ValueError: ``base`` is unknown, or ``name`` is taken by another function.
+    """
+    info = algorithm_info(base)
+    old = _REGISTRY.get(name)
+    if old is not None and old.fn is not fn:
+        raise ValueError(f"an allreduce algorithm named {name!r} is already registered")
+    _REGISTRY[name] = dataclasses.replace(
+        info, name=name, fn=fn, cost=cost, alias_of=None, variant_of=base
+    )
 
 
 def algorithm_info(name: str) -> AlgorithmInfo:
