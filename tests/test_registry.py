@@ -135,7 +135,10 @@ def test_auto_measures_without_calibration_and_agrees_on_the_slowest_rank(
     def fn(comm):  # type: ignore[no-untyped-def]
         s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
         n = len(flat_auto()) * autotune.ROUNDS
-        outs = [sparse_allreduce(s, comm).to_dense() for _ in range(n + 1)]
+        outs = [sparse_allreduce(s, comm).to_dense() for _ in range(n)]
+        while autotune.measuring(comm):  # (a close call's extra rounds)
+            outs.append(sparse_allreduce(s, comm).to_dense())
+        outs.append(sparse_allreduce(s, comm).to_dense())
         (choice,) = autotune.auto_choices(comm)
         return outs, choice.winner, choice.agreed, choose_algorithm(s, comm)
 
@@ -194,6 +197,146 @@ def test_auto_measures_a_class_again_when_its_winner_turns_slow(
             assert (then, now, rechecks) == ("fast_then_slow", "steady", 1)
     finally:
         del registry._REGISTRY["fast_then_slow"], registry._REGISTRY["steady"]
+
+
+def _cost_of(seconds: float):  # type: ignore[no-untyped-def]
+    def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
+        return seconds
+
+    return cost
+
+
+def test_auto_measures_a_small_call_that_is_not_small(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The model predicts both candidates far under MEASURE_ABOVE_S and picks
+    ``looks_small``, which takes 20 ms: its first call shows the premise false (the
+    ranks agree on the slowest rank's time), the class is measured from the next
+    call on and settles on ``is_small``; every result exact."""
+    from sparcml.collectives import autotune
+
+    monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(autotune, "PRUNE_FACTOR", 2.0)  # only the two throwaways
+    ran: dict[str, int] = {"looks_small": 0, "is_small": 0}
+
+    @register("looks_small", auto=True, cost=_cost_of(1e-9))
+    def looks_small(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        ran["looks_small"] += comm.rank == 0
+        time.sleep(0.02 if comm.rank == 1 else 0.0)  # slow on one rank: max decides
+        return topka(stream, comm, codec)
+
+    @register("is_small", auto=True, cost=_cost_of(2e-9))
+    def is_small(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        ran["is_small"] += comm.rank == 0
+        return topka(stream, comm, codec)
+
+    try:
+
+        def fn(comm):  # type: ignore[no-untyped-def]
+            s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
+            outs = [sparse_allreduce(s, comm).to_dense()]
+            (choice,) = autotune.auto_choices(comm)
+            first = (choice.by_model, autotune.measuring(comm))
+            while autotune.measuring(comm):
+                outs.append(sparse_allreduce(s, comm).to_dense())
+            outs.append(sparse_allreduce(s, comm).to_dense())
+            return outs, first, choice.winner, choice.by_model, len(outs)
+
+        got = run_ranks(2, fn)
+        for outs, first, winner, by_model, n in got:
+            assert all(o.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 4.0, 0.0, 0.0] for o in outs)
+            assert first == (False, True)  # the first call's check sent it to measuring
+            assert (winner, by_model) == ("is_small", False)
+            assert n == 1 + 2 * autotune.ROUNDS + 1
+        assert ran == {"looks_small": 1 + autotune.ROUNDS, "is_small": autotune.ROUNDS + 1}
+    finally:
+        del registry._REGISTRY["looks_small"], registry._REGISTRY["is_small"]
+
+
+def test_auto_keeps_the_models_pick_for_a_small_call_that_is_small(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A call under MEASURE_ABOVE_S (raised here so that any call is) runs the model's
+    pick from the first call on: one check, nothing measured, the other never runs."""
+    from sparcml.collectives import autotune
+
+    monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(autotune, "PRUNE_FACTOR", 2.0)
+    monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 60.0)
+    ran: dict[str, int] = {"picked": 0, "other": 0}
+
+    @register("picked", auto=True, cost=_cost_of(1e-9))
+    def picked(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        ran["picked"] += comm.rank == 0
+        return topka(stream, comm, codec)
+
+    @register("other", auto=True, cost=_cost_of(2e-9))
+    def other(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        ran["other"] += comm.rank == 0
+        return topka(stream, comm, codec)
+
+    try:
+
+        def fn(comm):  # type: ignore[no-untyped-def]
+            s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
+            outs = []
+            for _ in range(6):
+                outs.append(sparse_allreduce(s, comm).to_dense())
+                assert not autotune.measuring(comm)
+            (choice,) = autotune.auto_choices(comm)
+            return outs, choice.winner, choice.by_model, choice.to_check
+
+        for outs, winner, by_model, to_check in run_ranks(3, fn):
+            assert all(o.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 6.0, 0.0, 0.0] for o in outs)
+            assert (winner, by_model, to_check) == ("picked", True, False)
+        assert ran == {"picked": 6, "other": 0}
+    finally:
+        del registry._REGISTRY["picked"], registry._REGISTRY["other"]
+
+
+def test_auto_measures_a_close_call_for_more_rounds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``steady`` takes 30 ms a call; ``improving`` 33 ms in its first rounds, then 8
+    ms. After ROUNDS rounds ``steady`` leads within CLOSE_FACTOR, so the two run
+    CLOSE_ROUNDS more rounds each and ``improving`` wins on the best of all its
+    rounds (with ROUNDS alone ``steady`` would have)."""
+    from sparcml.collectives import autotune
+
+    monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 0.0)
+    monkeypatch.setattr(autotune, "PRUNE_FACTOR", 2.0)
+    calls: dict[int, int] = {}
+
+    @register("improving", auto=True, cost=_cost_of(1e-9))
+    def improving(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        calls[comm.rank] = calls.get(comm.rank, 0) + 1
+        time.sleep(0.033 if calls[comm.rank] <= autotune.ROUNDS else 0.008)
+        return topka(stream, comm, codec)
+
+    @register("steady", auto=True, cost=_cost_of(1.5e-9))
+    def steady(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        time.sleep(0.03)
+        return topka(stream, comm, codec)
+
+    try:
+
+        def fn(comm):  # type: ignore[no-untyped-def]
+            s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
+            n = 0
+            while n == 0 or autotune.measuring(comm):
+                assert sparse_allreduce(s, comm).to_dense().tolist() == [
+                    1.0, 1.0, 0.0, 0.0, 0.0, 4.0, 0.0, 0.0
+                ]  # fmt: skip
+                n += 1
+            (choice,) = autotune.auto_choices(comm)
+            return n, choice.winner, choice.extended, choice.runner_up
+
+        for n, winner, extended, runner_up in run_ranks(2, fn):
+            assert n == 2 * (autotune.ROUNDS + autotune.CLOSE_ROUNDS)
+            assert (winner, extended, runner_up) == ("improving", True, "steady")
+    finally:
+        del registry._REGISTRY["improving"], registry._REGISTRY["steady"]
 
 
 def test_auto_measures_a_neighbouring_density_on_two_candidates_at_most(

@@ -18,8 +18,8 @@ a fresh user without a calibration file would often get the wrong algorithm.
 * **model**: a cost model was passed (``cost_model=``), a calibration file
   exists (``sparcml calibrate``; :func:`sparcml.costmodel.calibration_path`), the
   call is small (the model's best prediction is below :data:`MEASURE_ABOVE_S`,
-  where latency dominates and the model is right), or ``SPARCML_AUTO=model``:
-  the candidate with the smallest predicted time.
+  where latency dominates and the model is right; checked, below), or
+  ``SPARCML_AUTO=model``: the candidate with the smallest predicted time.
 * **measure** (otherwise): the calls of one *class* (world size, ``N`` and the
   mean density rounded to a power of two, value size, codec) run the candidates
   whose predicted time is within :data:`PRUNE_FACTOR` of the best, in turn,
@@ -30,7 +30,20 @@ a fresh user without a calibration file would often get the wrong algorithm.
   candidate with the smallest figure (the best of its rounds; ties to the
   earlier candidate) is the class's algorithm for the rest of the process, on
   every rank alike (every rank computes the class and the winner from the same
-  agreed numbers).
+  agreed numbers). When the runner-up's figure is within :data:`CLOSE_FACTOR`
+  of the winner's, the two run :data:`CLOSE_ROUNDS` more rounds each and the best
+  of all their rounds decides: on a noisy machine two rounds cannot tell apart
+  algorithms whose spreads overlap (docs/cluster.md, "auto on nodes").
+
+A small call's premise is checked on its first call: the ranks agree (one small
+allreduce, MAX) on how long the model's pick took, and when that exceeds
+:data:`MEASURE_ABOVE_S` the model's absolute figures are wrong for this machine
+(the default constants describe a network, not two cores shared by eight
+ranks), so the class is measured as above from the next call on. Once a class
+is decided, :func:`observe` rechecks the winner now and then.
+
+These three rules (checked small calls, more rounds for close calls, rechecks)
+go beyond the papers, which fix the algorithm by a model or by hand.
 
 The decisions are logged at INFO on logger ``sparcml`` and listed by
 :func:`auto_choices`. Measured on the communicator's clock
@@ -62,6 +75,8 @@ from .headers import check_consistent
 from .registry import algorithm_info, algorithms, predict
 
 __all__ = [
+    "CLOSE_FACTOR",
+    "CLOSE_ROUNDS",
     "MEASURE_ABOVE_S",
     "PRUNE_FACTOR",
     "RECHECK_EVERY",
@@ -86,7 +101,8 @@ __all__ = [
 
 log = logging.getLogger("sparcml")
 
-#: Calls whose best predicted time is below this are decided by the model alone.
+#: Calls whose best predicted time is below this are decided by the model (as long
+#: as the first such call, timed, takes no longer than this either).
 MEASURE_ABOVE_S = 1e-3
 #: Candidates predicted more than this many times slower than the best are not tried
 #: (the model's measured error on CPU ranks stays within it: docs/cluster.md's
@@ -95,6 +111,10 @@ PRUNE_FACTOR = 3.0
 #: Each candidate runs this many times (round robin); its best round counts, so a
 #: cold or disturbed first call does not decide.
 ROUNDS = 2
+#: A runner-up whose best round is within this factor of the winner's is measured
+#: again with the winner, :data:`CLOSE_ROUNDS` more rounds each (once per class).
+CLOSE_FACTOR = 1.25
+CLOSE_ROUNDS = 2
 #: Settled calls of a class between two checks of its winner (one small allreduce).
 RECHECK_EVERY = 16
 #: A winner whose slowest-rank median over those calls exceeds this many times the
@@ -154,16 +174,25 @@ class AutoChoice:
     runner_up_s: float = math.inf
     recent: list[float] = dataclasses.field(default_factory=list)  # the winner's, since
     rechecks: int = 0  # times the class was measured again
+    rounds: int = ROUNDS  # rounds per candidate of the measurement under way
+    prior: dict[str, float] = dataclasses.field(default_factory=dict)  # earlier rounds' best
+    extended: bool = False  # the close call's extra rounds ran (or are not to run)
+    by_model: bool = False  # a small call: the winner is the model's pick, not measured
+    to_check: bool = False  # ... and its first call's time is still to be checked
 
     @property
     def calls(self) -> int:
-        return len(self.candidates) * ROUNDS
+        return len(self.candidates) * self.rounds
 
     def best(self) -> dict[str, float]:
-        """Each candidate's best agreed time (seconds), once decided."""
+        """Each candidate's best agreed time (seconds), once decided (a close call's
+        extra rounds counted with its first ones)."""
         assert self.agreed is not None
         n = len(self.candidates)
-        return {a: min(self.agreed[i::n]) for i, a in enumerate(self.candidates)}
+        return {
+            a: min([*self.agreed[i::n], self.prior.get(a, math.inf)])
+            for i, a in enumerate(self.candidates)
+        }
 
 
 _CHOICES: weakref.WeakKeyDictionary[Communicator, dict[AutoClass, AutoChoice]] = (
@@ -235,7 +264,12 @@ def plan(
             # (a variant's winner keeps its algorithm: the model picks the inner here)
             won = {algorithm_info(w).base for w in near}
             cands = [a for a in cands if a == cands[0] or algorithm_info(a).base in won]
-        if best < MEASURE_ABOVE_S or len(cands) == 1:
+        if len(cands) == 1:
+            return cands[0], None
+        if best < MEASURE_ABOVE_S:
+            # a small call: the model's pick, its first call timed to check that it
+            # is small (the entry measures nothing, so it is made whatever ``create``)
+            table[cls] = AutoChoice(cls, cands, winner=cands[0], by_model=True, to_check=True)
             return cands[0], None
         if not create:
             return None, None
@@ -323,6 +357,23 @@ def run_auto(
         entry.agreed = [float(t) for t in agreed]
         best = entry.best()
         ranked = sorted(entry.candidates, key=lambda a: best[a])  # (ties: earlier first)
+        if (
+            len(ranked) > 1
+            and not entry.extended
+            and best[ranked[1]] <= CLOSE_FACTOR * best[ranked[0]]
+        ):
+            # too close to call on the rounds so far: the two again, more rounds each
+            log.info(
+                "sparse_allreduce auto: %s: %s %.2f ms and %s %.2f ms within %.2fx: "
+                "%d more rounds each",
+                cls, ranked[0], best[ranked[0]] * 1e3, ranked[1], best[ranked[1]] * 1e3,
+                CLOSE_FACTOR, CLOSE_ROUNDS,
+            )  # fmt: skip
+            entry.extended = True
+            entry.prior = {a: best[a] for a in ranked[:2]}
+            entry.candidates, entry.times, entry.agreed = ranked[:2], [], None
+            entry.rounds = CLOSE_ROUNDS
+            return out
         entry.winner = ranked[0]
         if len(ranked) > 1:
             entry.runner_up, entry.runner_up_s = ranked[1], best[ranked[1]]
@@ -330,7 +381,7 @@ def run_auto(
             "sparse_allreduce auto: %s -> %s (slowest rank, best of %d: %s)",
             cls,
             entry.winner,
-            ROUNDS,
+            entry.rounds + (ROUNDS if entry.prior else 0),
             ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in best.items()),
         )
     return out
@@ -342,6 +393,7 @@ def _neighbour_winners(table: dict[AutoClass, AutoChoice], cls: AutoClass) -> se
         c.winner
         for c in table.values()
         if c.winner is not None
+        and not c.by_model
         and dataclasses.replace(c.cls, density_log2=cls.density_log2) == cls
         and abs(c.cls.density_log2 - cls.density_log2) <= 1
     }
@@ -365,9 +417,29 @@ def observe(
     measured again against the runner-up (the winner was chosen on a disturbed
     machine, or the conditions changed). Every rank counts the same calls (classes
     come from agreed nnz), so every rank checks at the same call.
+
+    A small call decided by the model is checked once, on its first call: if the
+    slowest rank took over :data:`MEASURE_ABOVE_S`, the call is not small on this
+    machine and its class is measured like any other.
     """
     entry = _CHOICES.get(comm, {}).get(AutoClass.of(comm.world_size, size, ks, isize, lossy))
-    if entry is None or entry.winner != name or entry.runner_up is None:
+    if entry is None or entry.winner != name:
+        return False
+    if entry.to_check:
+        entry.to_check = False
+        with comm.control():
+            took = comm.allreduce(torch.tensor([seconds], dtype=torch.float64), op="max")
+        if float(took[0]) <= MEASURE_ABOVE_S:
+            return False
+        log.info(
+            "sparse_allreduce auto: %s: predicted under %.2f ms, but %s took %.2f ms "
+            "(slowest rank): measuring %s",
+            entry.cls, MEASURE_ABOVE_S * 1e3, name, float(took[0]) * 1e3,
+            ", ".join(entry.candidates),
+        )  # fmt: skip
+        entry.winner, entry.by_model = None, False
+        return True
+    if entry.runner_up is None:
         return False
     entry.recent.append(seconds)
     if len(entry.recent) < RECHECK_EVERY:
@@ -385,6 +457,7 @@ def observe(
     )  # fmt: skip
     entry.candidates = [name, entry.runner_up]
     entry.times, entry.agreed, entry.winner = [], None, None
+    entry.rounds, entry.prior, entry.extended = ROUNDS, {}, True
     entry.runner_up, entry.runner_up_s = None, math.inf
     entry.rechecks += 1
     return True
