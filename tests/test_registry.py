@@ -206,14 +206,16 @@ def _cost_of(seconds: float):  # type: ignore[no-untyped-def]
     return cost
 
 
-def test_auto_measures_a_small_call_that_is_not_small(
+def test_auto_measures_small_calls_on_nodes_and_leaves_them_to_the_model_on_one(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The model predicts both candidates far under MEASURE_ABOVE_S and picks
-    ``looks_small``, which takes 20 ms: its first call shows the premise false (the
-    ranks agree on the slowest rank's time), the class is measured from the next
-    call on and settles on ``is_small``; every result exact."""
+    """The model predicts both throwaways far under MEASURE_ABOVE_S and picks
+    ``looks_small``, which takes 20 ms on one rank. On one node the small call is
+    the model's: ``looks_small`` runs every call, ``is_small`` never. On 2 nodes of
+    2 ranks the class is measured (the slowest rank's times agreed) and settles on
+    ``is_small``; every result exact."""
     from sparcml.collectives import autotune
+    from sparcml.comm.topology import Topology
 
     monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
     monkeypatch.setattr(autotune, "PRUNE_FACTOR", 2.0)  # only the two throwaways
@@ -230,68 +232,25 @@ def test_auto_measures_a_small_call_that_is_not_small(
         ran["is_small"] += comm.rank == 0
         return topka(stream, comm, codec)
 
+    def fn(comm, nodes):  # type: ignore[no-untyped-def]
+        comm.set_topology(Topology.regular(4, 4 // nodes))
+        s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
+        outs = [sparse_allreduce(s, comm).to_dense() for _ in range(6)]
+        return outs, [(c.candidates, c.winner) for c in autotune.auto_choices(comm)]
+
+    want = [1.0, 1.0, 1.0, 1.0, 0.0, 8.0, 0.0, 0.0]
     try:
-
-        def fn(comm):  # type: ignore[no-untyped-def]
-            s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
-            outs = [sparse_allreduce(s, comm).to_dense()]
-            (choice,) = autotune.auto_choices(comm)
-            first = (choice.by_model, autotune.measuring(comm))
-            while autotune.measuring(comm):
-                outs.append(sparse_allreduce(s, comm).to_dense())
-            outs.append(sparse_allreduce(s, comm).to_dense())
-            return outs, first, choice.winner, choice.by_model, len(outs)
-
-        got = run_ranks(2, fn)
-        for outs, first, winner, by_model, n in got:
-            assert all(o.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 4.0, 0.0, 0.0] for o in outs)
-            assert first == (False, True)  # the first call's check sent it to measuring
-            assert (winner, by_model) == ("is_small", False)
-            assert n == 1 + 2 * autotune.ROUNDS + 1
-        assert ran == {"looks_small": 1 + autotune.ROUNDS, "is_small": autotune.ROUNDS + 1}
+        for outs, choices in run_ranks(4, lambda comm: fn(comm, 1)):
+            assert all(o.tolist() == want for o in outs) and choices == []
+        assert ran == {"looks_small": 6, "is_small": 0}
+        ran.update(looks_small=0, is_small=0)
+        for outs, choices in run_ranks(4, lambda comm: fn(comm, 2)):
+            assert all(o.tolist() == want for o in outs)
+            assert choices == [(["looks_small", "is_small"], "is_small")]
+        n = autotune.ROUNDS
+        assert ran == {"looks_small": n, "is_small": n + 6 - 2 * n}
     finally:
         del registry._REGISTRY["looks_small"], registry._REGISTRY["is_small"]
-
-
-def test_auto_keeps_the_models_pick_for_a_small_call_that_is_small(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """A call under MEASURE_ABOVE_S (raised here so that any call is) runs the model's
-    pick from the first call on: one check, nothing measured, the other never runs."""
-    from sparcml.collectives import autotune
-
-    monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
-    monkeypatch.setattr(autotune, "PRUNE_FACTOR", 2.0)
-    monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 60.0)
-    ran: dict[str, int] = {"picked": 0, "other": 0}
-
-    @register("picked", auto=True, cost=_cost_of(1e-9))
-    def picked(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
-        ran["picked"] += comm.rank == 0
-        return topka(stream, comm, codec)
-
-    @register("other", auto=True, cost=_cost_of(2e-9))
-    def other(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
-        ran["other"] += comm.rank == 0
-        return topka(stream, comm, codec)
-
-    try:
-
-        def fn(comm):  # type: ignore[no-untyped-def]
-            s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
-            outs = []
-            for _ in range(6):
-                outs.append(sparse_allreduce(s, comm).to_dense())
-                assert not autotune.measuring(comm)
-            (choice,) = autotune.auto_choices(comm)
-            return outs, choice.winner, choice.by_model, choice.to_check
-
-        for outs, winner, by_model, to_check in run_ranks(3, fn):
-            assert all(o.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 6.0, 0.0, 0.0] for o in outs)
-            assert (winner, by_model, to_check) == ("picked", True, False)
-        assert ran == {"picked": 6, "other": 0}
-    finally:
-        del registry._REGISTRY["picked"], registry._REGISTRY["other"]
 
 
 def test_auto_measures_a_close_call_for_more_rounds(

@@ -18,8 +18,9 @@ a fresh user without a calibration file would often get the wrong algorithm.
 * **model**: a cost model was passed (``cost_model=``), a calibration file
   exists (``sparcml calibrate``; :func:`sparcml.costmodel.calibration_path`), the
   call is small (the model's best prediction is below :data:`MEASURE_ABOVE_S`,
-  where latency dominates and the model is right; checked, below), or
-  ``SPARCML_AUTO=model``: the candidate with the smallest predicted time.
+  where latency dominates and the model is right) and the ranks are not on
+  nodes of several ranks (below), or ``SPARCML_AUTO=model``: the candidate with
+  the smallest predicted time.
 * **measure** (otherwise): the calls of one *class* (world size, ``N`` and the
   mean density rounded to a power of two, value size, codec) run the candidates
   whose predicted time is within :data:`PRUNE_FACTOR` of the best, in turn,
@@ -35,15 +36,16 @@ a fresh user without a calibration file would often get the wrong algorithm.
   of all their rounds decides: on a noisy machine two rounds cannot tell apart
   algorithms whose spreads overlap (docs/cluster.md, "auto on nodes").
 
-A small call's premise is checked on its first call: the ranks agree (one small
-allreduce, MAX) on how long the model's pick took, and when that exceeds
-:data:`MEASURE_ABOVE_S` the model's absolute figures are wrong for this machine
-(the default constants describe a network, not two cores shared by eight
-ranks), so the class is measured as above from the next call on. Once a class
-is decided, :func:`observe` rechecks the winner now and then.
+On nodes of several ranks (the two-level algorithms among the candidates) small
+calls are measured too: without a calibration file the two levels' constants
+are defaults, and there the model both misjudges a small call (at 2 x 4 ranks,
+N = 16M, d = 0.1%: 0.83 ms predicted, 17-30 ms taken) and ranks the two-level
+arrangements wrongly (docs/cluster.md, "auto at 0.1% and 5%"). On one node a
+small call stays the model's: the same algorithm in every run, no measuring
+calls. Once a class is decided, :func:`observe` rechecks the winner now and then.
 
-These three rules (checked small calls, more rounds for close calls, rechecks)
-go beyond the papers, which fix the algorithm by a model or by hand.
+These rules (small calls measured on nodes, more rounds for close calls,
+rechecks) go beyond the papers, which fix the algorithm by a model or by hand.
 
 The decisions are logged at INFO on logger ``sparcml`` and listed by
 :func:`auto_choices`. Measured on the communicator's clock
@@ -101,8 +103,8 @@ __all__ = [
 
 log = logging.getLogger("sparcml")
 
-#: Calls whose best predicted time is below this are decided by the model (as long
-#: as the first such call, timed, takes no longer than this either).
+#: Calls whose best predicted time is below this are decided by the model (on one
+#: node; on nodes of several ranks every class is measured).
 MEASURE_ABOVE_S = 1e-3
 #: Candidates predicted more than this many times slower than the best are not tried
 #: (the model's measured error on CPU ranks stays within it: docs/cluster.md's
@@ -163,10 +165,13 @@ class AutoClass:
 @dataclasses.dataclass
 class AutoChoice:
     """One class's measurement: the candidates in the order they ran, the slowest
-    rank's seconds of each call (``rounds`` per candidate), and the winner."""
+    rank's seconds of each call of the measurement under way (``rounds`` per
+    candidate in ``running``: all of them at first, then the two of a close call
+    or a recheck), and the winner."""
 
     cls: AutoClass
     candidates: list[str]
+    running: list[str] = dataclasses.field(default_factory=list)
     times: list[float] = dataclasses.field(default_factory=list)
     winner: str | None = None
     agreed: list[float] | None = None
@@ -177,21 +182,23 @@ class AutoChoice:
     rounds: int = ROUNDS  # rounds per candidate of the measurement under way
     prior: dict[str, float] = dataclasses.field(default_factory=dict)  # earlier rounds' best
     extended: bool = False  # the close call's extra rounds ran (or are not to run)
-    by_model: bool = False  # a small call: the winner is the model's pick, not measured
-    to_check: bool = False  # ... and its first call's time is still to be checked
+
+    def __post_init__(self) -> None:
+        if not self.running:
+            self.running = list(self.candidates)
 
     @property
     def calls(self) -> int:
-        return len(self.candidates) * self.rounds
+        return len(self.running) * self.rounds
 
     def best(self) -> dict[str, float]:
         """Each candidate's best agreed time (seconds), once decided (a close call's
         extra rounds counted with its first ones)."""
         assert self.agreed is not None
-        n = len(self.candidates)
+        n = len(self.running)
         return {
             a: min([*self.agreed[i::n], self.prior.get(a, math.inf)])
-            for i, a in enumerate(self.candidates)
+            for i, a in enumerate(self.running)
         }
 
 
@@ -264,12 +271,8 @@ def plan(
             # (a variant's winner keeps its algorithm: the model picks the inner here)
             won = {algorithm_info(w).base for w in near}
             cands = [a for a in cands if a == cands[0] or algorithm_info(a).base in won]
-        if len(cands) == 1:
-            return cands[0], None
-        if best < MEASURE_ABOVE_S:
-            # a small call: the model's pick, its first call timed to check that it
-            # is small (the entry measures nothing, so it is made whatever ``create``)
-            table[cls] = AutoChoice(cls, cands, winner=cands[0], by_model=True, to_check=True)
+        on_nodes = any(algorithm_info(a).two_level for a in names)
+        if len(cands) == 1 or (best < MEASURE_ABOVE_S and not on_nodes):
             return cands[0], None
         if not create:
             return None, None
@@ -347,7 +350,7 @@ def run_auto(
         return run(settled)
     assert entry is not None
     cls = entry.cls
-    name = entry.candidates[len(entry.times) % len(entry.candidates)]
+    name = entry.running[len(entry.times) % len(entry.running)]
     t0 = comm.now()
     out = run(name)
     entry.times.append(comm.now() - t0)
@@ -356,7 +359,7 @@ def run_auto(
             agreed = comm.allreduce(torch.tensor(entry.times, dtype=torch.float64), op="max")
         entry.agreed = [float(t) for t in agreed]
         best = entry.best()
-        ranked = sorted(entry.candidates, key=lambda a: best[a])  # (ties: earlier first)
+        ranked = sorted(entry.running, key=lambda a: best[a])  # (ties: earlier first)
         if (
             len(ranked) > 1
             and not entry.extended
@@ -371,7 +374,7 @@ def run_auto(
             )  # fmt: skip
             entry.extended = True
             entry.prior = {a: best[a] for a in ranked[:2]}
-            entry.candidates, entry.times, entry.agreed = ranked[:2], [], None
+            entry.running, entry.times, entry.agreed = ranked[:2], [], None
             entry.rounds = CLOSE_ROUNDS
             return out
         entry.winner = ranked[0]
@@ -393,7 +396,6 @@ def _neighbour_winners(table: dict[AutoClass, AutoChoice], cls: AutoClass) -> se
         c.winner
         for c in table.values()
         if c.winner is not None
-        and not c.by_model
         and dataclasses.replace(c.cls, density_log2=cls.density_log2) == cls
         and abs(c.cls.density_log2 - cls.density_log2) <= 1
     }
@@ -417,29 +419,9 @@ def observe(
     measured again against the runner-up (the winner was chosen on a disturbed
     machine, or the conditions changed). Every rank counts the same calls (classes
     come from agreed nnz), so every rank checks at the same call.
-
-    A small call decided by the model is checked once, on its first call: if the
-    slowest rank took over :data:`MEASURE_ABOVE_S`, the call is not small on this
-    machine and its class is measured like any other.
     """
     entry = _CHOICES.get(comm, {}).get(AutoClass.of(comm.world_size, size, ks, isize, lossy))
-    if entry is None or entry.winner != name:
-        return False
-    if entry.to_check:
-        entry.to_check = False
-        with comm.control():
-            took = comm.allreduce(torch.tensor([seconds], dtype=torch.float64), op="max")
-        if float(took[0]) <= MEASURE_ABOVE_S:
-            return False
-        log.info(
-            "sparse_allreduce auto: %s: predicted under %.2f ms, but %s took %.2f ms "
-            "(slowest rank): measuring %s",
-            entry.cls, MEASURE_ABOVE_S * 1e3, name, float(took[0]) * 1e3,
-            ", ".join(entry.candidates),
-        )  # fmt: skip
-        entry.winner, entry.by_model = None, False
-        return True
-    if entry.runner_up is None:
+    if entry is None or entry.winner != name or entry.runner_up is None:
         return False
     entry.recent.append(seconds)
     if len(entry.recent) < RECHECK_EVERY:
@@ -455,7 +437,7 @@ def observe(
         "%s's %.2f ms when measured: measuring them again",
         entry.cls, name, agreed * 1e3, entry.runner_up, entry.runner_up_s * 1e3,
     )  # fmt: skip
-    entry.candidates = [name, entry.runner_up]
+    entry.running = [name, entry.runner_up]
     entry.times, entry.agreed, entry.winner = [], None, None
     entry.rounds, entry.prior, entry.extended = ROUNDS, {}, True
     entry.runner_up, entry.runner_up_s = None, math.inf
