@@ -7,7 +7,9 @@ torch.distributed job (``sparcml cluster ... --``) in a fresh process, this call
 the given algorithms in turn (``--rounds`` rounds, after a barrier each) on one
 stream of uniform random indices per rank and prints the slowest rank's time of
 every call, in order: the first call of the process (compiling and caching the
-CPU kernels), then how the times settle over the next ones.
+CPU kernels), then how the times settle over the next ones. With ``-a auto``
+rank 0 also logs ``auto``'s decisions (what it measures, what it settles on, a
+recheck that measures again) and lists its classes at the end.
 
     sparcml cluster --nodes 2 --ranks-per-node 4 --rate 1gbit -- \
         .venv/bin/python benchmarks/first_calls.py -N 16M -d 0.05 --rounds 8
@@ -22,12 +24,14 @@ before the interpreter (glibc's own tunables; sparcml sets none).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 
 from sparcml import sparse_allreduce
+from sparcml.collectives.autotune import auto_choices
 from sparcml.comm import TorchDistCommunicator
 from sparcml.tools.bench import gradient_like
 from sparcml.tools.cli.common import size_arg
@@ -45,6 +49,8 @@ def main() -> None:
     comm = TorchDistCommunicator()
     stream = gradient_like(args.size, args.density, comm.rank, overlap=0, seed=0)
     names = args.algorithms.split(",")
+    if "auto" in names and comm.rank == 0:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     times: dict[str, list[float]] = {a: [] for a in names}
     for _ in range(args.rounds):
         for a in names:
@@ -63,7 +69,15 @@ def main() -> None:
             flush=True,
         )
         for a, v in times.items():
-            print(f"{a:28s}" + "".join(f"{t:9.1f}" for t in v), flush=True)
+            for i in range(0, len(v), 10):  # ten calls a line
+                label = a if i == 0 else f"  calls {i + 1}-"
+                print(f"{label:28s}" + "".join(f"{t:9.1f}" for t in v[i : i + 10]), flush=True)
+        for c in auto_choices(comm):
+            print(
+                f"auto, {c.cls}: ran {c.winner}; runner-up {c.runner_up}; "
+                f"measured again {c.rechecks} time(s)",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 

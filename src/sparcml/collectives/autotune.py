@@ -34,7 +34,7 @@ a fresh user without a calibration file would often get the wrong algorithm.
   agreed numbers). When the runner-up's figure is within :data:`CLOSE_FACTOR`
   of the winner's, the two run :data:`CLOSE_ROUNDS` more rounds each and the best
   of all their rounds decides: on a noisy machine two rounds cannot tell apart
-  algorithms whose spreads overlap (docs/cluster.md, "auto on nodes").
+  algorithms whose spreads overlap (docs/cluster.md, "auto at 0.1% and 5%").
 
 On nodes of several ranks (the two-level algorithms among the candidates) small
 calls are measured too: without a calibration file the two levels' constants
