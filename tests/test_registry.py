@@ -298,6 +298,53 @@ def test_auto_measures_a_close_call_for_more_rounds(
         del registry._REGISTRY["improving"], registry._REGISTRY["steady"]
 
 
+def test_auto_measures_the_two_again_once_the_process_has_settled(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``young_fast`` takes 2 ms in its first ROUNDS calls, then 13 ms; ``steady``
+    10 ms. The first measurement picks ``young_fast``; its later 13 ms are under
+    RECHECK_FACTOR times ``steady``'s 10 ms, so only the first check's measuring
+    of the two again (whatever the figures) finds ``steady`` faster."""
+    from sparcml.collectives import autotune
+
+    monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 0.0)
+    monkeypatch.setattr(autotune, "PRUNE_FACTOR", 2.0)
+    monkeypatch.setattr(autotune, "RECHECK_EVERY", 3)
+    calls: dict[int, int] = {}
+
+    @register("young_fast", auto=True, cost=_cost_of(1e-9))
+    def young_fast(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        calls[comm.rank] = calls.get(comm.rank, 0) + 1
+        time.sleep(0.002 if calls[comm.rank] <= autotune.ROUNDS else 0.013)
+        return topka(stream, comm, codec)
+
+    @register("steady", auto=True, cost=_cost_of(1.5e-9))
+    def steady(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        time.sleep(0.01)
+        return topka(stream, comm, codec)
+
+    try:
+
+        def fn(comm):  # type: ignore[no-untyped-def]
+            s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
+            first = 2 * autotune.ROUNDS
+            for _ in range(first):
+                sparse_allreduce(s, comm)
+            (choice,) = autotune.auto_choices(comm)
+            then = choice.winner
+            for _ in range(autotune.RECHECK_EVERY + first + 2):
+                assert sparse_allreduce(s, comm).to_dense().tolist() == [
+                    1.0, 1.0, 0.0, 0.0, 0.0, 4.0, 0.0, 0.0
+                ]  # fmt: skip
+            return then, choice.winner, choice.rechecks, choice.checks
+
+        for then, now, rechecks, checks in run_ranks(2, fn):
+            assert (then, now, rechecks, checks) == ("young_fast", "steady", 1, 1)
+    finally:
+        del registry._REGISTRY["young_fast"], registry._REGISTRY["steady"]
+
+
 def test_auto_measures_a_neighbouring_density_on_two_candidates_at_most(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
