@@ -24,7 +24,6 @@ each; the slowest rank's time), ``--calls`` rounds after one untimed round:
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -32,24 +31,16 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from transport_floor import gloo_job  # this folder, on sys.path when run as a script
 
 from sparcml import SparseStream
 from sparcml.collectives import sparse_allreduce
-from sparcml.comm import TorchDistCommunicator
 from sparcml.compress.selection import k_of
-from sparcml.tools.cli.common import size_arg
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-N", "--size", type=size_arg, default=16 << 20)
-    ap.add_argument("-d", "--density", type=float, default=0.00781)
-    ap.add_argument("--calls", type=int, default=9)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    p, me = dist.get_world_size(), dist.get_rank()
-    comm = TorchDistCommunicator()
+    args, comm = gloo_job(__doc__, calls=9)
+    p, me = comm.world_size, comm.rank
     n, k = args.size, k_of(args.density, args.size)
     g = torch.Generator().manual_seed(me)
     idx = torch.randperm(n, generator=g)[:k]

@@ -69,16 +69,23 @@ def slowest_rank_timer(calls: int) -> Callable[[str, Callable[[], object]], None
     return timeit
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def gloo_job(doc: str, calls: int) -> tuple[argparse.Namespace, TorchDistCommunicator]:
+    """Parse ``-N``, ``-d``, ``--calls`` (default ``calls``), join the gloo job (one
+    thread per rank), and return the arguments and the job's communicator (also used
+    by ``dense_baseline.py``)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("-N", "--size", type=size_arg, default=16 << 20)
     ap.add_argument("-d", "--density", type=float, default=0.00781)
-    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=calls)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    p, me = dist.get_world_size(), dist.get_rank()
-    comm = TorchDistCommunicator()
+    return args, TorchDistCommunicator()
+
+
+def main() -> None:
+    args, comm = gloo_job(__doc__, calls=5)
+    p, me = comm.world_size, comm.rank
     timeit = slowest_rank_timer(args.calls)
     n, k = args.size, k_of(args.density, args.size)
     if me == 0:

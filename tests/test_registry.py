@@ -7,6 +7,7 @@ algorithm lists without touching any other module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -253,57 +254,72 @@ def test_auto_measures_small_calls_on_nodes_and_leaves_them_to_the_model_on_one(
         del registry._REGISTRY["looks_small"], registry._REGISTRY["is_small"]
 
 
+@contextlib.contextmanager
+def _changing_and_steady(first: float, later: float, steady: float) -> Iterator[None]:
+    """Two throwaway candidates the model ranks ``changing`` then ``steady`` (both
+    free): ``changing`` sleeps ``first`` seconds in each rank's first ROUNDS calls,
+    then ``later``; ``steady`` sleeps ``steady`` seconds every call."""
+    from sparcml.collectives import autotune
+
+    calls: dict[int, int] = {}
+
+    @register("changing", auto=True, cost=_cost_of(1e-9))
+    def changing(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        calls[comm.rank] = calls.get(comm.rank, 0) + 1
+        time.sleep(first if calls[comm.rank] <= autotune.ROUNDS else later)
+        return topka(stream, comm, codec)
+
+    @register("steady", auto=True, cost=_cost_of(1.5e-9))
+    def steady_fn(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
+        time.sleep(steady)
+        return topka(stream, comm, codec)
+
+    try:
+        yield
+    finally:
+        del registry._REGISTRY["changing"], registry._REGISTRY["steady"]
+
+
+def _exact_call(comm: Communicator) -> None:
+    s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
+    assert sparse_allreduce(s, comm).to_dense().tolist() == [
+        1.0, 1.0, 0.0, 0.0, 0.0, 4.0, 0.0, 0.0
+    ]  # fmt: skip
+
+
 def test_auto_measures_a_close_call_for_more_rounds(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """``steady`` takes 30 ms a call; ``improving`` 33 ms in its first rounds, then 8
+    """``steady`` takes 30 ms a call; ``changing`` 33 ms in its first rounds, then 8
     ms. After ROUNDS rounds ``steady`` leads within CLOSE_FACTOR, so the two run
-    CLOSE_ROUNDS more rounds each and ``improving`` wins on the best of all its
+    CLOSE_ROUNDS more rounds each and ``changing`` wins on the best of all its
     rounds (with ROUNDS alone ``steady`` would have)."""
     from sparcml.collectives import autotune
 
     monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
     monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 0.0)
     monkeypatch.setattr(autotune, "PRUNE_FACTOR", 2.0)
-    calls: dict[int, int] = {}
 
-    @register("improving", auto=True, cost=_cost_of(1e-9))
-    def improving(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
-        calls[comm.rank] = calls.get(comm.rank, 0) + 1
-        time.sleep(0.033 if calls[comm.rank] <= autotune.ROUNDS else 0.008)
-        return topka(stream, comm, codec)
+    def fn(comm):  # type: ignore[no-untyped-def]
+        n = 0
+        while n == 0 or autotune.measuring(comm):
+            _exact_call(comm)
+            n += 1
+        (choice,) = autotune.auto_choices(comm)
+        return n, choice.winner, choice.extended, choice.runner_up
 
-    @register("steady", auto=True, cost=_cost_of(1.5e-9))
-    def steady(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
-        time.sleep(0.03)
-        return topka(stream, comm, codec)
-
-    try:
-
-        def fn(comm):  # type: ignore[no-untyped-def]
-            s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
-            n = 0
-            while n == 0 or autotune.measuring(comm):
-                assert sparse_allreduce(s, comm).to_dense().tolist() == [
-                    1.0, 1.0, 0.0, 0.0, 0.0, 4.0, 0.0, 0.0
-                ]  # fmt: skip
-                n += 1
-            (choice,) = autotune.auto_choices(comm)
-            return n, choice.winner, choice.extended, choice.runner_up
-
+    with _changing_and_steady(0.033, 0.008, 0.03):
         for n, winner, extended, runner_up in run_ranks(2, fn):
             assert n == 2 * (autotune.ROUNDS + autotune.CLOSE_ROUNDS)
-            assert (winner, extended, runner_up) == ("improving", True, "steady")
-    finally:
-        del registry._REGISTRY["improving"], registry._REGISTRY["steady"]
+            assert (winner, extended, runner_up) == ("changing", True, "steady")
 
 
 def test_auto_measures_the_two_again_once_the_process_has_settled(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """``young_fast`` takes 2 ms in its first ROUNDS calls, then 13 ms; ``steady``
-    10 ms. The first measurement picks ``young_fast``; its later 13 ms are under
-    RECHECK_FACTOR times ``steady``'s 10 ms, so only the first check's measuring
+    """``changing`` takes 2 ms in its first ROUNDS calls, then 20 ms; ``steady`` 14
+    ms. The first measurement picks ``changing``; its later 20 ms are under
+    RECHECK_FACTOR times ``steady``'s 14 ms, so only the first check's measuring
     of the two again (whatever the figures) finds ``steady`` faster."""
     from sparcml.collectives import autotune
 
@@ -311,38 +327,20 @@ def test_auto_measures_the_two_again_once_the_process_has_settled(
     monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 0.0)
     monkeypatch.setattr(autotune, "PRUNE_FACTOR", 2.0)
     monkeypatch.setattr(autotune, "RECHECK_EVERY", 3)
-    calls: dict[int, int] = {}
 
-    @register("young_fast", auto=True, cost=_cost_of(1e-9))
-    def young_fast(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
-        calls[comm.rank] = calls.get(comm.rank, 0) + 1
-        time.sleep(0.002 if calls[comm.rank] <= autotune.ROUNDS else 0.013)
-        return topka(stream, comm, codec)
+    def fn(comm):  # type: ignore[no-untyped-def]
+        first = 2 * autotune.ROUNDS
+        for _ in range(first):
+            _exact_call(comm)
+        (choice,) = autotune.auto_choices(comm)
+        then = choice.winner
+        for _ in range(autotune.RECHECK_EVERY + first + 2):
+            _exact_call(comm)
+        return then, choice.winner, choice.rechecks, choice.checks
 
-    @register("steady", auto=True, cost=_cost_of(1.5e-9))
-    def steady(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
-        time.sleep(0.01)
-        return topka(stream, comm, codec)
-
-    try:
-
-        def fn(comm):  # type: ignore[no-untyped-def]
-            s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
-            first = 2 * autotune.ROUNDS
-            for _ in range(first):
-                sparse_allreduce(s, comm)
-            (choice,) = autotune.auto_choices(comm)
-            then = choice.winner
-            for _ in range(autotune.RECHECK_EVERY + first + 2):
-                assert sparse_allreduce(s, comm).to_dense().tolist() == [
-                    1.0, 1.0, 0.0, 0.0, 0.0, 4.0, 0.0, 0.0
-                ]  # fmt: skip
-            return then, choice.winner, choice.rechecks, choice.checks
-
+    with _changing_and_steady(0.002, 0.020, 0.014):
         for then, now, rechecks, checks in run_ranks(2, fn):
-            assert (then, now, rechecks, checks) == ("young_fast", "steady", 1, 1)
-    finally:
-        del registry._REGISTRY["young_fast"], registry._REGISTRY["steady"]
+            assert (then, now, rechecks, checks) == ("changing", "steady", 1, 1)
 
 
 def test_auto_measures_a_neighbouring_density_on_two_candidates_at_most(
