@@ -154,48 +154,62 @@ def test_auto_measures_without_calibration_and_agrees_on_the_slowest_rank(
     assert autotune.auto_mode(None) == "model"
 
 
+@pytest.mark.parametrize(
+    ("slow", "winner", "checks", "rechecks"),
+    [(0.03, "steady", 2, 2), (0.011, "fast_then_slow", 3, 1)],
+)
 def test_auto_measures_a_class_again_when_its_winner_turns_slow(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    slow: float,
+    winner: str,
+    checks: int,
+    rechecks: int,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     """Two candidates the model cannot tell apart: ``fast_then_slow`` wins the first
-    measurement, then takes 20 ms a call against ``steady``'s 5 ms; after
-    RECHECK_EVERY settled calls the ranks agree it is over RECHECK_FACTOR times the
-    runner-up's measured time, measure the two again and settle on ``steady``."""
+    measurement and the first check's measuring again (whatever the figures),
+    then takes ``slow`` seconds a call against ``steady``'s 10 ms. At the second
+    check (RECHECK_EVERY settled calls later) the ranks agree on its median: 30 ms
+    is over RECHECK_FACTOR times the runner-up's measured time, so the two are
+    measured again and ``steady`` serves; 11 ms is not, nothing is measured, and
+    the winner serves on (a third check, as quiet)."""
     from sparcml.collectives import autotune
 
     monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
     monkeypatch.setattr(autotune, "MEASURE_ABOVE_S", 0.0)
     monkeypatch.setattr(autotune, "PRUNE_FACTOR", 1.0)  # only the two free candidates
+    monkeypatch.setattr(autotune, "CLOSE_FACTOR", 1.0)  # (not about close calls)
     monkeypatch.setattr(autotune, "RECHECK_EVERY", 4)
-    calls: dict[int, int] = {}
+    slow_now: dict[int, bool] = {}
 
     @register("fast_then_slow", auto=True, cost=_free_cost, auto_priority=-2)
     def fast_then_slow(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
-        calls[comm.rank] = calls.get(comm.rank, 0) + 1
-        if calls[comm.rank] > autotune.ROUNDS:  # slow once measured
-            time.sleep(0.02)
+        if slow_now.get(comm.rank):
+            time.sleep(slow)
         return topka(stream, comm, codec)
 
     @register("steady", auto=True, cost=_free_cost, auto_priority=-1)
     def steady(stream, comm=None, codec=EXACT):  # type: ignore[no-untyped-def]
-        time.sleep(0.005)
+        time.sleep(0.01)
         return topka(stream, comm, codec)
 
     try:
 
         def fn(comm):  # type: ignore[no-untyped-def]
             s = SparseStream(torch.tensor([comm.rank, 5]), torch.tensor([1.0, 2.0]), 8)
-            first = 2 * autotune.ROUNDS  # the first measurement
-            outs = [sparse_allreduce(s, comm).to_dense() for _ in range(first)]
+            first = 2 * autotune.ROUNDS  # a measurement of the two
+            every = autotune.RECHECK_EVERY
+            outs = [sparse_allreduce(s, comm).to_dense() for _ in range(first + every + first)]
             (choice,) = autotune.auto_choices(comm)
-            winner_then = choice.winner
-            outs += [sparse_allreduce(s, comm).to_dense() for _ in range(4 + first + 2)]
-            return outs, winner_then, choice.winner, choice.rechecks
+            before = (choice.winner, choice.checks, choice.rechecks)
+            slow_now[comm.rank] = True
+            outs += [sparse_allreduce(s, comm).to_dense() for _ in range(every + first + 2)]
+            return outs, before, (choice.winner, choice.checks, choice.rechecks)
 
-        got = run_ranks(2, fn)
-        for outs, then, now, rechecks in got:
+        for outs, before, after in run_ranks(2, fn):
             assert all(o.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 4.0, 0.0, 0.0] for o in outs)
-            assert (then, now, rechecks) == ("fast_then_slow", "steady", 1)
+            assert before == ("fast_then_slow", 1, 1)
+            assert after == (winner, checks, rechecks)
     finally:
         del registry._REGISTRY["fast_then_slow"], registry._REGISTRY["steady"]
 
@@ -287,13 +301,19 @@ def _exact_call(comm: Communicator) -> None:
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("first", "later", "steady"),
+    [(0.042, 0.010, 0.040), (0.040, 0.060, 0.044)],
+    ids=["later-rounds-decide", "first-rounds-count"],
+)
 def test_auto_measures_a_close_call_for_more_rounds(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    first: float, later: float, steady: float, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """``steady`` takes 30 ms a call; ``changing`` 33 ms in its first rounds, then 8
-    ms. After ROUNDS rounds ``steady`` leads within CLOSE_FACTOR, so the two run
-    CLOSE_ROUNDS more rounds each and ``changing`` wins on the best of all its
-    rounds (with ROUNDS alone ``steady`` would have)."""
+    """``changing`` and ``steady`` within CLOSE_FACTOR after ROUNDS rounds: the two
+    run CLOSE_ROUNDS more rounds each and ``changing`` wins on the best of all its
+    rounds. First case: 42 ms against 40 ms, then 10 ms (ROUNDS alone would pick
+    ``steady``). Second: 40 ms against 44 ms, then 60 ms: its best stays the first
+    rounds' (the extra rounds alone would pick ``steady``)."""
     from sparcml.collectives import autotune
 
     monkeypatch.setenv("SPARCML_CALIBRATION", str(tmp_path / "absent.json"))
@@ -301,17 +321,21 @@ def test_auto_measures_a_close_call_for_more_rounds(
     monkeypatch.setattr(autotune, "PRUNE_FACTOR", 2.0)
 
     def fn(comm):  # type: ignore[no-untyped-def]
-        n = 0
-        while n == 0 or autotune.measuring(comm):
+        _exact_call(comm)
+        (choice,) = autotune.auto_choices(comm)
+        other = dataclasses.replace(choice.cls, size=choice.cls.size + 1)
+        assert autotune.measuring(comm, choice.cls) and not autotune.measuring(comm, other)
+        n = 1
+        while autotune.measuring(comm):
             _exact_call(comm)
             n += 1
-        (choice,) = autotune.auto_choices(comm)
-        return n, choice.winner, choice.extended, choice.runner_up
+        return n, choice.winner, choice.extended, choice.runner_up, choice.runner_up_s
 
-    with _changing_and_steady(0.033, 0.008, 0.03):
-        for n, winner, extended, runner_up in run_ranks(2, fn):
+    with _changing_and_steady(first, later, steady):
+        for n, winner, extended, runner_up, runner_up_s in run_ranks(2, fn):
             assert n == 2 * (autotune.ROUNDS + autotune.CLOSE_ROUNDS)
             assert (winner, extended, runner_up) == ("changing", True, "steady")
+            assert steady <= runner_up_s < 2 * steady
 
 
 def test_auto_measures_the_two_again_once_the_process_has_settled(
@@ -334,7 +358,9 @@ def test_auto_measures_the_two_again_once_the_process_has_settled(
             _exact_call(comm)
         (choice,) = autotune.auto_choices(comm)
         then = choice.winner
-        for _ in range(autotune.RECHECK_EVERY + first + 2):
+        for _ in range(autotune.RECHECK_EVERY + first):
+            _exact_call(comm)
+        while autotune.measuring(comm):  # (a close call's extra rounds)
             _exact_call(comm)
         return then, choice.winner, choice.rechecks, choice.checks
 

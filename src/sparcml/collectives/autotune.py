@@ -104,7 +104,7 @@ __all__ = [
 log = logging.getLogger("sparcml")
 
 #: Calls whose best predicted time is below this are decided by the model (on one
-#: node; on nodes of several ranks every class is measured).
+#: node; on nodes of several ranks they are measured like the others).
 MEASURE_ABOVE_S = 1e-3
 #: Candidates predicted more than this many times slower than the best are not tried
 #: (the model's measured error on CPU ranks stays within it: docs/cluster.md's
@@ -182,7 +182,7 @@ class AutoChoice:
     checks: int = 0  # checks of the winner so far (see :func:`observe`)
     rounds: int = ROUNDS  # rounds per candidate of the measurement under way
     prior: dict[str, float] = dataclasses.field(default_factory=dict)  # earlier rounds' best
-    extended: bool = False  # the close call's extra rounds ran (or are not to run)
+    extended: bool = False  # the close call's extra rounds ran in this measurement
 
     def __post_init__(self) -> None:
         if not self.running:
@@ -219,9 +219,9 @@ def auto_choices(comm: Communicator) -> list[AutoChoice]:
     return list(_CHOICES.get(comm, {}).values())
 
 
-def measuring(comm: Communicator) -> bool:
-    """True while some class on ``comm`` still has calls to measure."""
-    return any(c.winner is None for c in auto_choices(comm))
+def measuring(comm: Communicator, cls: AutoClass | None = None) -> bool:
+    """True while some class on ``comm`` (or ``cls``) still has calls to measure."""
+    return any(c.winner is None and cls in (None, c.cls) for c in auto_choices(comm))
 
 
 def measured_candidates(
@@ -454,7 +454,7 @@ def observe(
         )  # fmt: skip
     entry.running = [name, entry.runner_up]
     entry.times, entry.agreed, entry.winner = [], None, None
-    entry.rounds, entry.prior, entry.extended = ROUNDS, {}, True
+    entry.rounds, entry.prior, entry.extended = ROUNDS, {}, False  # (may be close again)
     entry.runner_up, entry.runner_up_s = None, math.inf
     entry.rechecks += 1
     return True

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ...collectives import algorithms, choose_algorithm, sparse_allreduce
-from ...collectives.autotune import auto_choices, measuring
+from ...collectives.autotune import AutoClass, auto_choices, measuring
 from ...collectives.registry import algorithm_info, predict
 from ...comm import Communicator
 from ...comm.launch import run_processes
@@ -248,7 +248,8 @@ def rank_main(comm: Communicator, cfg: BenchConfig) -> list[dict[str, Any]] | No
             # the calls auto measures on (without a calibration file), untimed
             t0, calls = time.perf_counter(), 0
             known = len(auto_choices(comm))
-            while calls == 0 or measuring(comm):
+            cls = AutoClass.of(comm.world_size, cfg.size, ks, isize, False)
+            while calls == 0 or measuring(comm, cls):
                 sparse_allreduce(stream, comm)
                 calls += 1
             if len(auto_choices(comm)) > known:  # a new class was measured
