@@ -10,13 +10,17 @@ each; the slowest rank's time), ``--calls`` rounds after one untimed round:
 
 * ``gloo in place``: ``dist.all_reduce`` of a tensor the rank holds (the floor);
 * ``gloo, fresh clone``: ``dist.all_reduce(x.clone())`` (a fresh result);
+* ``densify, then allreduce``: the dense algorithm's own work for a sparse stream
+  (``comm.allreduce(stream.to_dense(), donate=True)``), without
+  ``sparse_allreduce``'s consistency check;
 * ``dense, sparse stream`` / ``dense, dense stream``: ``sparse_allreduce(...,
   algorithm="dense")`` for a stream of ``d N`` uniform random pairs and for a
   dense stream (copied, never written);
 * ``pieces while writing``: what the library does not do (tried, measured no
   gain: docs/cluster.md): the fresh vector written piece by piece (pieces
   doubling from N/64), each piece handed to gloo (``async_op``) as soon as it is
-  written, so gloo's threads reduce it while the next is written.
+  written, so gloo's threads reduce it while the next is written (compare with
+  ``densify, then allreduce``).
 
     sparcml cluster -P 8 --rate 1gbit -- \
         .venv/bin/python benchmarks/dense_baseline.py -N 16M -d 0.00781 --calls 15
@@ -69,6 +73,7 @@ def main() -> None:
     rows: dict[str, Callable[[], object]] = {
         "gloo in place": lambda: dist.all_reduce(x),
         "gloo, fresh clone": lambda: dist.all_reduce(x.clone()),
+        "densify, then allreduce": lambda: comm.allreduce(stream.to_dense(), donate=True),
         "dense, sparse stream": lambda: sparse_allreduce(stream, comm, "dense"),
         "dense, dense stream": lambda: sparse_allreduce(dense, comm, "dense"),
         f"pieces while writing ({len(cuts) - 1})": pieces_while_writing,
