@@ -73,8 +73,16 @@ def test_ties_follow_auto_priority() -> None:
     assert choose(CostModel(), 1, 100, [3], 4) == "ssar_recursive_double"
 
 
-def _free_cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
-    return 1e-12  # cheaper than anything: auto must pick it
+def _cost_of(seconds: float):  # type: ignore[no-untyped-def]
+    """A cost formula that predicts ``seconds`` whatever the call."""
+
+    def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
+        return seconds
+
+    return cost
+
+
+_free_cost = _cost_of(1e-12)  # cheaper than anything: auto must pick it
 
 
 @pytest.fixture
@@ -212,13 +220,6 @@ def test_auto_measures_a_class_again_when_its_winner_turns_slow(
             assert after == (winner, checks, rechecks)
     finally:
         del registry._REGISTRY["fast_then_slow"], registry._REGISTRY["steady"]
-
-
-def _cost_of(seconds: float):  # type: ignore[no-untyped-def]
-    def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> float:
-        return seconds
-
-    return cost
 
 
 def test_auto_measures_small_calls_on_nodes_and_leaves_them_to_the_model_on_one(

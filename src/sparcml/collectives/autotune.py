@@ -432,7 +432,7 @@ def observe(
     entry.recent.append(seconds)
     if len(entry.recent) < RECHECK_EVERY:
         return False
-    mine = statistics.median(entry.recent)
+    mine = statistics.median(entry.recent) if entry.checks else 0.0  # (first: unused)
     entry.recent.clear()
     entry.checks += 1
     if entry.checks == 1:
