@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sparcml.tools.cli import main
+from sparcml.tools.cluster import LinkCounters
 
 
 def _can_make_namespaces() -> bool:
@@ -31,10 +33,8 @@ def _can_make_namespaces() -> bool:
         subprocess.run(["ip", "netns", "del", probe], capture_output=True)
 
 
-pytestmark = [
-    pytest.mark.spawn,
-    pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and ip netns"),
-]
+pytestmark = [pytest.mark.spawn]
+needs_namespaces = pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and ip netns")
 
 ALLREDUCE = textwrap.dedent(
     """
@@ -54,12 +54,13 @@ def _ours() -> list[str]:
     return [line for line in out.splitlines() if line.startswith(f"spcl{os.getpid() % 100000}")]
 
 
+@needs_namespaces
 def test_links_are_shaped_and_ranks_connect(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     script = tmp_path / "job.py"
     script.write_text(ALLREDUCE)
     code = main(["cluster", "-P", "3", "--rate", "20mbit", "--log-dir", str(tmp_path / "logs"),
                  "--timeout", "100", "--", sys.executable, str(script)])  # fmt: skip
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert code == 0, out
     assert _ours() == []  # torn down
     lines = [ln for ln in out.splitlines() if "addr-ok" in ln]
@@ -67,8 +68,16 @@ def test_links_are_shaped_and_ranks_connect(tmp_path: Path, capsys) -> None:  # 
     # how close the time comes to the link bound is measured, not tested:
     # benchmarks/cluster_link.py prints it
     assert (tmp_path / "logs" / "rank2.log").read_text().count("addr-ok") == 1
+    # the links' counters, read before the teardown: two calls of 1 MiB must leave at
+    # least two of the three hosts, each byte counted at its host's and the switch's queue
+    links = (tmp_path / "logs" / "links.txt").read_text()
+    assert f"sparcml cluster: {links.strip()}" in err
+    sent = float(links.split("links sent ")[1].split(" GB")[0]) * 1e9
+    assert sent >= 2 * 2 * 2 * (1 << 20), links
+    assert re.search(r"dropped [\d,]+; TCP retransmitted [\d,]+ segments \([\d,]+ timeouts", links)
 
 
+@needs_namespaces
 def test_failures_and_timeouts_tear_down(tmp_path: Path) -> None:
     assert main(["cluster", "-P", "2", "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
     assert _ours() == []
@@ -79,6 +88,7 @@ def test_failures_and_timeouts_tear_down(tmp_path: Path) -> None:
     assert main(["cluster", "-P", "2"]) == 2  # no command
 
 
+@needs_namespaces
 def test_bench_runs_inside_the_cluster(capsys) -> None:  # type: ignore[no-untyped-def]
     sparcml = str(Path(sys.executable).parent / "sparcml")
     bench = ["bench", "--env", "-N", "64K", "--repeats", "1", "--experiments", "1", "-q"]
@@ -125,6 +135,7 @@ NODES = textwrap.dedent(
 )
 
 
+@needs_namespaces
 def test_nodes_share_a_shaped_nic_and_talk_unshaped_inside(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     script = tmp_path / "job.py"
     script.write_text(NODES)
@@ -143,3 +154,29 @@ def test_nodes_share_a_shaped_nic_and_talk_unshaped_inside(tmp_path: Path, capsy
     # 2 MiB at 20 Mbit/s take 0.84 s on the wire; inside a node there is no shaping
     assert across > 0.7 and inside < 0.3 * across, (inside, across)
     assert main(["cluster", "-P", "3", "--ranks-per-node", "2", "--", "true"]) == 2
+
+
+QDISC = """qdisc tbf 807d: root refcnt 3 rate 1Gbit burst 262125b/1 mpu 0b lat 100ms
+ Sent 983451118 bytes 663341 pkt (dropped 3, overlimits 51578 requeues 0)
+ backlog 0b 0p requeues 0
+"""
+SNMP = """Tcp: RtoAlgorithm RtoMin RtoMax MaxConn ActiveOpens PassiveOpens AttemptFails \
+EstabResets CurrEstab InSegs OutSegs RetransSegs InErrs OutRsts InCsumErrors
+Tcp: 1 200 120000 -1 9 8 0 0 8 1070000 1080000 154 0 2 0
+TcpExt: SyncookiesSent TCPTimeouts TCPDSACKRecv TCPLossProbes
+TcpExt: 0 2 12 5
+IpExt: InNoRoutes TCPTimeouts
+IpExt: 0 99
+"""
+
+
+def test_link_counters_parse_tc_and_the_tcp_tables() -> None:
+    c = LinkCounters()
+    c.add_qdisc(QDISC)
+    c.add_qdisc(QDISC.replace("dropped 3", "dropped 4"))
+    c.add_tcp(SNMP)
+    c.add_tcp(SNMP)
+    assert (c.sent_bytes, c.sent_packets, c.dropped) == (2 * 983451118, 2 * 663341, 7)
+    # counters of other tables (IpExt) with the same names are not TCP's
+    assert (c.retransmitted, c.timeouts, c.dsacks) == (308, 4, 24)
+    assert "dropped 7; TCP retransmitted 308 segments (4 timeouts, 24 DSACKs" in c.summary()

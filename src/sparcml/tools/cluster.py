@@ -17,7 +17,14 @@
    ``GLOO_SOCKET_IFNAME=eth0`` set, so ``torch.distributed.init_process_group``
    with the env:// method connects the ranks; output is prefixed ``[rank i]`` and
    also written to ``<log-dir>/rank<i>.log``;
-5. always tears everything down (deleting a namespace deletes its links): after
+5. when the ranks have exited, reads every link's counters and every host's TCP
+   counters before the teardown (:meth:`Cluster.link_counters`): bytes the shaped
+   links sent, packets their queues dropped, segments TCP retransmitted and how
+   many of those the receivers already had (DSACKs: reordered, not lost); printed
+   as one line on stderr and written to ``<log-dir>/links.txt``. A drop or a
+   retransmission timeout is the link's doing, not the job's: a reader of the
+   job's timings should know;
+6. always tears everything down (deleting a namespace deletes its links): after
    success, failure, a timeout, Ctrl-C or SIGTERM.
 
 **Nodes with several ranks** (``sparcml cluster --nodes 2 --ranks-per-node 4``): a
@@ -34,7 +41,9 @@ sparcml's own transport adds them (documented per benchmark).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -43,7 +52,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["Cluster", "ClusterError", "cleanup", "run_on_cluster"]
+__all__ = ["Cluster", "ClusterError", "LinkCounters", "cleanup", "run_on_cluster"]
 
 SUBNET = "10.213.0"
 
@@ -62,6 +71,52 @@ def _tc(ns: str, *args: str) -> None:
     done = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise ClusterError(f"`tc {' '.join(args)}` in {ns} failed: {done.stderr.strip()}")
+
+
+_QDISC = re.compile(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)")
+# a host's TCP counters: /proc/net/snmp ("Tcp:") and /proc/net/netstat ("TcpExt:")
+_TCP = {"RetransSegs": "retransmitted", "TCPTimeouts": "timeouts", "TCPDSACKRecv": "dsacks"}
+
+
+@dataclasses.dataclass
+class LinkCounters:
+    """What the links and the hosts' TCP stacks did during a job, summed over the
+    cluster: bytes and packets the shaped links (``tc tbf``, both directions of every
+    NIC) sent, packets their queues dropped, TCP segments retransmitted, retransmission
+    timeouts, and DSACKs received (a retransmitted segment the receiver already had:
+    reordering or a late acknowledgement, not a loss)."""
+
+    sent_bytes: int = 0
+    sent_packets: int = 0
+    dropped: int = 0
+    retransmitted: int = 0
+    timeouts: int = 0
+    dsacks: int = 0
+
+    def add_qdisc(self, text: str) -> None:
+        """Add the counters of ``tc -s qdisc show dev X``'s output."""
+        for sent, packets, dropped, _ in _QDISC.findall(text):
+            self.sent_bytes += int(sent)
+            self.sent_packets += int(packets)
+            self.dropped += int(dropped)
+
+    def add_tcp(self, text: str) -> None:
+        """Add the TCP counters of a host's ``/proc/net/snmp`` or ``/proc/net/netstat``
+        (pairs of lines: the names, then the values, under one prefix)."""
+        lines = [line.split() for line in text.splitlines()]
+        for names, values in zip(lines[::2], lines[1::2], strict=False):
+            if names and names[0] in ("Tcp:", "TcpExt:") and names[0] == values[0]:
+                for name, value in zip(names[1:], values[1:], strict=False):
+                    if name in _TCP:
+                        setattr(self, _TCP[name], getattr(self, _TCP[name]) + int(value))
+
+    def summary(self) -> str:
+        return (
+            f"links sent {self.sent_bytes / 1e9:.3f} GB in {self.sent_packets:,} packets, "
+            f"dropped {self.dropped:,}; TCP retransmitted {self.retransmitted:,} segments "
+            f"({self.timeouts:,} timeouts, {self.dsacks:,} DSACKs: segments the receiver "
+            "already had)"
+        )
 
 
 def _namespaces() -> list[str]:
@@ -150,6 +205,21 @@ class Cluster:
                 _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
                     "burst", burst, "latency", "100ms")  # fmt: skip
 
+    def link_counters(self) -> LinkCounters:
+        """The counters of every shaped link and every host's TCP stack so far (a
+        namespace's counters start at zero with it)."""
+        out = LinkCounters()
+
+        def read(ns: str, *argv: str) -> str:
+            run = ["ip", "netns", "exec", ns, *argv]
+            return subprocess.run(run, capture_output=True, text=True).stdout
+
+        for i in range(self.hosts):
+            out.add_qdisc(read(self.host(i), "tc", "-s", "qdisc", "show", "dev", "eth0"))
+            out.add_qdisc(read(self.switch, "tc", "-s", "qdisc", "show", "dev", f"p{i}"))
+            out.add_tcp(read(self.host(i), "cat", "/proc/net/snmp", "/proc/net/netstat"))
+        return out
+
     def down(self) -> None:
         for ns in reversed(self.created):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -198,7 +268,9 @@ def run_on_cluster(
 
     Every rank's output is echoed with a ``[rank i]`` prefix and kept in
     ``log_dir/rank<i>.log``. On a failing rank the others are stopped; a timeout
-    stops all (exit code 124). The cluster is always torn down.
+    stops all (exit code 124). The links' and TCP's counters of the whole job
+    (:class:`LinkCounters`) go to stderr (with ``echo``) and ``log_dir/links.txt``.
+    The cluster is always torn down.
     """
     if not argv:
         raise ValueError("give the command to run on every host (after --)")
@@ -288,6 +360,11 @@ def run_on_cluster(
             for i, rest in enumerate(pending):
                 if rest:
                     print(f"[rank {i}] {rest.decode(errors='replace')}", flush=True)
+        counters = cluster.link_counters()
+        if echo:
+            print(f"sparcml cluster: {counters.summary()}", file=sys.stderr, flush=True)
+        if logs:
+            (logs / "links.txt").write_text(counters.summary() + "\n")
         codes = [p.returncode for p in procs]
         if code == 0:
             code = next((c for c in codes if c), 0)
