@@ -147,11 +147,19 @@ def _loss(model: Any, rank: int, step: int, embedding: bool) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out, y)
 
 
-def _digest(params: list[tuple[str, torch.Tensor]]) -> str:
+def _digest(params: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """The final parameters' SHA-256 (every bit) and their fingerprint: the norm and
+    three projections on fixed random directions of all parameters as one float64
+    vector, which a CPU with other kernels (AVX-512 against AVX2: other summation
+    orders) moves by rounding only."""
     h = hashlib.sha256()
     for _, p in params:
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
+    flat = torch.cat([p.detach().cpu().double().flatten() for _, p in params])
+    g = torch.Generator().manual_seed(12345)
+    directions = torch.randn(3, flat.numel(), generator=g, dtype=torch.float64)
+    fingerprint = [float(flat.norm()), *(float(d @ flat) for d in directions)]
+    return {"hash": h.hexdigest(), "fingerprint": fingerprint}
 
 
 # ---------------------------------------------------------------- entry points
@@ -172,14 +180,14 @@ def _ddp(comm: Any, method: str, opts: dict[str, Any], embedding: bool) -> dict[
     model = DDP(module, bucket_cap_mb=0.002)  # (a few buckets)
     state = st.register(model, method=method, **opts)
     _train(model, comm.rank, embedding, lambda: None)
-    return {"step_bytes": list(state.step_bytes), "hash": _digest(list(module.named_parameters()))}
+    return {"step_bytes": list(state.step_bytes), **_digest(list(module.named_parameters()))}
 
 
 def _sync(comm: Any, method: str, opts: dict[str, Any], embedding: bool) -> dict[str, Any]:
     model = _model(embedding)
     state = st.SparcmlState(method, **opts)
     _train(model, comm.rank, embedding, lambda: st.sync_gradients(model, state))
-    return {"step_bytes": list(state.step_bytes), "hash": _digest(list(model.named_parameters()))}
+    return {"step_bytes": list(state.step_bytes), **_digest(list(model.named_parameters()))}
 
 
 def _fsdp(comm: Any, method: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -193,7 +201,7 @@ def _fsdp(comm: Any, method: str, opts: dict[str, Any]) -> dict[str, Any]:
     state = st.register_fsdp(model, method=method, **opts)
     _train(model, comm.rank, False, lambda: None)
     full = [(n, p.full_tensor()) for n, p in model.named_parameters()]
-    return {"step_bytes": list(state.step_bytes), "hash": _digest(full)}
+    return {"step_bytes": list(state.step_bytes), **_digest(full)}
 
 
 def _sgd_step(comm: Any, method: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -222,7 +230,7 @@ def _sgd_step(comm: Any, method: str, opts: dict[str, Any]) -> dict[str, Any]:
                     g = g * LR
                 p.sub_(g / comm.world_size)
         step_bytes.append(comm.stats.bytes_sent - before)
-    return {"step_bytes": step_bytes, "hash": _digest(list(model.named_parameters()))}
+    return {"step_bytes": step_bytes, **_digest(list(model.named_parameters()))}
 
 
 def run_case(comm: Any, entry: str, method: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -238,7 +246,8 @@ def run_case(comm: Any, entry: str, method: str, opts: dict[str, Any]) -> dict[s
 
 
 def golden_runs(comm: Any) -> dict[str, dict[str, Any]]:
-    """Every case of :func:`cases` on this rank: ``{key: {step_bytes, hash}}`` (or
+    """Every case of :func:`cases` on this rank: ``{key: {step_bytes, hash,
+    fingerprint}}`` (or
     ``{error}`` where a case raised; the ranks go on with the next case).
 
     ``algorithm="auto"`` decides by the default cost model: never by timing calls
