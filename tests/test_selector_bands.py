@@ -50,11 +50,26 @@ def _nonzeros(x: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(INPUTS))
-@pytest.mark.parametrize("selector", ["topk", "trimmed_topk", "randomk"])
+@pytest.mark.parametrize("selector", ["trimmed_topk", "randomk"])
 def test_exact_count_selectors(selector: str, name: str) -> None:
     op = C.get(selector, k=K)
     for _ in range(3):
         assert op.select(INPUTS[name]).nnz == K
+
+
+@pytest.mark.parametrize("n", [1000, N])  # torch.topk's path and the one-pass search
+@pytest.mark.parametrize("name", sorted(INPUTS))
+def test_topk_sends_k_entries_or_the_nonzeros_when_fewer(name: str, n: int) -> None:
+    x = INPUTS[name][:n]
+    s = C.get("topk", k=K).select(x)
+    nz = _nonzeros(x)
+    assert s.nnz == min(K, nz), (name, s.nnz, nz)
+    assert bool((s.values != 0).all())
+    if nz <= K:  # exactly the non-zeros
+        assert torch.equal(s.indices, x.nonzero().flatten())
+    else:
+        top = x.abs().topk(K).values.min()
+        assert bool((s.values.abs() >= top).all())
 
 
 @pytest.mark.parametrize("name", sorted(INPUTS))

@@ -14,16 +14,20 @@ __all__ = ["TopK"]
 
 @register("topk")
 class TopK(Selector):
-    """The ``k`` entries of largest magnitude (NaN counts as largest).
+    """The ``k`` entries of largest magnitude (NaN counts as largest), zeros left out.
 
     Large tensors on the CPU (``2^16`` entries and more): the exact k-th largest magnitude
     ``t`` and every entry above it, then the first entries equal to ``t`` in index
     order, by :func:`~.threshold_reuse.top_k_exact` (a bracketed search, in one pass
     over float32/float64 entries, faster than ``torch.topk`` on large CPU tensors);
-    small ones, ``t = 0``, or tensors on
-    a GPU (where ``torch.topk`` measured faster: docs/benchmarks.md, "On a GPU"):
-    ``torch.topk``.
-    Either way exactly ``k`` entries of the largest magnitudes.
+    small ones or tensors on a GPU (where ``torch.topk`` measured faster:
+    docs/benchmarks.md, "On a GPU"): ``torch.topk``.
+    Either way ``k`` entries of the largest magnitudes, except that a tensor with
+    fewer than ``k`` non-zeros gives its non-zeros only: the zeros a top-k would
+    add change no sum and no residual (``acc - TopK(acc)`` is the same), and cost
+    bytes, and on the CPU a second search (beyond paper 000 sec. 2.2, which selects
+    ``k`` entries of dense gradients; sparse-feature layers such as hashed bag-of-words
+    or embedding inputs have fewer non-zeros than ``k`` whole steps long).
 
     Args:
         k: number of entries, or
@@ -44,8 +48,8 @@ class TopK(Selector):
         # (the bracketed search reads counts back to the host at every step: on a GPU
         # torch.topk is faster, docs/benchmarks.md "On a GPU")
         if k and x.numel() >= BRACKET_MIN and x.device.type == "cpu":
-            t, idx = top_k_exact(x, k)
-            if t > 0:  # (t = 0: the top-k includes zeros, which positions above t omit)
-                return SparseStream.from_sorted(idx, x[idx], x.numel())
+            # (t = 0, fewer than k non-zeros: idx holds the non-zeros)
+            _, idx = top_k_exact(x, k)
+            return SparseStream.from_sorted(idx, x[idx], x.numel())
         idx = torch.topk(scratch_magnitude(x), k, sorted=False).indices
-        return stream_of(x, idx)
+        return stream_of(x, idx[x[idx] != 0])  # (NaN != 0: kept)
