@@ -178,6 +178,23 @@ def test_simulation_agrees_with_the_model_and_scaling_keeps_times() -> None:
     assert full[0]["result_nnz"] == pytest.approx(full[0]["expected_fill_in"], rel=0.02)
 
 
+def test_a_shared_nic_is_served_in_virtual_time_order_so_runs_repeat() -> None:
+    # 2 nodes x 4 ranks: twolevel_shard's four lanes of a node send between nodes at
+    # once through the node's one NIC. Served in the order the threads happened to
+    # reach it (a plain lock), four runs gave four different times (0.155-0.175 ms
+    # once); served in virtual-time order, every run the same to the bit
+    cfg = SimConfig(
+        world_sizes=(8,),
+        size=1 << 18,
+        algorithms=("twolevel_shard",),
+        ranks_per_node=4,
+        compute="model",
+        progress=False,
+    )
+    times = {run_simulation(cfg)[0]["time_s"] for _ in range(4)}
+    assert len(times) == 1, sorted(times)
+
+
 def test_oktopk_volume_stays_below_6k_while_topka_grows() -> None:
     n, d = 1 << 16, 0.01
     k = d * n

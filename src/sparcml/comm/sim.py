@@ -51,13 +51,17 @@ overhead) and is as noisy as the machine running the simulation.
 **Nodes** (``topology=``, beyond paper 000's one alpha-beta pair): messages
 between two ranks of a node cost ``alpha_intra + beta_intra L`` on the rank's own
 links; messages between nodes queue on the sending node's NIC and the receiving
-node's, shared by the node's ranks, in the order the ranks reach them (so with
-several ranks per node the timing depends slightly on the order the threads
-run). The synchronising collectives charge a rank's transfers from other nodes
-at ``beta`` times the ranks per node (every rank sends at once) and inside the
-node at ``beta_intra``; the dense allreduce keeps the ring's closed form (its
-neighbours are adjacent ranks: one message per node and direction crosses a
-NIC).
+node's, shared by the node's ranks, in the order of the ranks' virtual clocks
+(ties: the lower rank): the rank threads take turns by a scheduler that always
+runs the ready rank of the earliest virtual time (``_Turns``), so a simulation
+repeats to the bit. (Before, a plain lock let the threads reach a NIC in the
+order the operating system ran them: a rank of a later clock could book the NIC
+first, and ``twolevel_shard``'s rows, whose lanes share the NIC, came out 1.1x to
+2.3x too slow and different in every run.) The synchronising collectives charge
+a rank's transfers from other nodes at ``beta`` times the ranks per node (every
+rank sends at once) and inside the node at ``beta_intra``; the dense allreduce
+keeps the ring's closed form (its neighbours are adjacent ranks: one message per
+node and direction crosses a NIC).
 
 What is not modelled: contention inside the switch (links are full duplex and
 the switch non-blocking), and overlap of a rank's receives with its own compute.
@@ -67,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import heapq
 import math
 import queue
 import threading
@@ -124,6 +129,70 @@ def bytes_charge(buf: torch.Tensor, scale: int = 1) -> Charge:
     return Charge(n * scale, n * scale / 8, False)
 
 
+class _Turns:
+    """Which rank runs: the ready rank of the earliest virtual time (ties: lowest rank).
+
+    Replaces a plain lock, whose hand-over order was the OS's: the node's NIC
+    queues (``nic_tx_free``/``nic_rx_free``) are served in the order ranks reach
+    them, so that order must be a function of the virtual clocks. Only the rank
+    holding the turn changes the ready heap, so every hand-over is deterministic.
+    """
+
+    def __init__(self, world_size: int, aborted: threading.Event, poll_s: float) -> None:
+        self._lock = threading.Lock()
+        self._go = [threading.Event() for _ in range(world_size)]
+        self._ready: list[tuple[float, int]] = []
+        self._holder: int | None = None
+        self._aborted = aborted
+        self._poll_s = poll_s
+        # box key -> (rank blocked on it, its clock)
+        self.waiting: dict[tuple[int, int, int], tuple[int, float]] = {}
+
+    def ready(self, rank: int, key: float) -> None:
+        with self._lock:
+            heapq.heappush(self._ready, (key, rank))
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        if self._holder is None and self._ready:
+            _, self._holder = heapq.heappop(self._ready)
+            self._go[self._holder].set()
+
+    def acquire(self, rank: int) -> None:
+        while not self._go[rank].wait(self._poll_s):
+            if self._aborted.is_set():  # after a failure: a plain mutex
+                with self._lock:
+                    if self._holder is None:
+                        self._holder = rank
+                        break
+        self._go[rank].clear()
+
+    def take(self, rank: int) -> None:
+        """Take the turn out of order, as a plain mutex (a failing rank on its way out)."""
+        while True:
+            with self._lock:
+                if self._holder in (None, rank):
+                    self._holder = rank
+                    self._go[rank].clear()
+                    return
+            self._go[rank].wait(0.01)
+
+    def release(self, rank: int) -> None:
+        with self._lock:
+            if self._holder == rank:
+                self._holder = None
+                self._dispatch()
+
+    def yield_at(self, rank: int, key: float) -> None:
+        """Let an earlier ready rank run first (call holding the turn)."""
+        with self._lock:
+            if not self._ready or self._ready[0] >= (key, rank):
+                return
+        self.ready(rank, key)
+        self.release(rank)
+        self.acquire(rank)
+
+
 class SimWorld:
     """Mailboxes, rendezvous slots and the model shared by the ranks of one simulation."""
 
@@ -169,14 +238,16 @@ class SimWorld:
         )
         self._cond = threading.Condition()
         self._slots: dict[int, dict[str, Any]] = {}
-        # Cooperative scheduling: a rank runs only while it holds this lock and
-        # gives it up while it waits for a message or a collective. Thousands of
-        # threads then never compete for the GIL (whose hand-over after every
-        # small tensor op would otherwise cost up to the switch interval).
-        self.run_lock = threading.Lock()
         # waiting ranks wake up this often to look for an abort; fewer wake-ups with
         # many ranks, or they would keep taking the GIL from the one that runs
         self.poll_s = _POLL_S * max(1.0, world_size / 64)
+        # Cooperative scheduling: a rank runs only while it holds the turn and gives
+        # it up while it waits for a message or a collective, or when a rank of an
+        # earlier virtual time is ready before it uses a NIC. Thousands of threads
+        # then never compete for the GIL (whose hand-over after every small tensor
+        # op would otherwise cost up to the switch interval), and the NICs serve the
+        # ranks in virtual-time order.
+        self.turns = _Turns(world_size, self.aborted, self.poll_s)
         # Node topology: messages inside a node cost (alpha_intra, beta_intra) and
         # leave the NIC alone; messages between nodes queue on the sending node's
         # NIC and the receiving node's (shared by the node's ranks). Without one,
@@ -221,24 +292,8 @@ class SimWorld:
         new clock and its output.
         """
         deadline = time.monotonic() + timeout
-        self.run_lock.release()  # let other ranks run while this one waits
-        try:
-            return self._await_slot(rank, key, clock, contribution, finish, deadline, timeout)
-        finally:
-            self.run_lock.acquire()
-
-    def _await_slot(
-        self,
-        rank: int,
-        key: int,
-        clock: float,
-        contribution: Any,
-        finish: Callable[[float, list[Any]], list[tuple[float, Any]]],
-        deadline: float,
-        timeout: float,
-    ) -> tuple[float, Any]:
         p = self.world_size
-        with self._cond:
+        with self._cond:  # deposit while holding the turn: the wake-ups are deterministic
             slot = self._slots.setdefault(key, {"in": [None] * p, "clock": [0.0] * p, "n": 0})
             slot["in"][rank] = contribution
             slot["clock"][rank] = clock
@@ -249,7 +304,28 @@ class SimWorld:
                 except BaseException as e:  # every rank re-raises it
                     slot["error"] = e
                 slot["left"] = p
+                for r in range(p):
+                    self.turns.ready(r, slot["out"][r][0] if "out" in slot else 0.0)
                 self._cond.notify_all()
+        self.turns.release(rank)  # let other ranks run while this one waits
+        try:
+            out = self._await_slot(rank, key, deadline, timeout)
+        except BaseException:
+            self.turns.take(rank)
+            raise
+        self.turns.acquire(rank)
+        return out
+
+    def _await_slot(
+        self,
+        rank: int,
+        key: int,
+        deadline: float,
+        timeout: float,
+    ) -> tuple[float, Any]:
+        p = self.world_size
+        with self._cond:
+            slot = self._slots[key]
             while "out" not in slot and "error" not in slot:
                 if self.aborted.is_set():
                     raise RankAbortedError(
@@ -328,11 +404,19 @@ class SimCommunicator(Communicator):
         """Start a new measured phase: a collective that sets every rank's clock,
         link times and counters to zero (call it on every rank)."""
         p = self.world_size
+        w = self.world
+
+        def finish(start: float, _: list[Any]) -> list[tuple[float, Any]]:
+            # every NIC at once, before any rank leaves (and could send again)
+            w.nic_tx_free[:] = [0.0] * len(w.nic_tx_free)
+            w.nic_rx_free[:] = [0.0] * len(w.nic_rx_free)
+            return [(0.0, None)] * p
+
         if p > 1:
-            self._collective(None, lambda start, _: [(0.0, None)] * p)
+            self._collective(None, finish)
+        else:
+            finish(0.0, [])
         self.clock = self.tx_free = self.rx_free = 0.0
-        node = self.world.node_of[self.rank]
-        self.world.nic_tx_free[node] = self.world.nic_rx_free[node] = 0.0
         self.charged_bytes = 0.0
         self.messages = 0
         self.compute_s = 0.0
@@ -375,6 +459,7 @@ class SimCommunicator(Communicator):
             ready = start + w.model.alpha_intra + wire
             done = self.tx_free
         else:  # the node's NIC, shared by its ranks (a rank's own without a topology)
+            w.turns.yield_at(self.rank, self.clock)  # earlier senders take it first
             node = w.node_of[self.rank]
             start = max(self.clock, w.nic_tx_free[node])
             w.nic_tx_free[node] = done = start + wire
@@ -382,6 +467,9 @@ class SimCommunicator(Communicator):
         self.charged_bytes += c.nbytes
         self.messages += 1
         w.box(self.rank, dst, tag).put((buf.to("cpu", copy=True), ready, c, wire))
+        blocked = w.turns.waiting.pop((self.rank, dst, tag), None)
+        if blocked is not None:  # the receiver runs again at the message's time
+            w.turns.ready(dst, max(blocked[1], ready))
 
         def wait() -> None:
             self._charge_compute()
@@ -394,10 +482,12 @@ class SimCommunicator(Communicator):
 
         def wait() -> torch.Tensor:
             self._charge_compute()
+            turns = self.world.turns
             try:
                 buf, ready, c, wire = box.get_nowait()
             except queue.Empty:
-                self.world.run_lock.release()
+                turns.waiting[(src, self.rank, tag)] = (self.rank, self.clock)
+                turns.release(self.rank)
                 try:
                     buf, ready, c, wire = wait_for_message(
                         box,
@@ -408,8 +498,13 @@ class SimCommunicator(Communicator):
                         self.timeout,
                         self.world.poll_s,
                     )
-                finally:
-                    self.world.run_lock.acquire()
+                except BaseException:
+                    turns.take(self.rank)
+                    raise
+                turns.acquire(self.rank)
+            else:
+                if not self._inside(src):  # the node's NIC in virtual-time order
+                    turns.yield_at(self.rank, max(self.clock, ready))
             if self._inside(src):
                 arrival = max(ready, self.rx_free + wire)
                 self.rx_free = arrival
@@ -671,7 +766,7 @@ def simulate_ranks(
     lock = threading.Lock()
 
     def body(r: int) -> None:
-        world.run_lock.acquire()
+        world.turns.acquire(r)
         try:
             comms[r]._mark_compute()
             results[r] = fn(comms[r], *args)
@@ -681,7 +776,7 @@ def simulate_ranks(
                 errors.append((time.monotonic(), r, e))
             world.aborted.set()
         finally:
-            world.run_lock.release()
+            world.turns.release(r)
             comms[r].close()
 
     t0 = time.perf_counter()
@@ -691,6 +786,8 @@ def simulate_ranks(
     gc.disable()
     old = threading.stack_size()
     threading.stack_size(stack_kib * 1024)
+    for r in range(world_size):
+        world.turns.ready(r, 0.0)
     try:
         threads = [
             threading.Thread(target=body, args=(r,), name=f"sparcml-sim-{r}", daemon=True)
