@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 
 import pytest
 import torch
 
 from sparcml.collectives.registry import get_algorithm, predict
 from sparcml.comm.sim import simulate_ranks
+from sparcml.comm.topology import Topology
 from sparcml.costmodel import CostModel
 from sparcml.errors import CommTimeoutError
 from sparcml.stream import SparseStream
@@ -193,6 +196,47 @@ def test_a_shared_nic_is_served_in_virtual_time_order_so_runs_repeat() -> None:
     )
     times = {run_simulation(cfg)[0]["time_s"] for _ in range(4)}
     assert len(times) == 1, sorted(times)
+
+
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_measured_compute_is_the_ranks_own_while_others_run_first(per_node: int) -> None:
+    # ranks 1-3 work 50 ms, then every rank sends to the next node's rank: waiting
+    # for the turn (an earlier rank's NIC use) must not be charged as this rank's work
+    def fn(comm):  # type: ignore[no-untyped-def]
+        if comm.rank:
+            time.sleep(0.05)
+        dst = (comm.rank + per_node) % comm.world_size
+        work = comm.isend(torch.zeros(16, dtype=torch.uint8), dst)
+        comm.recv((comm.rank - per_node) % comm.world_size)
+        work.wait()
+
+    topology = Topology.regular(4, per_node) if per_node > 1 else None
+    res = simulate_ranks(4, fn, model=M, compute="measured", topology=topology)
+    assert res.compute_s[0] < 0.03, res.compute_s
+    assert all(0.045 < c < 0.09 for c in res.compute_s[1:]), res.compute_s
+
+
+def test_a_rank_that_survives_a_receive_timeout_is_not_woken_by_the_late_message() -> None:
+    # both ranks give up on a receive; rank 1 then sends to rank 0 (which no longer
+    # waits) and waits again: the turn must not go to rank 0, gone, or the
+    # simulation never ends
+    def fn(comm):  # type: ignore[no-untyped-def]
+        with pytest.raises(CommTimeoutError):
+            comm.recv(1 - comm.rank)
+        if comm.rank == 0:
+            return "gave up"
+        time.sleep(0.2)  # (real time: rank 0 has left)
+        comm.send(torch.zeros(4, dtype=torch.uint8), 0)
+        with pytest.raises(CommTimeoutError):
+            comm.recv(0)
+        return "sent"
+
+    done: list[object] = []
+    t = threading.Thread(target=lambda: done.append(simulate_ranks(2, fn, model=M, timeout=0.1)))
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "the simulation hung"
+    assert done and done[0].results == ["gave up", "sent"]
 
 
 def test_oktopk_volume_stays_below_6k_while_topka_grows() -> None:

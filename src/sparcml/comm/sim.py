@@ -146,12 +146,38 @@ class _Turns:
         self._aborted = aborted
         self._poll_s = poll_s
         # box key -> (rank blocked on it, its clock)
-        self.waiting: dict[tuple[int, int, int], tuple[int, float]] = {}
+        self._waiting: dict[tuple[int, int, int], tuple[int, float]] = {}
 
     def ready(self, rank: int, key: float) -> None:
         with self._lock:
             heapq.heappush(self._ready, (key, rank))
             self._dispatch()
+
+    def wait_for(self, box: tuple[int, int, int], rank: int, clock: float) -> None:
+        """``rank`` (holding the turn) waits for a message into ``box``."""
+        with self._lock:
+            self._waiting[box] = (rank, clock)
+
+    def deliver(self, box: tuple[int, int, int], ready: float) -> None:
+        """A message into ``box`` is ready at ``ready``: its waiting receiver runs again
+        at ``max(its clock, ready)``."""
+        with self._lock:
+            blocked = self._waiting.pop(box, None)
+            if blocked is not None:
+                heapq.heappush(self._ready, (max(blocked[1], ready), blocked[0]))
+                self._dispatch()
+
+    def cancel(self, rank: int) -> None:
+        """``rank`` leaves a wait by an exception (a timeout, an abort): nothing may
+        wake it later (a late message, a collective's end), or the turn would go to a
+        rank that no longer waits for it."""
+        with self._lock:
+            for box in [b for b, (r, _) in self._waiting.items() if r == rank]:
+                del self._waiting[box]
+            kept = [entry for entry in self._ready if entry[1] != rank]
+            if len(kept) != len(self._ready):
+                self._ready = kept
+                heapq.heapify(self._ready)
 
     def _dispatch(self) -> None:
         if self._holder is None and self._ready:
@@ -311,6 +337,7 @@ class SimWorld:
         try:
             out = self._await_slot(rank, key, deadline, timeout)
         except BaseException:
+            self.turns.cancel(rank)
             self.turns.take(rank)
             raise
         self.turns.acquire(rank)
@@ -459,7 +486,9 @@ class SimCommunicator(Communicator):
             ready = start + w.model.alpha_intra + wire
             done = self.tx_free
         else:  # the node's NIC, shared by its ranks (a rank's own without a topology)
-            w.turns.yield_at(self.rank, self.clock)  # earlier senders take it first
+            if w.per_node > 1:  # a shared NIC: earlier senders take it first
+                w.turns.yield_at(self.rank, self.clock)
+                self._mark_compute()  # (others' run time is not this rank's work)
             node = w.node_of[self.rank]
             start = max(self.clock, w.nic_tx_free[node])
             w.nic_tx_free[node] = done = start + wire
@@ -467,9 +496,7 @@ class SimCommunicator(Communicator):
         self.charged_bytes += c.nbytes
         self.messages += 1
         w.box(self.rank, dst, tag).put((buf.to("cpu", copy=True), ready, c, wire))
-        blocked = w.turns.waiting.pop((self.rank, dst, tag), None)
-        if blocked is not None:  # the receiver runs again at the message's time
-            w.turns.ready(dst, max(blocked[1], ready))
+        w.turns.deliver((self.rank, dst, tag), ready)  # a waiting receiver runs again
 
         def wait() -> None:
             self._charge_compute()
@@ -486,7 +513,7 @@ class SimCommunicator(Communicator):
             try:
                 buf, ready, c, wire = box.get_nowait()
             except queue.Empty:
-                turns.waiting[(src, self.rank, tag)] = (self.rank, self.clock)
+                turns.wait_for((src, self.rank, tag), self.rank, self.clock)
                 turns.release(self.rank)
                 try:
                     buf, ready, c, wire = wait_for_message(
@@ -499,11 +526,12 @@ class SimCommunicator(Communicator):
                         self.world.poll_s,
                     )
                 except BaseException:
+                    turns.cancel(self.rank)  # (a caller may go on: not woken later)
                     turns.take(self.rank)
                     raise
                 turns.acquire(self.rank)
             else:
-                if not self._inside(src):  # the node's NIC in virtual-time order
+                if self.world.per_node > 1 and not self._inside(src):  # a shared NIC
                     turns.yield_at(self.rank, max(self.clock, ready))
             if self._inside(src):
                 arrival = max(ready, self.rx_free + wire)
