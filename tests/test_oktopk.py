@@ -21,6 +21,7 @@ import torch
 from sparcml import ErrorFeedback, OkTopkState, SparseStream, oktopk_allreduce, sparse_allreduce
 from sparcml.collectives.gtopk import keep_topk
 from sparcml.comm import run_ranks
+from sparcml.compress.topk import TopK
 from sparcml.torch import oktopk_sgd_step
 
 WORLDS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16]
@@ -88,6 +89,26 @@ def test_gtopk_equals_its_stage_by_stage_definition(world: int) -> None:
     for _, res in out:
         assert res.equal(out[0][1])
     assert out[0][1].equal(ref)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gtopk_keeps_the_selectors_k_when_selections_are_smaller(world: int) -> None:
+    # TopK leaves the zeros out of a tensor with fewer non-zeros than k: 2 per rank
+    # here, k = 4. The tree must keep k = 4 entries of the sum, not 2
+    def fn(comm):  # type: ignore[no-untyped-def]
+        x = torch.zeros(64)
+        x[[comm.rank, 32 + comm.rank]] = torch.tensor([3.0, 1.0]) * (comm.rank + 1)
+        s = TopK(k=4).select(x)
+        return s, sparse_allreduce(s, comm, algorithm="gtopk", k=4)
+
+    out = run_ranks(world, fn)
+    assert all(o[0].nnz == 2 for o in out)
+    ref = _gtopk_reference([o[0] for o in out], 4)
+    for _, res in out:
+        assert res.equal(out[0][1])
+    assert out[0][1].equal(ref) and out[0][1].nnz == min(4, 2 * world)
+    with pytest.raises(ValueError, match="k must be at least 0"):
+        run_ranks(1, lambda comm: sparse_allreduce(out[0][0], comm, algorithm="gtopk", k=-1))
 
 
 def _oktopk_reference(accs: list[torch.Tensor], k: int) -> tuple[torch.Tensor, list[set[int]]]:

@@ -2,7 +2,9 @@
 
 Steps (binomial tree, any ``P``):
 
-1. ``k`` = the largest selection size over the ranks (one small allreduce).
+1. ``k`` = the largest selection size over the ranks, or the selector's own ``k``
+   where that is larger (one small allreduce; ``TopK`` leaves the zeros out of a
+   tensor with fewer non-zeros than ``k``, so a selection may be smaller than ``k``).
 2. Reduce: for ``d = 1, 2, 4, ...``: rank ``r`` with ``r mod 2d = d`` sends its
    current set to rank ``r - d`` and leaves; rank ``r - d`` adds the two sets
    (its own first) and keeps the top-k of the sum by magnitude.
@@ -87,18 +89,26 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
 
 @register("gtopk", exact=False, input="selection", cost=cost, family=("topk",), node_aware=True)
 def gtopk(
-    stream: SparseStream, comm: Communicator | None = None, codec: StreamCodec = EXACT
+    stream: SparseStream,
+    comm: Communicator | None = None,
+    codec: StreamCodec = EXACT,
+    k: int | None = None,
 ) -> SparseStream:
     """Global top-k of the ranks' selections by gTopk's tree; same bits on every rank.
 
     Args:
-        stream: this rank's selection (local top-k), same size on every rank.
+        stream: this rank's selection (local top-k); its nnz may differ between ranks.
         comm: the communicator (default: the default process group, or a world of one).
         codec: how the reduce-phase messages are encoded (exact by default).
+        k: the selector's ``k`` (the training pipeline passes it): the tree keeps
+            ``max(k, the largest selection)`` entries; default the largest selection.
     """
     comm = resolve(comm)
+    if k is not None and k < 0:
+        raise ValueError(f"gtopk: k must be at least 0, got {k}")
     # Step 1: a common k
-    k = int(comm.allreduce(torch.tensor([stream.nnz], dtype=torch.int64), op="max"))
+    mine = max(stream.nnz, k or 0)
+    k = int(comm.allreduce(torch.tensor([mine], dtype=torch.int64), op="max"))
     if comm.world_size == 1:
         return keep_topk(stream, k).clone()
     comm = in_node_order(comm)  # the tree's first levels inside the nodes

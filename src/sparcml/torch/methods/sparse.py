@@ -20,7 +20,7 @@ import torch
 
 from ...collectives import algorithms, reduce_scatter, sparse_allreduce
 from ...collectives.codec import EXACT, QUANTIZE_MODES, StreamCodec, check_index_coding
-from ...collectives.registry import algorithm_info
+from ...collectives.registry import algorithm_info, get_algorithm, options_of
 from ...comm import Communicator
 from ...compress.base import Composed, Selector, check_kind, split_composition
 from ...finite import all_finite
@@ -146,6 +146,11 @@ def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodRes
     select_s = time.perf_counter() - t0
     cfg = group.config
     assert isinstance(cfg, TopK)
+    # an algorithm that keeps k entries (gtopk) is told the selector's k: a selection
+    # leaves the zeros out of a tensor with fewer non-zeros than k
+    spec = getattr(selector, "spec", None)
+    takes_k = cfg.algorithm != "auto" and "k" in options_of(get_algorithm(cfg.algorithm))
+    extra = {"k": spec.of(acc.numel())} if takes_k and spec is not None else {}
     total = sparse_allreduce(
         selected,
         group.comm,
@@ -155,6 +160,7 @@ def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodRes
         index_coding=cfg.index_coding,
         call_id=bucket.step,
         nonfinite=nonfinite,
+        **extra,
     )
     return MethodResult(selected, total, select_s)  # (the pipeline averages the stream)
 
