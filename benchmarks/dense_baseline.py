@@ -64,7 +64,9 @@ def cpu_seconds() -> tuple[float, float]:
 
 
 def retransmitted() -> int:
-    """TCP segments retransmitted in this rank's network namespace so far."""
+    """TCP segments retransmitted in this rank's network namespace so far (the whole
+    namespace's: with several ranks per host, summing over ranks counts each host's
+    retransmissions once per rank)."""
     with open("/proc/net/snmp") as f:
         tcp = [line.split() for line in f if line.startswith("Tcp:")]
     return int(tcp[1][tcp[0].index("RetransSegs")])

@@ -81,10 +81,11 @@ _TCP = {"RetransSegs": "retransmitted", "TCPTimeouts": "timeouts", "TCPDSACKRecv
 @dataclasses.dataclass
 class LinkCounters:
     """What the links and the hosts' TCP stacks did during a job, summed over the
-    cluster: bytes and packets the shaped links (``tc tbf``, both directions of every
-    NIC) sent, packets their queues dropped, TCP segments retransmitted, retransmission
-    timeouts, and DSACKs received (a retransmitted segment the receiver already had:
-    reordering or a late acknowledgement, not a loss)."""
+    cluster: bytes and packets the hosts sent (their NICs' shaped queues, ``tc
+    tbf``), packets dropped by the queues of both directions of every NIC, TCP
+    segments retransmitted, retransmission timeouts, and DSACKs received (a
+    retransmitted segment the receiver already had: reordering or a late
+    acknowledgement, not a loss)."""
 
     sent_bytes: int = 0
     sent_packets: int = 0
@@ -93,11 +94,13 @@ class LinkCounters:
     timeouts: int = 0
     dsacks: int = 0
 
-    def add_qdisc(self, text: str) -> None:
-        """Add the counters of ``tc -s qdisc show dev X``'s output."""
-        for sent, packets, dropped, _ in _QDISC.findall(text):
-            self.sent_bytes += int(sent)
-            self.sent_packets += int(packets)
+    def add_qdisc(self, text: str, sent: bool = True) -> None:
+        """Add the counters of ``tc -s qdisc show dev X``'s output (its drops only
+        with ``sent=False``: a queue the bytes already passed once)."""
+        for nbytes, packets, dropped, _ in _QDISC.findall(text):
+            if sent:
+                self.sent_bytes += int(nbytes)
+                self.sent_packets += int(packets)
             self.dropped += int(dropped)
 
     def add_tcp(self, text: str) -> None:
@@ -112,10 +115,10 @@ class LinkCounters:
 
     def summary(self) -> str:
         return (
-            f"links sent {self.sent_bytes / 1e9:.3f} GB in {self.sent_packets:,} packets, "
-            f"dropped {self.dropped:,}; TCP retransmitted {self.retransmitted:,} segments "
-            f"({self.timeouts:,} timeouts, {self.dsacks:,} DSACKs: segments the receiver "
-            "already had)"
+            f"hosts sent {self.sent_bytes / 1e9:.3f} GB in {self.sent_packets:,} packets, "
+            f"the links dropped {self.dropped:,}; TCP retransmitted "
+            f"{self.retransmitted:,} segments ({self.timeouts:,} timeouts, "
+            f"{self.dsacks:,} DSACKs: segments the receiver already had)"
         )
 
 
@@ -216,7 +219,8 @@ class Cluster:
 
         for i in range(self.hosts):
             out.add_qdisc(read(self.host(i), "tc", "-s", "qdisc", "show", "dev", "eth0"))
-            out.add_qdisc(read(self.switch, "tc", "-s", "qdisc", "show", "dev", f"p{i}"))
+            # the switch's port toward the host: the same bytes again, its own drops
+            out.add_qdisc(read(self.switch, "tc", "-s", "qdisc", "show", "dev", f"p{i}"), False)
             out.add_tcp(read(self.host(i), "cat", "/proc/net/snmp", "/proc/net/netstat"))
         return out
 
