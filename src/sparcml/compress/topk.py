@@ -14,7 +14,7 @@ __all__ = ["TopK"]
 
 @register("topk")
 class TopK(Selector):
-    """The ``k`` entries of largest magnitude (NaN counts as largest), zeros left out.
+    """The ``k`` entries of largest magnitude (NaN counts as largest).
 
     Large tensors on the CPU (``2^16`` entries and more): the exact k-th largest magnitude
     ``t`` and every entry above it, then the first entries equal to ``t`` in index
@@ -22,12 +22,13 @@ class TopK(Selector):
     over float32/float64 entries, faster than ``torch.topk`` on large CPU tensors);
     small ones or tensors on a GPU (where ``torch.topk`` measured faster:
     docs/benchmarks.md, "On a GPU"): ``torch.topk``.
-    Either way ``k`` entries of the largest magnitudes, except that a tensor with
-    fewer than ``k`` non-zeros gives its non-zeros only: the zeros a top-k would
-    add change no sum and no residual (``acc - TopK(acc)`` is the same), and cost
-    bytes, and on the CPU a second search (beyond paper 000 sec. 2.2, which selects
-    ``k`` entries of dense gradients; sparse-feature layers such as hashed bag-of-words
-    or embedding inputs have fewer non-zeros than ``k`` whole steps long).
+    Either way ``k`` entries of the largest magnitudes, except that on the CPU a
+    tensor with fewer than ``k`` non-zeros gives its non-zeros only: the zeros a
+    top-k would add change no sum and no residual (``acc - TopK(acc)`` is the same),
+    and cost bytes and a second search. On a GPU they stay: leaving them out would
+    cost a device sync per call to learn their count. (Beyond paper 000 sec. 2.2,
+    which selects ``k`` entries of dense gradients; sparse-feature layers such as
+    hashed bag-of-words or embedding inputs have fewer non-zeros than ``k``.)
 
     Args:
         k: number of entries, or
@@ -52,4 +53,6 @@ class TopK(Selector):
             _, idx = top_k_exact(x, k)
             return SparseStream.from_sorted(idx, x[idx], x.numel())
         idx = torch.topk(scratch_magnitude(x), k, sorted=False).indices
-        return stream_of(x, idx[x[idx] != 0])  # (NaN != 0: kept)
+        if x.device.type == "cpu":  # (a mask's size on a GPU would cost a device sync)
+            idx = idx[x[idx] != 0]  # (NaN != 0: kept)
+        return stream_of(x, idx)
