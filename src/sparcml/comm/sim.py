@@ -53,11 +53,12 @@ between two ranks of a node cost ``alpha_intra + beta_intra L`` on the rank's ow
 links; messages between nodes queue on the sending node's NIC and the receiving
 node's, shared by the node's ranks, in the order of the ranks' virtual clocks
 (ties: the lower rank): the rank threads take turns by a scheduler that always
-runs the ready rank of the earliest virtual time (``_Turns``), so a simulation
-repeats to the bit. (Before, a plain lock let the threads reach a NIC in the
+runs the ready rank of the earliest virtual time (``_Turns``), so a simulation with
+modelled compute repeats to the bit. (Before, a plain lock let the threads reach a NIC in the
 order the operating system ran them: a rank of a later clock could book the NIC
-first, and ``twolevel_shard``'s rows, whose lanes share the NIC, came out 1.1x to
-2.3x too slow and different in every run.) The synchronising collectives charge
+first, and ``twolevel_shard``'s rows, whose lanes share the NIC, came out 1.5x to
+2.4x too slow (docs/results/cluster/twolevel/sim_inner/before_turns/ against the
+rerun) and different in every run.) The synchronising collectives charge
 a rank's transfers from other nodes at ``beta`` times the ranks per node (every
 rank sends at once) and inside the node at ``beta_intra``; the dense allreduce
 keeps the ring's closed form (its neighbours are adjacent ranks: one message per
