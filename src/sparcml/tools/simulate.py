@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,6 +90,11 @@ class SimConfig:
         cores: with measured compute, cores of the predicted machine shared by
             all ranks (e.g. the host's core count for an emulated cluster whose
             ranks all run on one host); None: one core per rank.
+        repeats: timed calls per row, each from clocks set to zero; the row's time
+            is their median (of the slowest rank's finish). With modelled compute
+            every call takes the same time, so 1 is enough; measured compute is a
+            sample of the machine's timing, and one call can be far off (a median
+            of calls is what ``sparcml bench`` reports too).
         calibration: a calibration JSON (default: the stored one, else defaults).
         seed: data seed.
         progress: print one line per row on stderr.
@@ -113,6 +119,7 @@ class SimConfig:
     compute: str = "model"
     cores: int | None = None
     ranks_per_node: int = 1
+    repeats: int = 1
 
     def cpu_share(self, world_size: int) -> float:
         """Ranks per core on the predicted machine (measured compute), at least 1."""
@@ -133,6 +140,8 @@ class SimConfig:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks per node must be >= 1, got {self.ranks_per_node}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         odd = [p for p in self.world_sizes if p % self.ranks_per_node]
         if odd:
             raise ValueError(
@@ -218,14 +227,27 @@ def model_time(model: CostModel, algorithm: str, p: int, n: int, k: int, isize: 
     return predict(model, algorithm, p, n, [k] * p, isize)
 
 
+def _timed_calls(comm: SimCommunicator, cfg: SimConfig, call: Any) -> tuple[Any, list[float]]:
+    """The last call's result and each of ``cfg.repeats`` calls' finish time, every
+    call from clocks set to zero on every rank (after a warm-up call with measured
+    compute: first calls pay one-time costs, as in ``sparcml bench``)."""
+    if cfg.compute == "measured":
+        call()
+    finishes: list[float] = []
+    out = None
+    for _ in range(cfg.repeats):
+        comm.reset_clock()  # making the data is not part of the collective
+        out = call()
+        comm.stop_clock()  # checking the result is not either
+        finishes.append(comm.clock)
+    return out, finishes
+
+
 def _sparse_rank(comm: SimCommunicator, cfg: SimConfig, algorithm: str, n: int) -> Any:
     stream = gradient_like(n, cfg.density, comm.rank, overlap=cfg.overlap, seed=cfg.seed)
     fn = algorithm_info(algorithm).fn
-    if cfg.compute == "measured":
-        fn(stream, comm)  # warm-up: first calls pay one-time costs, as in `sparcml bench`
-    comm.reset_clock()  # making the data is not part of the collective
-    out = fn(stream, comm)
-    return (*_digest(out, comm), None)
+    out, finishes = _timed_calls(comm, cfg, lambda: fn(stream, comm))
+    return (*_digest(out, comm, finishes), None)
 
 
 def _accumulator_rank(comm: SimCommunicator, cfg: SimConfig, algorithm: str, n: int) -> Any:
@@ -241,25 +263,24 @@ def _accumulator_rank(comm: SimCommunicator, cfg: SimConfig, algorithm: str, n: 
         info.fn(SparseStream.dense(torch.randn(n, generator=gen)), comm, EXACT, **options)
         comm.stop_clock()
         refresh = comm.clock
-    acc = torch.randn(n, generator=gen)
-    comm.reset_clock()
-    out = info.fn(SparseStream.dense(acc), comm, EXACT, **options)
-    return (*_digest(out, comm), refresh)
+    acc = SparseStream.dense(torch.randn(n, generator=gen))
+    out, finishes = _timed_calls(comm, cfg, lambda: info.fn(acc, comm, EXACT, **options))
+    return (*_digest(out, comm, finishes), refresh)
 
 
 def _digest(
-    s: SparseStream, comm: SimCommunicator
-) -> tuple[int, float, float, SparseStream | None, float]:
-    """Enough to tell results apart bit for bit, rank 0's whole result, the finish time.
-
-    The clock is read first: checking the result is not part of the collective.
-    """
-    comm.stop_clock()
-    finish = comm.clock
+    s: SparseStream, comm: SimCommunicator, finishes: list[float]
+) -> tuple[int, float, float, SparseStream | None, list[float]]:
+    """Enough to tell results apart bit for bit, rank 0's whole result, the finish times."""
     keep = comm.rank == 0
     d = s.to_dense().double()
     pos = torch.arange(d.numel(), dtype=torch.float64)
-    return s.nnz, float(d.sum()), float((d * pos).sum()), s if keep else None, finish
+    return s.nnz, float(d.sum()), float((d * pos).sum()), s if keep else None, finishes
+
+
+def _call_times(results: Sequence[Any]) -> list[float]:
+    """Each timed call's time: the slowest rank's finish."""
+    return [max(f) for f in zip(*(r[4] for r in results), strict=True)]
 
 
 def _reference(cfg: SimConfig, p: int, n: int) -> torch.Tensor:
@@ -329,12 +350,14 @@ def run_simulation(cfg: SimConfig) -> list[dict[str, Any]]:
                 # a stateful top-k (Ok-Topk): the refresh call of each threshold period
                 # on its own, and the period's mean per call
                 tau = OkTopkState().tau_prime
-                steady = max(r[4] for r in res.results)
+                steady = statistics.median(_call_times(res.results))
                 row["refresh_s"] = max(refresh)
                 row["amortised_s"] = (max(refresh) + (tau - 1) * steady) / tau
+            calls = _call_times(res.results)
             row.update(
                 source="simulated",
-                time_s=max(r[4] for r in res.results),
+                time_s=statistics.median(calls),
+                calls_s=calls,
                 bytes_sent_max=max(res.charged_bytes),
                 messages_max=max(res.messages),
                 result_nnz=res.results[0][0] * s,
@@ -474,11 +497,13 @@ def validate_against(
     quadratic_limit: int = 1024,
     compute: str = "model",
     cores: int | None = None,
+    repeats: int = 1,
 ) -> list[dict[str, Any]]:
     """Simulate the configuration of a ``sparcml bench --json`` file; rows with both times.
 
     Uses the bench's own data generator, size, density, overlap and seed, at
-    full scale (``s = 1``), so the simulated ranks send exactly the measured messages.
+    full scale (``s = 1``), so the simulated ranks send exactly the measured messages;
+    ``repeats`` timed calls per row (their median against the bench's p50).
     """
     data = json.loads(Path(measured_json).read_text())
     c = data["config"]
@@ -502,6 +527,7 @@ def validate_against(
             compute=compute,
             cores=cores,
             ranks_per_node=per,
+            repeats=repeats,
         )
         sim = _simulate_with(cfg, model)[0]
         out.append(
@@ -510,6 +536,7 @@ def validate_against(
                 "algorithm": a,
                 "measured_s": float(m["p50"]),
                 "simulated_s": sim["time_s"],
+                "simulated_calls_s": sim.get("calls_s"),
                 "model_s": sim.get("model_s"),
                 "error": sim["time_s"] / float(m["p50"]) - 1.0,
             }
