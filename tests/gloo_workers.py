@@ -245,6 +245,20 @@ def rank_and_size(comm):  # type: ignore[no-untyped-def]
     return comm.rank, comm.world_size
 
 
+def environment_and_modules(comm, names):  # type: ignore[no-untyped-def]
+    """What a rank sees at its start: these environment variables, and which of the
+    launcher's preloaded modules were there before the rank imported anything."""
+    import os
+    import sys
+
+    from sparcml.comm.launch import PRELOAD
+
+    return {
+        "env": {n: os.environ.get(n) for n in names},
+        "preloaded": [m for m in PRELOAD if m in sys.modules],
+    }
+
+
 def donated_allreduce(comm):  # type: ignore[no-untyped-def]
     """``allreduce(donate=True)`` reduces into the tensor itself; without it, and for a
     dense stream through ``algorithm="dense"``, the caller's tensor is never written."""

@@ -167,6 +167,35 @@ def test_a_port_taken_after_the_probe_is_retried(monkeypatch: pytest.MonkeyPatch
     assert len(calls) == 2 and calls[0] == busy  # the taken port, then another
 
 
+def test_ranks_get_the_launchers_environment_of_the_launch_from_the_fork_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fork server's children would inherit the server's environment, fixed when it
+    started; each launch hands its ranks the launcher's own, as spawned ranks had."""
+    from sparcml.comm.launch import PRELOAD
+
+    names = ["SPARCML_TEST_LAUNCH_A", "SPARCML_TEST_LAUNCH_B"]
+    monkeypatch.setenv("SPARCML_TEST_LAUNCH_A", "first")
+    monkeypatch.setenv("SPARCML_TEST_LAUNCH_B", "gone later")
+    first = run_processes(2, gloo_workers.environment_and_modules, names, timeout=30)
+    assert [r["env"] for r in first] == [{names[0]: "first", names[1]: "gone later"}] * 2
+    # the server is running now: later changes must still reach the ranks
+    monkeypatch.setenv("SPARCML_TEST_LAUNCH_A", "second")
+    monkeypatch.delenv("SPARCML_TEST_LAUNCH_B")
+    later = run_processes(2, gloo_workers.environment_and_modules, names, timeout=30)
+    assert [r["env"] for r in later] == [{names[0]: "second", names[1]: None}] * 2
+    # every preloaded module was imported by the server (one that fails is skipped
+    # silently there, and each rank would pay for it again)
+    assert all(r["preloaded"] == PRELOAD for r in first + later), first[0]["preloaded"]
+    spawned = run_processes(
+        2, gloo_workers.environment_and_modules, names, timeout=60, start_method="spawn"
+    )
+    assert [r["env"] for r in spawned] == [r["env"] for r in later]
+    assert all("sparcml.torch.forkserver" not in r["preloaded"] for r in spawned)
+    with pytest.raises(ValueError, match="start_method"):
+        run_processes(2, gloo_workers.rank_and_size, start_method="fork")
+
+
 def test_a_donated_tensor_is_reduced_in_place_and_nothing_else_is_written() -> None:
     """The dense algorithm hands the backend the fresh vector of a sparse stream (no
     copy of 64 MB per call) and never writes a dense stream's storage."""

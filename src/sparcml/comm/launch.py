@@ -1,13 +1,24 @@
 """Local multi-process launcher: ranks as processes over gloo on loopback.
 
 :func:`run_processes` is the process-based sibling of
-:func:`sparcml.comm.run_ranks`: it spawns ``world_size`` Python processes,
+:func:`sparcml.comm.run_ranks`: it starts ``world_size`` Python processes,
 initialises a gloo process group among them on ``127.0.0.1``, runs
 ``fn(comm, *args)`` on each with a :class:`~sparcml.comm.TorchDistCommunicator`,
 and returns the results in rank order. The demo, the benchmarks and the
 real-transport tests use it; under ``torchrun`` or ``mpirun`` you do not need it.
 
 ``fn`` must be importable by the child processes (a module-level function).
+
+The ranks start from a fork server (multiprocessing's ``forkserver`` start
+method) that has imported :data:`PRELOAD` once: torch, ``torch._dynamo`` (which
+an optimizer's constructor imports), numba and sparcml's training layer with its
+compiled kernels loaded. A spawned rank imported all of that itself, about 5 s of
+CPU on the 2-core machine, paid by every rank of the test suite's hundreds of
+launches (``benchmarks/launch_cost.py`` measures both ways). Each rank gets the
+launching process's environment as it is at the launch (a fork server's children
+would otherwise inherit the server's, from its own start), and the launcher's
+``sys.path`` and working directory, as spawned ranks do. ``start_method="spawn"``
+starts fresh interpreters instead.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import torch.multiprocessing as mp
 
 from .hostmem import enable_huge_pages
 
-__all__ = ["ProcessFailedError", "free_port", "run_processes"]
+__all__ = ["PRELOAD", "START_METHODS", "ProcessFailedError", "free_port", "run_processes"]
 
 
 class ProcessFailedError(RuntimeError):
@@ -39,6 +50,17 @@ class ProcessFailedError(RuntimeError):
 
 #: a launch whose port another process took between probing and binding is retried
 PORT_ATTEMPTS = 3
+
+#: what the fork server imports once for every rank it starts: torch, the part of it
+#: an optimizer imports on its first construction (torch._dynamo, about 2 s of CPU),
+#: numba and sparcml's compiled kernels, loaded and run once (sparcml.torch.forkserver).
+#: None of them starts a thread or keeps what the environment says at import time
+#: (a rank gets the launch's environment); a module that fails to import is skipped
+#: by the server, and the rank imports it as it would have anyway.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numba", "sparcml.torch.forkserver"]
+
+#: how :func:`run_processes` may start its ranks
+START_METHODS = ("forkserver", "spawn")
 
 
 def free_port() -> int:
@@ -65,8 +87,13 @@ def _worker(
     threads: int,
     results: Any,
     backend: str = "gloo",
+    environ: dict[str, str] | None = None,
 ) -> None:
     import torch.distributed as dist
+
+    if environ is not None:  # the launcher's, at the launch (not the fork server's)
+        os.environ.clear()
+        os.environ.update(environ)
 
     # every rank on this host, as torchrun sets it: one node (comm.topology)
     os.environ.update(
@@ -117,6 +144,7 @@ def run_processes(
     allow_missing: bool = False,
     only: list[int] | None = None,
     backend: str = "gloo",
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(comm, *args)`` on ``world_size`` processes (gloo on loopback by default).
 
@@ -133,16 +161,24 @@ def run_processes(
             purpose) are killed and give ``None``.
         backend: the process group's backend: ``"gloo"``, or ``"nccl"`` (rank ``r``
             on CUDA device ``r`` modulo the device count).
+        start_method: ``"forkserver"`` (ranks forked from a server that has imported
+            :data:`PRELOAD` once) or ``"spawn"`` (every rank a fresh interpreter that
+            imports everything itself; `benchmarks/launch_cost.py` compares the two).
 
     Raises:
         ProcessFailedError: a rank raised (its traceback is in the message), died
             without a result, or the deadline passed.
     """
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {', '.join(START_METHODS)}, not {start_method!r}"
+        )
     for attempt in range(PORT_ATTEMPTS):
         try:
             return _launch(
-                world_size, fn, args, timeout, deadline, threads, allow_missing, only, backend
-            )
+                world_size, fn, args, timeout, deadline, threads, allow_missing, only, backend,
+                start_method,
+            )  # fmt: skip
         except _PortTaken:
             if attempt == PORT_ATTEMPTS - 1:
                 raise ProcessFailedError(
@@ -165,24 +201,28 @@ def _launch(
     allow_missing: bool,
     only: list[int] | None,
     backend: str = "gloo",
+    start_method: str = "forkserver",
 ) -> list[Any]:
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
-    ctx = mp.get_context("spawn")
+    # The ranks get this environment: keep them from oversubscribing the cores,
+    # and give their large buffers huge pages (sparcml.comm.hostmem).
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    enable_huge_pages()
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     results = ctx.SimpleQueue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, timeout, threads, results, backend),
+            args=(r, world_size, port, fn, args, timeout, threads, results, backend, environ),
             daemon=True,
         )
         for r in range(world_size)
     ]
-    # Children inherit the environment: keep them from oversubscribing the cores,
-    # and give their large buffers huge pages (sparcml.comm.hostmem).
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    enable_huge_pages()
     for p in procs:
         p.start()
     end = time.monotonic() + (deadline if deadline is not None else timeout + 60.0)
