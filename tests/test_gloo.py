@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -171,26 +173,39 @@ def test_ranks_get_the_launchers_environment_of_the_launch_from_the_fork_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A fork server's children would inherit the server's environment, fixed when it
-    started; each launch hands its ranks the launcher's own, as spawned ranks had."""
+    started; each launch hands its ranks the launcher's own, as spawned ranks had, and
+    a launch that changed a variable read at process start spawns its ranks."""
     from sparcml.comm.launch import PRELOAD
 
-    names = ["SPARCML_TEST_LAUNCH_A", "SPARCML_TEST_LAUNCH_B"]
+    names = ["SPARCML_TEST_LAUNCH_A", "SPARCML_TEST_LAUNCH_B", "THP_MEM_ALLOC_ENABLE"]
     monkeypatch.setenv("SPARCML_TEST_LAUNCH_A", "first")
     monkeypatch.setenv("SPARCML_TEST_LAUNCH_B", "gone later")
     first = run_processes(2, gloo_workers.environment_and_modules, names, timeout=30)
-    assert [r["env"] for r in first] == [{names[0]: "first", names[1]: "gone later"}] * 2
+    thp = first[0]["env"][names[2]]
+    assert [r["env"] for r in first] == [
+        dict(zip(names, ["first", "gone later", thp], strict=True))
+    ] * 2
     # the server is running now: later changes must still reach the ranks
     monkeypatch.setenv("SPARCML_TEST_LAUNCH_A", "second")
     monkeypatch.delenv("SPARCML_TEST_LAUNCH_B")
     later = run_processes(2, gloo_workers.environment_and_modules, names, timeout=30)
-    assert [r["env"] for r in later] == [{names[0]: "second", names[1]: None}] * 2
+    assert [r["env"] for r in later] == [{names[0]: "second", names[1]: None, names[2]: thp}] * 2
     # every preloaded module was imported by the server (one that fails is skipped
     # silently there, and each rank would pay for it again)
-    assert all(r["preloaded"] == PRELOAD for r in first + later), first[0]["preloaded"]
+    assert all(r["preloaded"] == list(PRELOAD) for r in first + later), first[0]["preloaded"]
+    # a variable torch reads once per process (huge pages) changed: the server's value
+    # would hold in a forked rank, so these ranks are spawned
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0" if thp != "0" else "1")
+    changed = run_processes(2, gloo_workers.environment_and_modules, names, timeout=60)
+    assert all(r["env"][names[2]] == os.environ["THP_MEM_ALLOC_ENABLE"] for r in changed)
+    assert all("sparcml.torch.forkserver" not in r["preloaded"] for r in changed)
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", thp)  # back: the server serves again
+    again = run_processes(2, gloo_workers.environment_and_modules, names, timeout=30)
+    assert all(r["preloaded"] == list(PRELOAD) for r in again)
     spawned = run_processes(
         2, gloo_workers.environment_and_modules, names, timeout=60, start_method="spawn"
     )
-    assert [r["env"] for r in spawned] == [r["env"] for r in later]
+    assert [r["env"] for r in spawned] == [r["env"] for r in again]
     assert all("sparcml.torch.forkserver" not in r["preloaded"] for r in spawned)
     with pytest.raises(ValueError, match="start_method"):
         run_processes(2, gloo_workers.rank_and_size, start_method="fork")

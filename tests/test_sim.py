@@ -201,7 +201,7 @@ def test_a_shared_nic_is_served_in_virtual_time_order_so_runs_repeat() -> None:
     assert len(times) == 1, sorted(times)
 
 
-def test_measured_rows_are_the_median_of_repeated_calls(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_measured_rows_are_the_median_of_repeated_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     # measured compute samples the machine: one disturbed call (rank 0 stalls 0.2 s
     # in the second timed call) must not become the row's time, as it did when a row
     # was one call (validation passes then moved by up to +1389%)
@@ -230,6 +230,8 @@ def test_measured_rows_are_the_median_of_repeated_calls(monkeypatch) -> None:  #
     assert row["time_s"] == sorted(row["calls_s"])[2]
     with pytest.raises(ValueError, match="repeats"):
         SimConfig(repeats=0).validate()
+    assert SimConfig(compute="measured").timed_calls == simulate_tool.MEASURED_REPEATS > 1
+    assert SimConfig(compute="model").timed_calls == 1
 
 
 @pytest.mark.parametrize("per_node", [1, 2])

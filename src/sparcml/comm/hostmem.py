@@ -34,7 +34,9 @@ def enable_huge_pages() -> bool:
     """Set ``THP_MEM_ALLOC_ENABLE=1`` unless the environment sets it; True if it is on.
 
     Effective only before the process's first CPU allocation of 2 MB or more
-    (PyTorch reads the variable once); inherited by processes started afterwards.
+    (PyTorch reads the variable once); inherited by processes started afterwards
+    (:func:`~sparcml.comm.launch.run_processes` spawns its ranks when it changed since
+    its fork server started).
     """
     os.environ.setdefault(VARIABLE, "1")
     return os.environ[VARIABLE] not in ("", "0")

@@ -14,22 +14,39 @@ method) that has imported :data:`PRELOAD` once: torch, ``torch._dynamo`` (which
 an optimizer's constructor imports), numba and sparcml's training layer with its
 compiled kernels loaded. A spawned rank imported all of that itself, about 5 s of
 CPU on the 2-core machine, paid by every rank of the test suite's hundreds of
-launches (``benchmarks/launch_cost.py`` measures both ways). Each rank gets the
-launching process's environment as it is at the launch (a fork server's children
-would otherwise inherit the server's, from its own start), and the launcher's
-``sys.path`` and working directory, as spawned ranks do. ``start_method="spawn"``
-starts fresh interpreters instead.
+launches (``benchmarks/launch_cost.py`` measures both ways).
+
+What a forked rank keeps from the server, and how the launcher deals with it:
+
+* The environment: a rank restores the launcher's ``os.environ`` as it is at the
+  launch, before it runs ``fn``. Variables read when a process starts or imports
+  torch or numba (:data:`START_FIXED`: ``OMP_*``, ``TORCH_*``, ``NUMBA_*``,
+  ``THP_MEM_ALLOC_ENABLE``, the allocator's and the loader's) would keep the
+  server's values, so a launch whose values differ from those the server started
+  with spawns its ranks instead. ``fn``'s own module is imported before the
+  restore: a module-level read of another variable there sees the server's value.
+* ``sparcml`` itself: the server imports it from its default ``sys.path``; a rank
+  that finds it is not the launcher's copy raises, naming both paths
+  (``start_method="spawn"`` runs the launcher's).
+* Standard output and error are the file descriptors the launcher had when the
+  server started (it starts at the first launch); the working directory and
+  ``sys.path`` follow the launcher at each launch.
+* Python's string hashing seed and NumPy's global random state are the server's,
+  the same in every rank (spawned ranks draw their own).
+
+``start_method="spawn"`` starts fresh interpreters instead.
 """
 
 from __future__ import annotations
 
 import datetime
 import io
+import logging
 import os
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -37,7 +54,16 @@ import torch.multiprocessing as mp
 
 from .hostmem import enable_huge_pages
 
-__all__ = ["PRELOAD", "START_METHODS", "ProcessFailedError", "free_port", "run_processes"]
+__all__ = [
+    "PRELOAD",
+    "START_FIXED",
+    "START_METHODS",
+    "ProcessFailedError",
+    "free_port",
+    "run_processes",
+]
+
+log = logging.getLogger("sparcml")
 
 
 class ProcessFailedError(RuntimeError):
@@ -54,10 +80,26 @@ PORT_ATTEMPTS = 3
 #: what the fork server imports once for every rank it starts: torch, the part of it
 #: an optimizer imports on its first construction (torch._dynamo, about 2 s of CPU),
 #: numba and sparcml's compiled kernels, loaded and run once (sparcml.torch.forkserver).
-#: None of them starts a thread or keeps what the environment says at import time
-#: (a rank gets the launch's environment); a module that fails to import is skipped
-#: by the server, and the rank imports it as it would have anyway.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numba", "sparcml.torch.forkserver"]
+#: None of them starts a thread. A module that raises ImportError is skipped by the
+#: server (the rank imports it as it would have anyway); sparcml.torch.forkserver
+#: catches its own failures, so the server cannot die of one.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numba", "sparcml.torch.forkserver")
+
+#: environment variables (prefixes) read when a process starts or imports torch or
+#: numba: OpenMP's and MKL's thread pools, torch's and numba's configuration,
+#: PyTorch's huge pages, glibc's allocator and loader, Python's own
+START_FIXED = (
+    "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_", "PYTORCH_", "NUMBA_", "THP_MEM_ALLOC_ENABLE",
+    "MALLOC_", "GLIBC_", "LD_", "PYTHON",
+)  # fmt: skip
+
+# the START_FIXED variables the fork server started with (None: not started by us)
+_server_fixed: dict[str, str] | None = None
+
+
+def _fixed_at_start(environ: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k.startswith(START_FIXED)}
+
 
 #: how :func:`run_processes` may start its ranks
 START_METHODS = ("forkserver", "spawn")
@@ -88,6 +130,7 @@ def _worker(
     results: Any,
     backend: str = "gloo",
     environ: dict[str, str] | None = None,
+    launcher_file: str | None = None,
 ) -> None:
     import torch.distributed as dist
 
@@ -107,6 +150,13 @@ def _worker(
 
     torch.set_num_threads(threads)
     try:
+        here = os.path.abspath(__file__)
+        if launcher_file is not None and here != launcher_file:
+            raise RuntimeError(
+                f"rank {rank} runs sparcml from {here}, the launcher from {launcher_file} "
+                "(the fork server imports sparcml from its default sys.path): put the "
+                "launcher's copy on PYTHONPATH, or run_processes(..., start_method='spawn')"
+            )
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         try:
@@ -209,16 +259,28 @@ def _launch(
     # and give their large buffers huge pages (sparcml.comm.hostmem).
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     enable_huge_pages()
+    global _server_fixed
+    if start_method == "forkserver":
+        fixed = _fixed_at_start(os.environ)
+        if _server_fixed is None:
+            _server_fixed = fixed  # the server starts with this launch
+        elif fixed != _server_fixed:
+            changed = sorted(k for k in fixed.keys() | _server_fixed.keys()
+                             if fixed.get(k) != _server_fixed.get(k))  # fmt: skip
+            log.info("run_processes: %s changed since the fork server started: ranks "
+                     "spawned", ", ".join(changed))  # fmt: skip
+            start_method = "spawn"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload(list(PRELOAD))
     results = ctx.SimpleQueue()
     port = free_port()
     environ = dict(os.environ)
+    me = os.path.abspath(__file__)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, timeout, threads, results, backend, environ),
+            args=(r, world_size, port, fn, args, timeout, threads, results, backend, environ, me),
             daemon=True,
         )
         for r in range(world_size)

@@ -57,12 +57,18 @@ from .bench.allreduce import gradient_like
 from .bench.harness import write_json
 
 __all__ = [
+    "MEASURED_REPEATS",
     "SimConfig",
     "default_algorithms",
     "format_sim_table",
     "plot_simulation",
     "run_simulation",
 ]
+
+
+#: timed calls per row with measured compute (their median): one call is one sample
+#: of the machine's timing (docs/cluster.md, "Again with ordered turns and five calls a row")
+MEASURED_REPEATS = 5
 
 
 def default_algorithms() -> list[str]:
@@ -91,10 +97,14 @@ class SimConfig:
             all ranks (e.g. the host's core count for an emulated cluster whose
             ranks all run on one host); None: one core per rank.
         repeats: timed calls per row, each from clocks set to zero; the row's time
-            is their median (of the slowest rank's finish). With modelled compute
-            every call takes the same time, so 1 is enough; measured compute is a
-            sample of the machine's timing, and one call can be far off (a median
-            of calls is what ``sparcml bench`` reports too).
+            is their median (of the slowest rank's finish), every call in
+            ``calls_s``. None: :data:`MEASURED_REPEATS` with measured compute (a
+            sample of the machine's timing, one call can be far off; a median of
+            calls is what ``sparcml bench`` reports too), 1 with the model (every
+            call takes the same time). The bytes and messages of a row are its
+            last call's. A stateful algorithm (Ok-Topk) carries its state from call
+            to call: past ``tau' - 1`` calls a threshold refresh falls among them
+            (the median hides one); ``refresh_s`` is one call of a fresh state.
         calibration: a calibration JSON (default: the stored one, else defaults).
         seed: data seed.
         progress: print one line per row on stderr.
@@ -119,7 +129,14 @@ class SimConfig:
     compute: str = "model"
     cores: int | None = None
     ranks_per_node: int = 1
-    repeats: int = 1
+    repeats: int | None = None
+
+    @property
+    def timed_calls(self) -> int:
+        """``repeats``, or its default for the compute mode."""
+        if self.repeats is not None:
+            return self.repeats
+        return MEASURED_REPEATS if self.compute == "measured" else 1
 
     def cpu_share(self, world_size: int) -> float:
         """Ranks per core on the predicted machine (measured compute), at least 1."""
@@ -140,7 +157,7 @@ class SimConfig:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks per node must be >= 1, got {self.ranks_per_node}")
-        if self.repeats < 1:
+        if self.repeats is not None and self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         odd = [p for p in self.world_sizes if p % self.ranks_per_node]
         if odd:
@@ -228,14 +245,14 @@ def model_time(model: CostModel, algorithm: str, p: int, n: int, k: int, isize: 
 
 
 def _timed_calls(comm: SimCommunicator, cfg: SimConfig, call: Any) -> tuple[Any, list[float]]:
-    """The last call's result and each of ``cfg.repeats`` calls' finish time, every
+    """The last call's result and each of ``cfg.timed_calls`` calls' finish time, every
     call from clocks set to zero on every rank (after a warm-up call with measured
     compute: first calls pay one-time costs, as in ``sparcml bench``)."""
     if cfg.compute == "measured":
         call()
     finishes: list[float] = []
     out = None
-    for _ in range(cfg.repeats):
+    for _ in range(cfg.timed_calls):
         comm.reset_clock()  # making the data is not part of the collective
         out = call()
         comm.stop_clock()  # checking the result is not either
@@ -497,13 +514,14 @@ def validate_against(
     quadratic_limit: int = 1024,
     compute: str = "model",
     cores: int | None = None,
-    repeats: int = 1,
+    repeats: int | None = None,
 ) -> list[dict[str, Any]]:
     """Simulate the configuration of a ``sparcml bench --json`` file; rows with both times.
 
     Uses the bench's own data generator, size, density, overlap and seed, at
     full scale (``s = 1``), so the simulated ranks send exactly the measured messages;
-    ``repeats`` timed calls per row (their median against the bench's p50).
+    ``repeats`` timed calls per row (their median against the bench's p50; None: the
+    default of :attr:`SimConfig.timed_calls`).
     """
     data = json.loads(Path(measured_json).read_text())
     c = data["config"]

@@ -11,8 +11,15 @@ should import it; call :func:`~sparcml.compress.warmup.warm_kernels` instead.
 
 from __future__ import annotations
 
+import logging
+
 from ..compress.warmup import warm_kernels
 
 __all__: list[str] = []
 
-warm_kernels()
+try:
+    warm_kernels()
+except Exception as e:  # the server would die of it, and every launch with it
+    logging.getLogger("sparcml").warning(
+        "the fork server could not load the compiled kernels (%s); each rank loads them", e
+    )

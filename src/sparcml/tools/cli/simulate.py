@@ -8,11 +8,7 @@ from typing import Any
 
 from .common import fraction_arg, positive_arg, size_arg
 
-__all__ = ["MEASURED_REPEATS", "add_parsers"]
-
-# timed calls per row with measured compute (their median): one call is one sample
-# of the machine's timing (docs/cluster.md, "The simulator next to each row")
-MEASURED_REPEATS = 5
+__all__ = ["add_parsers"]
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -33,7 +29,7 @@ def simulate(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # thousands of rank threads: no intra-op pools
     model = CostModel.load(args.calibration) if args.calibration else CostModel.load()
-    repeats = args.repeats or (MEASURED_REPEATS if args.compute == "measured" else 1)
+    repeats = args.repeats  # None: the default for the compute mode (SimConfig.timed_calls)
     if args.validate:
         print(f"model: {model.source}")
         print("| measured file | P | algorithm | measured ms | simulated ms | model ms | error |")
@@ -129,9 +125,8 @@ def add_parsers(sub: Any) -> None:
         help="measured compute: cores the P ranks share on the predicted machine",
     )
     si.add_argument("--repeats", type=positive_arg,
-                    help="timed calls per row, their median reported (default: "
-                    f"{MEASURED_REPEATS} with --compute measured, else 1: modelled "
-                    "compute repeats to the bit)")  # fmt: skip
+                    help="timed calls per row, their median reported (default: 5 with "
+                    "--compute measured, else 1: modelled compute repeats to the bit)")  # fmt: skip
     si.add_argument("--ranks-per-node", type=positive_arg, default=1,
                     help="ranks per node sharing one NIC (default 1: flat); messages inside "
                     "a node cost the calibration's alpha_intra/beta_intra")  # fmt: skip
