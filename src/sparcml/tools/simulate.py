@@ -37,7 +37,7 @@ import dataclasses
 import json
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -244,14 +244,16 @@ def model_time(model: CostModel, algorithm: str, p: int, n: int, k: int, isize: 
     return predict(model, algorithm, p, n, [k] * p, isize)
 
 
-def _timed_calls(comm: SimCommunicator, cfg: SimConfig, call: Any) -> tuple[Any, list[float]]:
+def _timed_calls(
+    comm: SimCommunicator, cfg: SimConfig, call: Callable[[], SparseStream]
+) -> tuple[SparseStream, list[float]]:
     """The last call's result and each of ``cfg.timed_calls`` calls' finish time, every
     call from clocks set to zero on every rank (after a warm-up call with measured
     compute: first calls pay one-time costs, as in ``sparcml bench``)."""
     if cfg.compute == "measured":
         call()
     finishes: list[float] = []
-    out = None
+    out = SparseStream.empty(0)
     for _ in range(cfg.timed_calls):
         comm.reset_clock()  # making the data is not part of the collective
         out = call()

@@ -29,7 +29,6 @@ def simulate(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # thousands of rank threads: no intra-op pools
     model = CostModel.load(args.calibration) if args.calibration else CostModel.load()
-    repeats = args.repeats  # None: the default for the compute mode (SimConfig.timed_calls)
     if args.validate:
         print(f"model: {model.source}")
         print("| measured file | P | algorithm | measured ms | simulated ms | model ms | error |")
@@ -37,7 +36,7 @@ def simulate(args: argparse.Namespace) -> int:
         out = []
         for f in args.validate:
             for r in validate_against(
-                Path(f), model, args.quadratic_limit, args.compute, args.cores, repeats
+                Path(f), model, args.quadratic_limit, args.compute, args.cores, args.repeats
             ):
                 r["file"] = f
                 out.append(r)
@@ -66,7 +65,7 @@ def simulate(args: argparse.Namespace) -> int:
         compute=args.compute,
         cores=args.cores,
         ranks_per_node=args.ranks_per_node,
-        repeats=repeats,
+        repeats=args.repeats,  # None: the compute mode's default (SimConfig.timed_calls)
     )
     try:
         cfg.validate()
