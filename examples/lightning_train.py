@@ -107,7 +107,11 @@ def main() -> None:
         state = hook_state.built if args.strategy_hook else callback.state
         assert state is not None, "the hook never ran: DDP reduced without it"
         print(f"{args.method}: final loss {loss:.4f}; sent {state.bytes_sent:,} bytes; "
-              f"models identical on every rank: {same}")  # fmt: skip
+              f"models identical on every rank: {same}", flush=True)  # fmt: skip
+    # PyTorch's documented shutdown: without it gloo's worker threads can outlive the
+    # interpreter and abort the process at exit (pytorch/pytorch#190489); Lightning's own
+    # atexit hook does the same later, when it is too late for some of them
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

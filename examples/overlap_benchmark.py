@@ -95,6 +95,7 @@ def main() -> None:
         comm = TorchDistCommunicator()
         times = run(comm, args)
         rank, world = comm.rank, comm.world_size
+        dist.destroy_process_group()  # PyTorch's documented shutdown
     else:
         from sparcml.comm.launch import run_processes
 

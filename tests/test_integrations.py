@@ -14,17 +14,22 @@ import pytest
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-#: an abort at interpreter exit, after the script has finished and printed: a
-#: torch/gloo teardown race (comm/torchdist.py describes it), seen once in a loaded
-#: full-suite run; such a run is repeated once, any other failure fails the test
+#: an abort at interpreter exit, after training finished: a torch/gloo teardown race
+#: (comm/torchdist.py describes it; pytorch/pytorch#190489), seen twice in loaded
+#: full-suite runs of scripts that did not destroy their process group. The aborting
+#: rank's launcher kills the other ranks, possibly before their output is flushed, so
+#: such a run is repeated once when its log shows training finished; any other failure
+#: fails the test.
 EXIT_ABORT = "terminate called without an active exception"
+FINISHED = ("final loss", "`Trainer.fit` stopped")
 
 
 def _torchrun(script: str, method: str, *extra: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            str(EXAMPLES / script), "--method", method, "--steps", "12", *extra]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
-    if done.returncode != 0 and EXIT_ABORT in done.stderr and done.stdout.strip():
+    finished = any(m in done.stdout + done.stderr for m in FINISHED)
+    if done.returncode != 0 and EXIT_ABORT in done.stderr and finished:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[:1500] + done.stderr[-1500:]
     return done.stdout
