@@ -280,6 +280,44 @@ def test_one_setting_on_one_rank_is_refused_alike_on_every_rank(case: str, world
         assert fw.MISMATCH_NAMES[case] in o["message"], (r, o)
     if case == "N":
         assert all(f"rank {world - 1}: N=49" in o["message"] for o in out)
+    if case == "index coding":  # every coding by its name (auto was shown as "invalid")
+        assert all(f"rank {world - 1}: 'delta'" in o["message"] for o in out), out
+        assert all("rank 0: 'auto'" in o["message"] for o in out), out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    "algorithm", ["dense", "auto", "ssar_recursive_double", "ssar_split_allgather"]
+)
+@pytest.mark.parametrize(
+    "bad", [{"index_coding": "bogus"}, {"quantize": "bogus"}, {"unknown_option": 1}]
+)
+def test_a_setting_one_rank_refuses_fails_every_rank_at_once(
+    world: int, algorithm: str, bad: dict
+) -> None:
+    """An audit found: a setting the header does not spell (without a quantizer the
+    index coding and quantize mode change nothing and are not compared; option
+    names are not carried) invalid on one rank only: that rank raised its
+    ValueError, the others waited out their timeout in dense or auto and then
+    blamed it as silent. Now the refusing rank marks its header: it raises its own
+    error, every other rank RankMismatchError naming it, at once."""
+    import time
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = SparseStream(torch.tensor([comm.rank]), torch.ones(1), 8)
+        t0 = time.monotonic()
+        try:
+            sparse_allreduce(s, comm, algorithm=algorithm, **(bad if comm.rank == 0 else {}))
+        except Exception as e:
+            return type(e).__name__, str(e), time.monotonic() - t0
+        return "no error", "", time.monotonic() - t0
+
+    out = run_ranks(world, fn, timeout=30)
+    named = "unknown_option" if "unknown_option" in bad else "'bogus'"
+    assert out[0][0] == "ValueError" and named in out[0][1], out[0]
+    for kind, message, _ in out[1:]:
+        assert kind == "RankMismatchError" and "rank(s) [0] refused" in message, (kind, message)
+    assert all(seconds < 10 for _, _, seconds in out), out
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])

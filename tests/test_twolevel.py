@@ -9,6 +9,7 @@ irregular nodes refused with a clear error.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -690,3 +691,46 @@ def test_a_neighbours_winning_variant_keeps_its_algorithm_among_the_candidates(
         assert name is None and cands is not None
         bases = [algorithm_info(a).base for a in cands]
         assert bases[0] == "twolevel_shard" and "twolevel_leader" in bases, cands
+
+
+@pytest.mark.parametrize(
+    ("algo", "options"),
+    [
+        ("twolevel_shard+dsar_split_allgather", {}),
+        ("twolevel_leader+dsar_split_allgather", {}),
+        ("twolevel_shard", {"inner": "dense"}),
+        ("twolevel_leader", {"inner": "dsar_split_allgather"}),
+    ],
+)
+def test_a_dense_result_between_nodes_that_cannot_exist_is_refused(
+    algo: str, options: dict
+) -> None:
+    """An audit found the two-level algorithms with a dense-result inner algorithm
+    allocating N values between nodes (N = 2^40: a raw RuntimeError, or gigabytes at
+    2^32 + 1), where dense and dsar_split_allgather themselves refuse; now the same
+    ValueError on every rank before any message (on one node too: the topology is
+    not known then), and the communicator stays usable."""
+    n = 1 << 40
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(_topology(2, 2))
+        s = SparseStream(torch.tensor([comm.rank, n - 1]), torch.tensor([1.0, 2.0]), n)
+        with pytest.raises(ValueError, match=r"returns a dense result: N = 1,099,511,627,776"):
+            sparse_allreduce(s, comm, algorithm=algo, **options)
+        out = sparse_allreduce(s, comm, algorithm=algo.split("+")[0])  # a sparse inner
+        return out.nnz, float(out.values[-1])
+
+    assert run_ranks(4, fn, timeout=60) == [(5, 8.0)] * 4
+
+
+@pytest.mark.parametrize("size", [3, 1001, 1003, 7, 10])
+def test_the_cost_formulas_stay_real_where_shares_round_above_their_range(size: int) -> None:
+    """An audit found auto raising TypeError ('complex' > 'int') on 3 nodes x 2 ranks
+    at N = 1003: a shard's rounded share of the fill-in exceeded its width, and
+    recursive doubling's cost raised a negative base to a fractional power."""
+    model = CostModel().for_topology(2)
+    for algo in ("twolevel_shard", "twolevel_leader", *(
+        f"{a}+{i}" for a in TWO_LEVEL for i in ("ssar_split_allgather", "dsar_split_allgather")
+    )):  # fmt: skip
+        t = predict(model, algo, 6, size, [size] * 6, 4)
+        assert isinstance(t, float) and math.isfinite(t), (algo, size, t)

@@ -167,3 +167,31 @@ def test_decode_concat_equals_decoding_then_concatenating() -> None:
 
 def idx0() -> torch.Tensor:
     return torch.zeros(0, dtype=torch.int64)
+
+
+def test_a_size_past_int64_is_refused_clearly() -> None:
+    """An audit found N = 2^63 admitted by the header check (and by the stream's
+    constructor): an Elias-Fano message of that size raised OverflowError from the
+    compiled decoder instead of WireFormatError; sizes and indices are int64, so the
+    largest size is 2^63 - 1, on the wire and in the constructor."""
+    import struct
+
+    from sparcml.indexcode import elias_fano_nbytes
+    from sparcml.stream import MAX_SIZE
+
+    ordinary = SparseStream(torch.arange(0, 1 << 20, 4096), torch.ones(256), 1 << 20)
+    decode(encode(ordinary, elias_fano=True))  # the kernel compiled as a receiver's is
+    header = struct.Struct("<3sBBBBBQQ")  # wire._HEADER: magic, version, flags, l, dtype, 0, N, nnz
+    for size, refused in ((1 << 63, True), (MAX_SIZE, False)):
+        field = bytearray(elias_fano_nbytes(size, 1, 62))
+        field[7 + 6] = 1  # the bitmap's first bit, after 7 low bytes and 6 planes
+        msg = header.pack(b"SpS", 3, 2, 62, 1, 0, size, 1) + bytes(field) + bytes(4)
+        buf = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+        if refused:
+            with pytest.raises(WireFormatError, match=r"size 9223372036854775808 exceeds"):
+                decode(buf)
+        else:
+            assert decode(buf).size == MAX_SIZE
+    assert SparseStream(torch.tensor([MAX_SIZE - 1]), torch.ones(1), MAX_SIZE).nnz == 1
+    with pytest.raises(ValueError, match=r"at most 2\^63 - 1"):
+        SparseStream(torch.tensor([0]), torch.ones(1), 1 << 63)

@@ -22,7 +22,11 @@ Explicitly stored zeros: a pair whose value is zero stays a pair through every
 sum (the union of indices is what a sum stores, whatever the values), and a
 value present in one operand only is carried bit for bit (``-0.0`` included:
 sparse sums accumulate from ``-0.0``, the identity of IEEE addition; see
-:mod:`sparcml.merge`). Sparse sums add operands in the order given.
+:mod:`sparcml.merge`). A sum that turns dense (past ``delta``) adds into ``+0.0``
+where an operand has no entry, as a dense allreduce does, so there a ``-0.0`` held
+by the other operand alone comes out ``+0.0``: the sign of such a zero can depend on
+the algorithm (every rank still gets the same bits). Sparse sums add operands in
+the order given.
 NaN and Inf values are carried through like any other value, exactly as a dense
 allreduce would carry them.
 
@@ -101,6 +105,10 @@ def _check_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"unsupported value dtype {dtype}; sparse streams hold {names}")
 
 
+#: The largest stream size: sizes travel, and indices are held, as int64.
+MAX_SIZE = (1 << 63) - 1
+
+
 def _check_size(size: object) -> int:
     """``size`` as an int: integers (Python, NumPy, 0-d integer tensors) only; a float
     such as 4.5 is refused, never truncated."""
@@ -110,6 +118,8 @@ def _check_size(size: object) -> int:
         raise TypeError(f"size must be an integer, got {size!r} ({type(size).__name__})") from None
     if n < 0:
         raise ValueError(f"size must be non-negative, got {n}")
+    if n > MAX_SIZE:
+        raise ValueError(f"size must be at most 2^63 - 1 (sizes and indices are int64), got {n}")
     return n
 
 

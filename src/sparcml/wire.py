@@ -276,8 +276,8 @@ def _checked_header(
     else:
         if nnz > size:
             raise WireFormatError(f"malformed header: nnz={nnz} exceeds size {size}")
-        if size > 1 << 63:  # indices are int64
-            raise WireFormatError(f"malformed header: size {size} exceeds 2^63")
+        if size >= 1 << 63:  # sizes and indices are int64 (stream.MAX_SIZE)
+            raise WireFormatError(f"malformed header: size {size} exceeds 2^63 - 1")
         if ef:
             if width > MAX_LOW_BITS or not nnz:
                 raise WireFormatError(f"malformed Elias-Fano header: l={width}, nnz={nnz}")

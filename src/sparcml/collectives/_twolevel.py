@@ -77,7 +77,9 @@ def register_inner_variants(base: str, cost: Callable[..., float]) -> None:
     for inner in INNERS:
         if inner != DEFAULT_INNER:
             fn = _variant(info.fn, inner, f"{summary}, with ``{inner}`` between nodes.")
-            register_variant(base, f"{base}+{inner}", fn, functools.partial(cost, inner=inner))
+            partial = functools.partial(cost, inner=inner)
+            dense = algorithm_info(inner).dense_result  # between nodes, the result's form
+            register_variant(base, f"{base}+{inner}", fn, partial, dense_result=dense)
 
 
 def _variant(fn: Callable[..., SparseStream], inner: str, doc: str) -> Callable[..., SparseStream]:

@@ -27,20 +27,22 @@ matching calls.)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Literal, overload
 
 from ..comm import Communicator, resolve
-from ..comm.abort import mark_uniform
+from ..comm.abort import is_uniform, mark_uniform
 from ..comm.engine import Work
 from ..comm.hostmem import device_memory_bytes
 from ..compress.base import Quantizer
 from ..costmodel import CostModel
+from ..errors import RankMismatchError
 from ..stream import SparseStream
 from .autotune import carrying_choice, observe, plan, remember, run_auto
 from .codec import FirstRound, StreamCodec
 from .headers import CallSettings, check_consistent, check_headers, consistency_header
-from .registry import algorithm_info, check_options, get_algorithm
+from .registry import algorithm_info, algorithms, check_options, get_algorithm
 
 __all__ = ["check_dense_result", "sparse_allreduce"]
 
@@ -246,21 +248,43 @@ def sparse_allreduce(
             try:
                 codec = _checked_codec(algorithm, quantizer, quantize, index_coding, options)
             except (ValueError, TypeError) as e:
-                # Compare the settings first: one that differs between ranks is refused
-                # alike on every rank (RankMismatchError, naming it); an invalid one
-                # that every rank passed raises this error on each, before any data
-                # moves.
+                # Compare the settings first, this rank's marked refused. A setting
+                # that differs between ranks is refused alike on every rank
+                # (RankMismatchError, naming it). Where only the refusal differs (the
+                # others' settings are valid, and this rank's invalid one is not in the
+                # header: an unknown option, or a mode or coding without a quantizer),
+                # the others raise RankMismatchError naming this rank, and this rank its
+                # own error, with that mismatch's uniformity (whether the others must
+                # be told). An invalid setting every rank passed raises this error on
+                # each, before any data moves.
                 if comm.world_size > 1:
-                    check_consistent(stream, comm, sequence=number, call_id=call_id,
-                                     settings=settings)  # fmt: skip
+                    refused = dataclasses.replace(settings, refused=True)
+                    try:
+                        check_consistent(stream, comm, sequence=number, call_id=call_id,
+                                         settings=refused)  # fmt: skip
+                    except RankMismatchError as mismatch:
+                        if getattr(mismatch, "refused", None) is None:
+                            raise
+                        raise mark_uniform(e, is_uniform(mismatch)) from None
                 raise mark_uniform(e, True) from None
-            if algorithm != "auto" and algorithm_info(algorithm).dense_result:
-                check_dense_result(stream, algorithm)
+            if algorithm != "auto" and _returns_dense(algorithm, options):
+                inner = f" with inner={options['inner']!r}" if "inner" in options else ""
+                check_dense_result(stream, f"algorithm {algorithm!r}{inner}")
             return _run(
                 stream, comm, number, settings, cost_model, codec, options, call_id, nonfinite
             )
 
     return comm.run_ordered(call, async_op)
+
+
+def _returns_dense(algorithm: str, options: dict[str, Any]) -> bool:
+    """The algorithm's ``dense_result`` fact, or for a two-level algorithm with
+    ``inner=`` the inner algorithm's (an unknown inner is refused later, by name)."""
+    info = algorithm_info(algorithm)
+    inner = options.get("inner")
+    if info.two_level and isinstance(inner, str) and inner in algorithms():
+        return algorithm_info(inner).dense_result
+    return info.dense_result
 
 
 def _checked_codec(
@@ -288,8 +312,9 @@ def _checked_codec(
     return codec
 
 
-def check_dense_result(stream: SparseStream, algorithm: str) -> None:
-    """Refuse, before any message, a dense result that cannot exist on this device.
+def check_dense_result(stream: SparseStream, what: str) -> None:
+    """Refuse, before any message, a dense result that cannot exist on this device
+    (``what`` returns it: ``"algorithm 'dense'"``, say).
 
     Raises:
         ValueError: ``N`` values of the stream's dtype exceed the device's memory
@@ -299,7 +324,7 @@ def check_dense_result(stream: SparseStream, algorithm: str) -> None:
     have = device_memory_bytes(stream.device)
     if have is not None and need > have:
         raise ValueError(
-            f"algorithm {algorithm!r} returns a dense result: N = {stream.size:,} "
+            f"{what} returns a dense result: N = {stream.size:,} "
             f"{str(stream.dtype).removeprefix('torch.')} values need {need:,} bytes, more than "
             f"the {have:,} bytes of memory of {stream.device}; use a sparse algorithm "
             "('ssar_recursive_double', 'ssar_split_allgather') or 'auto'"

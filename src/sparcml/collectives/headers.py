@@ -3,9 +3,9 @@
 Every call first gathers a few integers per rank (size, dtype, nnz, the call
 number, the caller's ``call_id``, a NaN/Inf flag when quantizing, and the call's
 settings: algorithm, quantizer and its parameters, quantize mode, index coding,
-``k``, owner) on every rank: a recursive-doubling exchange of 48-byte headers,
-``log2 P`` messages per rank (``P-1`` direct messages on a backend without
-failure agreement, MPI), or the same headers carried inside an algorithm's own
+``k``, whether this rank refused them, owner) on every rank: a recursive-doubling
+exchange of 48-byte headers, ``log2 P`` messages per rank (``P-1`` direct messages
+on a backend without failure agreement, MPI), or the same headers carried inside an algorithm's own
 first round or rounds (:class:`~sparcml.collectives.codec.FirstRound`,
 :class:`~sparcml.collectives.codec.CarriedHeaders`). Mismatched calls then fail
 with the same clear error on every rank instead of hanging or corrupting data,
@@ -118,6 +118,12 @@ class CallSettings:
     ``k`` (``oktopk``, ``gaussiank``). Carried in the consistency header, so a
     difference is refused with :class:`~sparcml.errors.RankMismatchError` naming
     the setting, before any data is used (beyond the papers, like the whole check).
+
+    ``refused``: this rank found its settings invalid (an unknown value or option,
+    whatever the header can spell). A rank that refuses sends its header with this
+    set, so ranks that accepted theirs fail on the difference at once instead of
+    waiting for it in the algorithm; ranks that all refuse alike each raise their
+    own error.
     """
 
     algorithm: str = "auto"
@@ -127,6 +133,7 @@ class CallSettings:
     index_coding: str = "auto"
     k: int | None = None
     inner: str | None = None  # the two-level algorithms' algorithm between nodes
+    refused: bool = False
 
     @classmethod
     def of(
@@ -152,8 +159,8 @@ class CallSettings:
         return cls(str(algorithm), name, params, str(quantize), str(index_coding), k, inner)
 
     def words(self) -> tuple[int, int]:
-        """The header's settings words: (magic, algorithm, quantizer, mode, coding)
-        and (quantizer parameters, k + 1), as signed int64."""
+        """The header's settings words: (magic, algorithm, quantizer, refused, mode,
+        coding) and (quantizer parameters, k + 1), as signed int64."""
         q = _name_id(self.quantizer) if self.quantizer is not None else 0
         mode = QUANTIZE_MODES.index(self.quantize) + 1 if self.quantize in QUANTIZE_MODES else 15
         known = self.index_coding in INDEX_CODINGS
@@ -162,7 +169,7 @@ class CallSettings:
             mode = coding = 0
         algorithm = self.algorithm if self.inner is None else f"{self.algorithm}:{self.inner}"
         w3 = (HEADER_MAGIC << 48) | (_name_id(algorithm) << 32) | (q << 16)
-        w3 |= (mode << 4) | coding
+        w3 |= (int(self.refused) << 8) | (mode << 4) | coding
         qp = zlib.crc32(self.quantizer_params.encode()) & 0xFFFF if self.quantizer else 0
         kk = 0 if self.k is None else (self.k + 1) & ((1 << 48) - 1)
         w4 = (qp << 48) | kk
@@ -225,11 +232,10 @@ def _setting_names(what: str, ids: list[int]) -> list[str]:
         from ..compress import available
 
         return _names(ids, [n for n, kind in available().items() if kind == "quantizer"])
-    if what == "quantize mode":
-        modes = ["none", *QUANTIZE_MODES]
-        return [repr(modes[i]) if i < len(modes) else "invalid" for i in ids]
-    if what == "index coding":
-        return [("none", "'fixed'", "'delta'")[i] if i < 3 else "invalid" for i in ids]
+    if what in ("quantize mode", "index coding"):
+        valid = QUANTIZE_MODES if what == "quantize mode" else INDEX_CODINGS
+        return [("unused (no quantizer)" if i == 0 else
+                 repr(valid[i - 1]) if i <= len(valid) else "invalid") for i in ids]  # fmt: skip
     if what == "k":
         return ["none" if i == 0 else str(i - 1) for i in ids]
     return [f"{i:#06x}" for i in ids]  # quantizer parameters: a fingerprint
@@ -267,7 +273,8 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
         cid = (calls >> 32) & _MASK32
         rows.append([size, code, nnz, calls & _MASK32, -1 if cid == _MASK32 else cid, flag,
                      (w3 >> 32) & 0xFFFF, (w3 >> 16) & 0xFFFF, (w4 >> 48) & 0xFFFF,
-                     (w3 >> 4) & 0xF, w3 & 0xF, w4 & ((1 << 48) - 1)])  # fmt: skip
+                     (w3 >> 4) & 0xF, w3 & 0xF, w4 & ((1 << 48) - 1),
+                     (w3 >> 8) & 1])  # fmt: skip
     # headers in the split phase on some ranks only: different message patterns, and
     # some ranks may never hold these headers (the separate exchange and recursive
     # doubling's rounds send the same messages)
@@ -297,6 +304,15 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
             values = _setting_names(what, [r[col] for r in rows])
             refuse(f"ranks passed different {what} settings to the same call "
                    f"({each(values)})")  # fmt: skip
+    if _differ(rows, 12):
+        refused = [r for r, row in enumerate(rows) if row[12]]
+        err = RankMismatchError(
+            f"rank(s) {refused} refused this call's settings (an invalid value or option, "
+            "which their own error names) where the other ranks accepted theirs: every "
+            "rank must pass the same settings"
+        )
+        err.refused = refused  # type: ignore[attr-defined]  # (the refusing ranks raise their own)
+        raise mark_uniform(err, uniform)
     carried = [r[5] >> 1 for r in rows]
     if len(set(carried)) > 1:
         how = {0: "exchanged first", 1: "in recursive doubling's rounds", 3: "in the split phase"}

@@ -46,8 +46,11 @@ Facts (:class:`AlgorithmInfo`):
   same size, value size and codec settled on it (a rank that exchanges first
   instead sends the same messages, so a mix is refused on every rank, not hung);
 * ``dense_result``: its result is always dense (``N`` values whatever the
-  nnz): ``sparse_allreduce`` refuses a size whose dense result cannot fit in
-  the device's memory before any message, naming ``N`` and the bytes;
+  nnz), or, for a two-level algorithm, its inner algorithm's between nodes:
+  ``sparse_allreduce`` refuses a size whose dense result cannot fit in the
+  device's memory before any message, naming ``N`` and the bytes (a two-level
+  algorithm also with ``inner=`` naming such an algorithm, and on one node as
+  well: the topology is not known before the first message);
 * ``two_level``: it reduces inside each node first and between nodes after
   (:mod:`sparcml.comm.topology`); its cost formula reads the model's
   ``ranks_per_node`` and both cost pairs, and ``auto`` considers it only when
@@ -210,10 +213,13 @@ def register(
     return deco
 
 
-def register_variant(base: str, name: str, fn: Algorithm, cost: CostFn) -> None:
+def register_variant(
+    base: str, name: str, fn: Algorithm, cost: CostFn, *, dense_result: bool | None = None
+) -> None:
     """Register ``name`` as a variant of ``base`` (fact ``variant_of``): ``fn`` is
-    ``base``'s function with an option fixed, ``cost`` its cost formula; every other
-    fact is ``base``'s.
+    ``base``'s function with an option fixed, ``cost`` its cost formula,
+    ``dense_result`` the fact when the option changes it; every other fact is
+    ``base``'s.
 
     Raises:
         ValueError: ``base`` is unknown, or ``name`` is taken by another function.
@@ -222,8 +228,9 @@ def register_variant(base: str, name: str, fn: Algorithm, cost: CostFn) -> None:
     old = _REGISTRY.get(name)
     if old is not None and old.fn is not fn:
         raise ValueError(f"an allreduce algorithm named {name!r} is already registered")
+    dense = info.dense_result if dense_result is None else dense_result
     _REGISTRY[name] = dataclasses.replace(
-        info, name=name, fn=fn, cost=cost, alias_of=None, variant_of=base
+        info, name=name, fn=fn, cost=cost, alias_of=None, variant_of=base, dense_result=dense
     )
 
 

@@ -40,7 +40,9 @@ def cost(model: CostModel, p: int, n: int, ks: Sequence[int], isize: int) -> flo
     """The bounds above under the expected fill-in of uniform indices (Appendix B):
     stage ``t`` sends the partial sum of ``2^(t-1)`` ranks' streams and merges it."""
     k = max(ks) if ks else 0
-    k_mean = sum(ks) / len(ks) if ks else 0.0
+    # (clamped: callers pass mean shares of a range, which may round above its size;
+    # 1 - k/n below zero to a fractional power would be complex)
+    k_mean = min(sum(ks) / len(ks), n) if ks else 0.0
     p2 = largest_power_of_two(p)
     t = fold_messages(p) * model.message_time(k, n, isize)
     group = p / p2

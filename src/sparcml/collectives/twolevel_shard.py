@@ -76,7 +76,7 @@ def cost(
     inside = model.inside(elias_fano=False)
     width = max(n // per, 1)
     t = split_cost(inside, per, n, ks, isize) if per > 1 else 0.0
-    shard_ks = [k / per for k in node_ks(ks, n, per)]
+    shard_ks = [min(k / per, width) for k in node_ks(ks, n, per)]  # (a shard holds <= width)
     t += inner_cost(model.sharing_nic(per), nodes, width, shard_ks, isize, inner)
     fill = expected_fill_in(n, ks)
     if per > 1:
