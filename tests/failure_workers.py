@@ -55,6 +55,33 @@ def register_mismatch(comm: Any, hyper_by_rank: list[dict[str, Any]]) -> dict[st
     return {"type": "no error"}
 
 
+def refused_on_one_rank(comm: Any, api: str, bad: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 builds its state with ``bad`` arguments (the others valid), through
+    ``register`` or PyTorch's ``(state, hook)`` pair (built at the first bucket); what
+    each rank raised and how long it took. The refusing rank stays alive a moment."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 2))
+    hyper = {"method": "topk", "density": 0.1, **(bad if comm.rank == 1 else {})}
+    method = hyper.pop("method")
+    t0 = time.monotonic()
+    try:
+        if api == "register":
+            st.register(model, method, timeout=20, **hyper)
+        else:
+            state, hook = st.comm_hook(method, timeout=20, **hyper)
+            model.register_comm_hook(state, hook)
+            model(torch.ones(3, 4)).sum().backward()
+        out = {"type": "no error"}
+    except Exception as e:
+        out = _caught(e)
+    out["seconds"] = time.monotonic() - t0
+    if comm.rank == 1:
+        time.sleep(2)  # alive: the others must not wait for it to die
+    return out
+
+
 def dense_timeout(comm: Any, absent: int, algorithm: str) -> dict[str, Any] | None:
     """``absent`` never calls; the others run a dense collective and give up."""
     if comm.rank == absent:

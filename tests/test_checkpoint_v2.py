@@ -96,3 +96,19 @@ def test_a_checkpoint_made_under_the_old_masking_default_names_it() -> None:
                 state.load_state_dict(saved)
 
     run_ranks(2, fn)
+
+
+def test_a_refused_load_leaves_the_state_as_it_was() -> None:
+    """An audit found load_state_dict(strict=False) raising on the layer rules' count
+    only after it had set the step counter and the call numbering: a caller who
+    caught the error went on with a shifted warm-up. Refused now before anything is
+    assigned."""
+    from sparcml.comm import SelfCommunicator
+
+    ruled = SparcmlState("topk", 0.1, comm=SelfCommunicator(), layers=[("*.bias", "dense")])
+    ruled.step, ruled.comm.sequence = 3, 3
+    saved = ruled.state_dict()
+    plain = SparcmlState("topk", 0.1, comm=SelfCommunicator())
+    with pytest.raises(ValueError, match="1 layer rule groups, this state has 0"):
+        plain.load_state_dict(saved, strict=False)
+    assert plain.step == 0 and plain.comm.sequence == 0

@@ -181,6 +181,27 @@ def test_ranks_configured_differently_fail_registration_on_every_rank() -> None:
 
 
 @pytest.mark.spawn
+@pytest.mark.parametrize("api", ["register", "comm_hook"])
+@pytest.mark.parametrize("bad", [{"method": "topkk"}, {"density": 0}])
+def test_a_rank_that_refuses_its_arguments_is_named_by_every_rank_at_once(
+    api: str, bad: dict
+) -> None:
+    """An audit found: a bad method or option on one rank only (a per-rank config)
+    raised ValueError there at once, while the others waited in the state's new
+    process group for their whole timeout and then got torch's DistStoreError,
+    naming no rank. Now the others raise RankMismatchError naming the rank and its
+    error, at once: through register() the refusing rank still joins the group and
+    says so; through the (state, hook) pair it notes it in the rendezvous store."""
+    out = run_processes(3, fw.refused_on_one_rank, api, bad, timeout=60)
+    assert out[1]["type"] == "ValueError", out[1]
+    for r in (0, 2):
+        assert out[r]["type"] == "RankMismatchError", out[r]
+        assert "rank(s) [1] could not build their SparcmlState" in out[r]["message"]
+        assert out[1]["message"] in out[r]["message"]
+        assert out[r]["seconds"] < 10, out[r]
+
+
+@pytest.mark.spawn
 def test_a_rank_that_skips_a_step_fails_on_every_rank_with_call_ids() -> None:
     out = run_processes(3, fw.skip_a_step, True, timeout=20)
     for o in out:

@@ -277,6 +277,53 @@ def test_overlapping_optimizer_equals_sync_gradients_bitwise(method: str) -> Non
             assert got[r][1] == [True, True, True]
 
 
+def test_overlapping_optimizer_refuses_an_extra_backward_and_a_zero_grad_before_step() -> None:
+    """An audit found DistributedOptimizer (overlap=True) silently wrong when a
+    backward was not followed by step(): a second backward (backward_passes_per_step
+    = 1) was lost, and zero_grad() between backward and step() left the dropped
+    batch's reduction to be applied at the next step. Both now raise, on every rank
+    alike, naming the fix; synchronize() first makes zero_grad() legal, and the
+    reductions stay in step with sync_gradients'."""
+
+    def fn(comm, overlap: bool):  # type: ignore[no-untyped-def]
+        model = _deep_model()
+        state = SparcmlState("topk", 0.05, comm=comm, bucket_bytes=8 * 2000)
+        opt = st.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, state,
+                                      overlap=overlap)  # fmt: skip
+
+        def backward(t: int) -> None:
+            g = torch.Generator().manual_seed(10 * comm.rank + t)
+            model(torch.randn(16, 32, generator=g, dtype=torch.float64)).square().mean().backward()
+
+        errors = []
+        backward(0)
+        try:
+            opt.zero_grad()  # dropping batch 0
+        except RuntimeError as e:
+            errors.append(str(e))
+            opt.synchronize()  # finish its reductions, then drop their result
+            opt.zero_grad()
+        backward(1)
+        try:
+            backward(2)  # a second pass, one declared
+        except RuntimeError as e:
+            errors.append(str(e))
+            opt.synchronize()
+            opt.zero_grad()
+            backward(3)
+        opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), errors
+
+    got = run_ranks(2, fn, True)
+    for params, errors in got:
+        assert len(errors) == 2 and "zero_grad() after a backward and before step()" in errors[0]
+        assert "computed 2 times before step(), with backward_passes_per_step=1" in errors[1]
+        assert torch.equal(params, got[0][0])
+    # overlap=False reduces in step() only: dropping a batch needs no synchronize
+    ref = run_ranks(2, fn, False)
+    assert ref[0][1] == [] and not torch.equal(ref[0][0], got[0][0])
+
+
 def test_broadcast_optimizer_state() -> None:
     def fn(comm):  # type: ignore[no-untyped-def]
         model = _deep_model()

@@ -119,6 +119,36 @@ def ddp_comm_hook_train(
     return {"params": flat_params(model.module), "step_bytes": list(state.state.step_bytes)}
 
 
+def comm_hook_checkpoint_into(comm: Any, other: bool) -> dict[str, Any]:
+    """A checkpoint of a comm_hook state after one step, loaded into a fresh pair on
+    the same model (``other=False``) or on another one of the same parameter count
+    (``other=True``: the two layers swapped), then one step: what it raised."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def build(swap: bool) -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        a, b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        model = DDP(torch.nn.Sequential(b, a) if swap else torch.nn.Sequential(a, b))
+        state, hook = st.comm_hook("topk", density=0.1)
+        model.register_comm_hook(state, hook)
+        return model, state
+
+    def step(model: Any, inputs: int) -> None:
+        g = torch.Generator().manual_seed(comm.rank)
+        model(torch.randn(4, inputs, generator=g)).square().sum().backward()
+
+    model, state = build(False)
+    step(model, 8)
+    saved = state.state_dict()
+    model, state = build(other)
+    state.load_state_dict(saved)
+    try:
+        step(model, 16 if other else 8)
+    except ValueError as e:
+        return {"raised": str(e), "parameters": saved["parameters"]}
+    return {"raised": None, "parameters": saved["parameters"]}
+
+
 def ddp_16bit_train(comm: Any, which: str, steps: int) -> torch.Tensor:
     """DDP with PyTorch's fp16/bf16 compress hook (``torch_fp16``, ``torch_bf16``) or
     sparcml's ``fp16`` / ``bf16`` method; the parameters after ``steps``."""

@@ -41,7 +41,7 @@ from .layout import reduce_ddp_bucket
 from .methods import MethodConfig
 from .peers import PeerState, pytorch_method, register_peer
 from .reduce import Bucket, check_sparse_gradient_method
-from .state import SparcmlState
+from .state import SparcmlState, note_refusal
 from .stats import log_step
 
 __all__ = [
@@ -361,9 +361,15 @@ class HookState:
     ) -> None:
         from ..comm import SelfCommunicator
 
-        method, options = resolve_method(method, options)
-        local = {k: v for k, v in options.items() if k not in ("comm", "timeout")}
-        SparcmlState(method, comm=SelfCommunicator(), **local)  # validation only
+        try:
+            method, options = resolve_method(method, options)
+            local = {k: v for k, v in options.items() if k not in ("comm", "timeout")}
+            SparcmlState(method, comm=SelfCommunicator(), **local)  # validation only
+        except (ValueError, TypeError) as e:
+            # the other ranks build their state at their first bucket: they find this
+            # note there and raise naming this rank, instead of waiting for it
+            note_refusal(e)
+            raise
         self.method = method
         self.options = dict(options)
         self._state: SparcmlState | None = None
@@ -407,12 +413,25 @@ def _comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
 
     The hook never sees the model, so parameters are named ``param0``, ``param1``,
     ... in the order buckets first bring them (the same on every rank): stable
-    names for the residuals when DDP rebuilds its buckets after the first step."""
+    names for the residuals when DDP rebuilds its buckets after the first step.
+    Their shapes are recorded as met (checkpoints carry them), and a checkpoint
+    loaded before the first step is checked against them after its last bucket:
+    a checkpoint of another model raises ``ValueError`` at the end of that
+    backward, before any optimizer step (the reduction itself runs, so no rank
+    waits on this one)."""
     inner = state.state
     names = inner.param_names
     for p in bucket.parameters():
-        names.setdefault(id(p), f"param{len(names)}")
-    return sparcml_hook(inner, bucket)
+        if id(p) not in names:
+            names[id(p)] = name = f"param{len(names)}"
+            inner.param_shapes[name] = tuple(p.shape)
+    fut = sparcml_hook(inner, bucket)
+    if bucket.is_last() and inner.checkpoint_parameters is not None:
+        try:
+            inner.check_checkpoint_parameters()
+        except ValueError as e:
+            inner.hook_error = inner.hook_error or e  # raised at the end of backward
+    return fut
 
 
 _comm_hook.__annotations__ = {  # as sparcml_hook's: DDP checks them as objects

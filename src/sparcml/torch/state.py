@@ -17,7 +17,9 @@ Modelled on PyTorch's ``PowerSGDState``, with its arguments in three groups:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from ..comm import Communicator, SelfCommunicator, TorchDistCommunicator
 from ..comm import refuse_silent_world_of_one as _refuse_silent_world_of_one
 from ..compress.warmup import warm_kernels
+from ..errors import CommTimeoutError, RankMismatchError
 from ..sgd.feedback import ErrorFeedback, MomentumCorrection
 from .config import resolve_method
 from .methods import MethodConfig, config_of, method_spec, methods
@@ -141,30 +144,25 @@ class SparcmlState:
         timeout: float = 300.0,
         **options: Any,
     ) -> None:
-        pipeline = {k: options.pop(k) for k in PipelineSettings.names() if k in options}
-        if settings is not None and pipeline:
-            raise ValueError(
-                f"give the pipeline settings as settings= or as keywords, not both "
-                f"({', '.join(sorted(pipeline))})"
+        joins = comm is None and dist.is_available() and dist.is_initialized()
+        try:
+            settings, config, rules, configs = _validated(
+                method, density, settings, layers, dense_below, options
             )
-        if settings is None:
-            settings = PipelineSettings(**pipeline)
-        extra = (*PipelineSettings.names(), "layers", "dense_below", "comm", "timeout")
-        config = config_of(method, density, options, extra)
-        spec = method_spec(config)
-        if settings.momentum and spec.unbiased:
-            # (a rule's unbiased method under a momentum-corrected state runs dense
-            # momentum SGD: u = m u + g, sent whole, as warm-up steps do)
-            raise ValueError(
-                "momentum correction applies to sparse methods; use the optimizer's momentum"
-            )
+        except (ValueError, TypeError) as e:
+            if joins and dist.get_world_size() > 1:
+                # the other ranks are creating the state's process group and then
+                # agree on the construction: reach both, so that they fail at once
+                # naming this rank instead of waiting out their timeout in new_group
+                safe = timeout if isinstance(timeout, int | float) and timeout > 0 else 300.0
+                next(_builds)  # (its number, as the others count theirs)
+                agree_on_construction(TorchDistCommunicator.dedicated(timeout=safe), e)
+            raise
         self.settings = settings
-        rules = rules_from(layers, dense_below)
-        inherited = getattr(config, "density", density)
-        configs = [config] + [_rule_config(r, config, inherited) for r in rules]
         if comm is None:
-            if dist.is_available() and dist.is_initialized():
-                comm = TorchDistCommunicator.dedicated(timeout=timeout)
+            if joins:
+                comm = _dedicated(timeout)
+                agree_on_construction(comm, None)
             else:
                 _refuse_silent_world_of_one()
                 comm = SelfCommunicator()
@@ -321,6 +319,17 @@ class SparcmlState:
         self.param_names.clear()
         self.param_names.update({id(p): n for n, p in named})
         self.param_shapes = {n: tuple(p.shape) for n, p in named}
+        self.check_checkpoint_parameters()
+
+    def check_checkpoint_parameters(self) -> None:
+        """Compare the parameters of a checkpoint loaded (strictly) before this state
+        knew its own with :attr:`param_shapes` now, once: at registration, or, for
+        PyTorch's ``(state, hook)`` pair, whose hook meets the parameters one bucket
+        at a time, after the first step's last bucket.
+
+        Raises:
+            ValueError: the checkpoint's parameters differ, naming the first.
+        """
         expected, self.checkpoint_parameters = self.checkpoint_parameters, None
         if expected is not None:
             _check_parameters(expected, self.param_shapes)
@@ -430,6 +439,12 @@ class SparcmlState:
             if version < 3:
                 saved = _v2_settings(saved)
             _check_settings(saved, self._checkpoint_settings(), strict)
+        groups = sd.get("groups", [])
+        if len(groups) != len(self.groups) - 1:  # (checked before anything is assigned)
+            raise ValueError(
+                f"sparcml checkpoint with {len(groups)} layer rule groups, this state has "
+                f"{len(self.groups) - 1}"
+            )
         params = {n: tuple(v) for n, v in sd.get("parameters", {}).items()}
         if params and strict:
             if self.param_shapes:
@@ -442,12 +457,6 @@ class SparcmlState:
         self.comm.sequence = int(sd["comm_sequence"])
         self.layout = [tuple(k) for k in sd["layout"]]
         self.replay_layout = list(self.layout) or None
-        groups = sd.get("groups", [])
-        if len(groups) != len(self.groups) - 1:
-            raise ValueError(
-                f"sparcml checkpoint with {len(groups)} layer rule groups, this state has "
-                f"{len(self.groups) - 1}"
-            )
         for group, group_sd in zip(self.groups, [sd, *groups], strict=True):
             _load_group(group, group_sd)
 
@@ -456,6 +465,136 @@ class SparcmlState:
             f"SparcmlState(config={self.config!r}, settings={self.settings!r}, "
             f"layers={len(self.rules)}, step={self.step}, world_size={self.comm.world_size})"
         )
+
+
+def _validated(
+    method: str | MethodConfig,
+    density: Density | None,
+    settings: PipelineSettings | None,
+    layers: Sequence[LayerRule | tuple[str, str]] | None,
+    dense_below: int,
+    options: dict[str, Any],
+) -> tuple[PipelineSettings, MethodConfig, list[LayerRule], list[MethodConfig]]:
+    """A state's arguments checked and resolved: the pipeline settings, the method's
+    config, the layer rules and their configs (ValueError / TypeError naming what is
+    wrong)."""
+    pipeline = {k: options.pop(k) for k in PipelineSettings.names() if k in options}
+    if settings is not None and pipeline:
+        raise ValueError(
+            f"give the pipeline settings as settings= or as keywords, not both "
+            f"({', '.join(sorted(pipeline))})"
+        )
+    if settings is None:
+        settings = PipelineSettings(**pipeline)
+    extra = (*PipelineSettings.names(), "layers", "dense_below", "comm", "timeout")
+    config = config_of(method, density, options, extra)
+    spec = method_spec(config)
+    if settings.momentum and spec.unbiased:
+        # (a rule's unbiased method under a momentum-corrected state runs dense
+        # momentum SGD: u = m u + g, sent whole, as warm-up steps do)
+        raise ValueError(
+            "momentum correction applies to sparse methods; use the optimizer's momentum"
+        )
+    rules = rules_from(layers, dense_below)
+    inherited = getattr(config, "density", density)
+    configs = [config] + [_rule_config(r, config, inherited) for r in rules]
+    return settings, config, rules, configs
+
+
+#: States this process has built, or refused, on its process group: the number
+#: under which a refusal is noted in the rendezvous store (:func:`note_refusal`)
+_builds = itertools.count()
+
+
+def _store() -> Any:
+    """The rendezvous store of the default process group, or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # (no default group, or a backend without one)
+        return None
+
+
+def note_refusal(error: BaseException) -> None:
+    """Note in the rendezvous store that this rank refused the arguments of the state
+    it was to build next, for ranks that build theirs later and would otherwise
+    wait for this one in the state's process group (PyTorch's ``(state, hook)``
+    pair: its arguments are checked when it is made, its state is built at the
+    first bucket). Best effort: without a store nothing is noted."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    store, n = _store(), next(_builds)
+    if store is None:
+        return
+    with contextlib.suppress(Exception):
+        store.set(f"sparcml/refused/{n}/{dist.get_rank()}", f"{type(error).__name__}: {error}")
+        store.add(f"sparcml/refused/{n}", 1)
+
+
+def _noted_refusals(n: int) -> dict[int, str]:
+    """The refusals other ranks noted for their ``n``-th state (one store request
+    when there is none)."""
+    store = _store()
+    out: dict[int, str] = {}
+    with contextlib.suppress(Exception):
+        if store is not None and store.add(f"sparcml/refused/{n}", 0) > 0:
+            for r in range(dist.get_world_size()):
+                key = f"sparcml/refused/{n}/{r}"
+                if store.check([key]):
+                    out[r] = bytes(store.get(key)).decode("utf-8", "replace")
+    return out
+
+
+def _refuse_noted(refusals: dict[int, str]) -> None:
+    if refusals:
+        detail = "; ".join(f"rank {r}: {t}" for r, t in sorted(refusals.items()))
+        raise RankMismatchError(
+            f"rank(s) {sorted(refusals)} could not build their SparcmlState ({detail}): "
+            "every rank must build it with the same, valid method and hyperparameters"
+        )
+
+
+def _dedicated(timeout: float) -> TorchDistCommunicator:
+    """The state's own process group (a collective), after the refusals other ranks
+    noted for it: a rank that refused its arguments never joins, so its peers
+    raise naming it, at once when its note came first, else at their timeout."""
+    n = next(_builds)
+    _refuse_noted(_noted_refusals(n))
+    try:
+        return TorchDistCommunicator.dedicated(timeout=timeout)
+    except Exception as e:
+        _refuse_noted(_noted_refusals(n))
+        if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+            raise
+        raise CommTimeoutError(
+            f"rank {dist.get_rank()}: creating the SparcmlState's process group timed "
+            f"out after {timeout:g}s: a rank did not join (did every rank build its state, "
+            f"with valid arguments?): {e}"
+        ) from e
+
+
+def agree_on_construction(comm: Communicator, refused: BaseException | None) -> None:
+    """Every rank's verdict on its own state's arguments, on every rank (a collective:
+    one small allgather, right after the state's process group is created).
+
+    A rank whose arguments were refused sends its error's text and then raises its
+    own error (the caller does); every other rank raises here.
+
+    Raises:
+        RankMismatchError: on the ranks that accepted their arguments, when some
+            rank refused its own, naming it and quoting its error.
+    """
+    if comm.world_size == 1:
+        return
+    text = "" if refused is None else f"{type(refused).__name__}: {refused}"
+    with comm.control():
+        got = comm.allgatherv(torch.frombuffer(bytearray(text.encode() or b" "), dtype=torch.uint8))
+    refusals = {}
+    for r, buf in enumerate(got):
+        said = bytes(buf.cpu().numpy()).decode("utf-8", "replace").strip()
+        if said:
+            refusals[r] = said
+    if refused is None:
+        _refuse_noted(refusals)
 
 
 def _rule_config(rule: LayerRule, parent: MethodConfig, density: Density | None) -> MethodConfig:

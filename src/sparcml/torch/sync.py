@@ -349,14 +349,34 @@ class DistributedOptimizer:
 
     def _reset(self) -> None:
         self._count = [0] * len(self._items)
+        self._passes: dict[int, int] = {}  # backward passes per parameter since step()
         self._works: list[Any] = [None] * len(self._items)
         self._next = 0
 
     def _accumulated(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: submit every bucket that is ready, in order."""
+        """Post-accumulate-grad hook: submit every bucket that is ready, in order.
+
+        Raises:
+            RuntimeError: a parameter's gradient arrives more than
+                ``backward_passes_per_step`` times before ``step()`` (as Horovod
+                does): its bucket may already be reducing, and the extra pass would
+                be lost or mixed into the next step without a word.
+        """
         i = self._item_of.get(id(p))
         if i is None or not self.overlap:
             return
+        passes = self._passes.get(id(p), 0)
+        if passes >= self.backward_passes_per_step:
+            k = self.backward_passes_per_step
+            raise RuntimeError(
+                f"sparcml DistributedOptimizer: a gradient was computed {passes + 1} times "
+                f"before step(), with backward_passes_per_step={k}: its bucket's reduction "
+                f"starts once every gradient in it has had {k} pass(es) (overlap=True), so "
+                f"the extra pass would be lost. Call step() after every {k} backward pass(es), "
+                "or pass backward_passes_per_step= to accumulate; to drop a batch after "
+                "its backward, construct with overlap=False (reduces in step() only)"
+            )
+        self._passes[id(p)] = passes + 1
         self._count[i] += 1
         self._submit_ready()
 
@@ -387,6 +407,23 @@ class DistributedOptimizer:
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's ``zero_grad``.
+
+        Raises:
+            RuntimeError: with ``overlap=True``, after a backward and before its
+                ``step()`` (or :meth:`synchronize`): that backward's reductions have
+                started, and the next ``step()`` would apply them (Horovod refuses
+                this too). Call ``synchronize()`` first to finish and discard them,
+                or construct with ``overlap=False`` to drop batches after backward.
+        """
+        if self.overlap and (self._passes or self._next):
+            raise RuntimeError(
+                "sparcml DistributedOptimizer: zero_grad() after a backward and before "
+                "step(): that backward's reductions already started (overlap=True) and "
+                "step() would apply them. Call opt.synchronize() first (then zero_grad() "
+                "clears their result), or construct with overlap=False to drop a batch "
+                "after its backward"
+            )
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def remove_hooks(self) -> None:
