@@ -82,6 +82,19 @@ def refused_on_one_rank(comm: Any, api: str, bad: dict[str, Any]) -> dict[str, A
     return out
 
 
+def absent_from_construction(comm: Any, absent: int) -> dict[str, Any]:
+    """Every rank but ``absent`` builds a SparcmlState (timeout 2 s); ``absent``
+    waits a while and builds none."""
+    if comm.rank == absent:
+        time.sleep(4)
+        return {"type": "absent"}
+    try:
+        st.SparcmlState("topk", density=0.1, timeout=2.0)
+    except Exception as e:
+        return _caught(e)
+    return {"type": "no error"}
+
+
 def dense_timeout(comm: Any, absent: int, algorithm: str) -> dict[str, Any] | None:
     """``absent`` never calls; the others run a dense collective and give up."""
     if comm.rank == absent:

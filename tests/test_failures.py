@@ -189,9 +189,9 @@ def test_a_rank_that_refuses_its_arguments_is_named_by_every_rank_at_once(
     """An audit found: a bad method or option on one rank only (a per-rank config)
     raised ValueError there at once, while the others waited in the state's new
     process group for their whole timeout and then got torch's DistStoreError,
-    naming no rank. Now the others raise RankMismatchError naming the rank and its
-    error, at once: through register() the refusing rank still joins the group and
-    says so; through the (state, hook) pair it notes it in the rendezvous store."""
+    naming no rank. Now every rank checks in through the rendezvous store before the
+    group is created (the pair's rank when the pair is made), and the others raise
+    RankMismatchError naming the rank and its error, at once."""
     out = run_processes(3, fw.refused_on_one_rank, api, bad, timeout=60)
     assert out[1]["type"] == "ValueError", out[1]
     for r in (0, 2):
@@ -199,6 +199,17 @@ def test_a_rank_that_refuses_its_arguments_is_named_by_every_rank_at_once(
         assert "rank(s) [1] could not build their SparcmlState" in out[r]["message"]
         assert out[1]["message"] in out[r]["message"]
         assert out[r]["seconds"] < 10, out[r]
+
+
+@pytest.mark.spawn
+def test_a_rank_that_never_builds_its_state_is_named_at_the_timeout() -> None:
+    """The check-in's other half: a rank that neither builds nor refuses its state
+    (another program) is named by a CommTimeoutError at the builders' timeout, not
+    by torch's DistStoreError from inside new_group."""
+    out = run_processes(3, fw.absent_from_construction, 2, timeout=60)
+    for r in (0, 1):
+        assert out[r]["type"] == "CommTimeoutError" and out[r]["peer"] == 2, out[r]
+        assert "waiting for rank(s) [2] to build their SparcmlState" in out[r]["message"]
 
 
 @pytest.mark.spawn

@@ -268,8 +268,7 @@ def sparse_allreduce(
                         raise mark_uniform(e, is_uniform(mismatch)) from None
                 raise mark_uniform(e, True) from None
             if algorithm != "auto" and _returns_dense(algorithm, options):
-                inner = f" with inner={options['inner']!r}" if "inner" in options else ""
-                check_dense_result(stream, f"algorithm {algorithm!r}{inner}")
+                check_dense_result(stream, algorithm, inner=options.get("inner"))
             return _run(
                 stream, comm, number, settings, cost_model, codec, options, call_id, nonfinite
             )
@@ -312,9 +311,9 @@ def _checked_codec(
     return codec
 
 
-def check_dense_result(stream: SparseStream, what: str) -> None:
+def check_dense_result(stream: SparseStream, algorithm: str, inner: str | None = None) -> None:
     """Refuse, before any message, a dense result that cannot exist on this device
-    (``what`` returns it: ``"algorithm 'dense'"``, say).
+    (``algorithm``'s, or a two-level algorithm's with ``inner=`` such an algorithm).
 
     Raises:
         ValueError: ``N`` values of the stream's dtype exceed the device's memory
@@ -324,7 +323,8 @@ def check_dense_result(stream: SparseStream, what: str) -> None:
     have = device_memory_bytes(stream.device)
     if have is not None and need > have:
         raise ValueError(
-            f"{what} returns a dense result: N = {stream.size:,} "
+            f"algorithm {algorithm!r}{'' if inner is None else f' with inner={inner!r}'} "
+            f"returns a dense result: N = {stream.size:,} "
             f"{str(stream.dtype).removeprefix('torch.')} values need {need:,} bytes, more than "
             f"the {have:,} bytes of memory of {stream.device}; use a sparse algorithm "
             "('ssar_recursive_double', 'ssar_split_allgather') or 'auto'"

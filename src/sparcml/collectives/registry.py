@@ -71,7 +71,8 @@ Facts (:class:`AlgorithmInfo`):
   two-level algorithm with another flat algorithm between nodes:
   ``twolevel_shard+dsar_split_allgather`` is ``twolevel_shard(inner=
   "dsar_split_allgather")``), registered by :func:`register_variant` (the base's
-  facts, its own function and cost) so that ``auto`` can choose it; the benchmark
+  facts, its own function and cost, and ``dense_result`` where the fixed option
+  makes the result dense) so that ``auto`` can choose it; the benchmark
   and simulator defaults and the parameterised tests leave variants out
   (``algorithms(variants=False)``; ``algorithms()`` includes them, as every name a
   call may pass), and ``auto`` measures only the variant of each algorithm its

@@ -37,11 +37,12 @@ import torch.distributed as dist
 from ..comm.engine import complete_future, device_future
 from ..errors import RankMismatchError
 from .config import resolve_method, state_or_method
+from .construction import note_refusal
 from .layout import reduce_ddp_bucket
 from .methods import MethodConfig
 from .peers import PeerState, pytorch_method, register_peer
 from .reduce import Bucket, check_sparse_gradient_method
-from .state import SparcmlState, note_refusal
+from .state import SparcmlState
 from .stats import log_step
 
 __all__ = [
@@ -365,10 +366,11 @@ class HookState:
             method, options = resolve_method(method, options)
             local = {k: v for k, v in options.items() if k not in ("comm", "timeout")}
             SparcmlState(method, comm=SelfCommunicator(), **local)  # validation only
-        except (ValueError, TypeError) as e:
+        except Exception as e:
             # the other ranks build their state at their first bucket: they find this
             # note there and raise naming this rank, instead of waiting for it
-            note_refusal(e)
+            if options.get("comm") is None:
+                note_refusal(e)
             raise
         self.method = method
         self.options = dict(options)
@@ -415,23 +417,29 @@ def _comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
     ... in the order buckets first bring them (the same on every rank): stable
     names for the residuals when DDP rebuilds its buckets after the first step.
     Their shapes are recorded as met (checkpoints carry them), and a checkpoint
-    loaded before the first step is checked against them after its last bucket:
-    a checkpoint of another model raises ``ValueError`` at the end of that
-    backward, before any optimizer step (the reduction itself runs, so no rank
-    waits on this one)."""
+    loaded before the first step is checked against them: each parameter when a
+    bucket first brings it, before that bucket is reduced with the checkpoint's
+    residuals, and their count after the first step's last bucket. A checkpoint of
+    another model raises ``ValueError`` from the hook (every rank that loaded it
+    alike; rebuild the model and the pair after it)."""
     inner = state.state
     names = inner.param_names
+    expected = inner.checkpoint_parameters
     for p in bucket.parameters():
         if id(p) not in names:
             names[id(p)] = name = f"param{len(names)}"
             inner.param_shapes[name] = tuple(p.shape)
-    fut = sparcml_hook(inner, bucket)
-    if bucket.is_last() and inner.checkpoint_parameters is not None:
-        try:
-            inner.check_checkpoint_parameters()
-        except ValueError as e:
-            inner.hook_error = inner.hook_error or e  # raised at the end of backward
-    return fut
+            if expected is not None and tuple(expected.get(name, ())) != tuple(p.shape):
+                inner.checkpoint_parameters = None
+                saved = tuple(expected[name]) if name in expected else "not there"
+                raise ValueError(
+                    f"sparcml checkpoint of other parameters ({name}: {saved} in the "
+                    f"checkpoint, {tuple(p.shape)} here): it belongs to another model. "
+                    "load_state_dict(..., strict=False) skips this check"
+                )
+    if bucket.is_last() and expected is not None:
+        inner.check_checkpoint_parameters()
+    return sparcml_hook(inner, bucket)
 
 
 _comm_hook.__annotations__ = {  # as sparcml_hook's: DDP checks them as objects

@@ -17,9 +17,7 @@ Modelled on PyTorch's ``PowerSGDState``, with its arguments in three groups:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -28,12 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import Communicator, SelfCommunicator, TorchDistCommunicator
+from ..comm import Communicator, SelfCommunicator
 from ..comm import refuse_silent_world_of_one as _refuse_silent_world_of_one
 from ..compress.warmup import warm_kernels
-from ..errors import CommTimeoutError, RankMismatchError
 from ..sgd.feedback import ErrorFeedback, MomentumCorrection
 from .config import resolve_method
+from .construction import checked_in_group, note_refusal
 from .methods import MethodConfig, config_of, method_spec, methods
 from .rules import Density, LayerRule, describe_schedule, rules_from
 from .runtime import Group
@@ -149,20 +147,14 @@ class SparcmlState:
             settings, config, rules, configs = _validated(
                 method, density, settings, layers, dense_below, options
             )
-        except (ValueError, TypeError) as e:
-            if joins and dist.get_world_size() > 1:
-                # the other ranks are creating the state's process group and then
-                # agree on the construction: reach both, so that they fail at once
-                # naming this rank instead of waiting out their timeout in new_group
-                safe = timeout if isinstance(timeout, int | float) and timeout > 0 else 300.0
-                next(_builds)  # (its number, as the others count theirs)
-                agree_on_construction(TorchDistCommunicator.dedicated(timeout=safe), e)
+        except Exception as e:
+            if joins:  # the others wait for this rank's verdict (sparcml.torch.construction)
+                note_refusal(e)
             raise
         self.settings = settings
         if comm is None:
             if joins:
-                comm = _dedicated(timeout)
-                agree_on_construction(comm, None)
+                comm = checked_in_group(timeout)
             else:
                 _refuse_silent_world_of_one()
                 comm = SelfCommunicator()
@@ -499,102 +491,6 @@ def _validated(
     inherited = getattr(config, "density", density)
     configs = [config] + [_rule_config(r, config, inherited) for r in rules]
     return settings, config, rules, configs
-
-
-#: States this process has built, or refused, on its process group: the number
-#: under which a refusal is noted in the rendezvous store (:func:`note_refusal`)
-_builds = itertools.count()
-
-
-def _store() -> Any:
-    """The rendezvous store of the default process group, or None."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # (no default group, or a backend without one)
-        return None
-
-
-def note_refusal(error: BaseException) -> None:
-    """Note in the rendezvous store that this rank refused the arguments of the state
-    it was to build next, for ranks that build theirs later and would otherwise
-    wait for this one in the state's process group (PyTorch's ``(state, hook)``
-    pair: its arguments are checked when it is made, its state is built at the
-    first bucket). Best effort: without a store nothing is noted."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    store, n = _store(), next(_builds)
-    if store is None:
-        return
-    with contextlib.suppress(Exception):
-        store.set(f"sparcml/refused/{n}/{dist.get_rank()}", f"{type(error).__name__}: {error}")
-        store.add(f"sparcml/refused/{n}", 1)
-
-
-def _noted_refusals(n: int) -> dict[int, str]:
-    """The refusals other ranks noted for their ``n``-th state (one store request
-    when there is none)."""
-    store = _store()
-    out: dict[int, str] = {}
-    with contextlib.suppress(Exception):
-        if store is not None and store.add(f"sparcml/refused/{n}", 0) > 0:
-            for r in range(dist.get_world_size()):
-                key = f"sparcml/refused/{n}/{r}"
-                if store.check([key]):
-                    out[r] = bytes(store.get(key)).decode("utf-8", "replace")
-    return out
-
-
-def _refuse_noted(refusals: dict[int, str]) -> None:
-    if refusals:
-        detail = "; ".join(f"rank {r}: {t}" for r, t in sorted(refusals.items()))
-        raise RankMismatchError(
-            f"rank(s) {sorted(refusals)} could not build their SparcmlState ({detail}): "
-            "every rank must build it with the same, valid method and hyperparameters"
-        )
-
-
-def _dedicated(timeout: float) -> TorchDistCommunicator:
-    """The state's own process group (a collective), after the refusals other ranks
-    noted for it: a rank that refused its arguments never joins, so its peers
-    raise naming it, at once when its note came first, else at their timeout."""
-    n = next(_builds)
-    _refuse_noted(_noted_refusals(n))
-    try:
-        return TorchDistCommunicator.dedicated(timeout=timeout)
-    except Exception as e:
-        _refuse_noted(_noted_refusals(n))
-        if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
-            raise
-        raise CommTimeoutError(
-            f"rank {dist.get_rank()}: creating the SparcmlState's process group timed "
-            f"out after {timeout:g}s: a rank did not join (did every rank build its state, "
-            f"with valid arguments?): {e}"
-        ) from e
-
-
-def agree_on_construction(comm: Communicator, refused: BaseException | None) -> None:
-    """Every rank's verdict on its own state's arguments, on every rank (a collective:
-    one small allgather, right after the state's process group is created).
-
-    A rank whose arguments were refused sends its error's text and then raises its
-    own error (the caller does); every other rank raises here.
-
-    Raises:
-        RankMismatchError: on the ranks that accepted their arguments, when some
-            rank refused its own, naming it and quoting its error.
-    """
-    if comm.world_size == 1:
-        return
-    text = "" if refused is None else f"{type(refused).__name__}: {refused}"
-    with comm.control():
-        got = comm.allgatherv(torch.frombuffer(bytearray(text.encode() or b" "), dtype=torch.uint8))
-    refusals = {}
-    for r, buf in enumerate(got):
-        said = bytes(buf.cpu().numpy()).decode("utf-8", "replace").strip()
-        if said:
-            refusals[r] = said
-    if refused is None:
-        _refuse_noted(refusals)
 
 
 def _rule_config(rule: LayerRule, parent: MethodConfig, density: Density | None) -> MethodConfig:

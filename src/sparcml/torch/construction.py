@@ -1,0 +1,119 @@
+"""Every rank's verdict on its state's arguments, before the state's process group.
+
+A :class:`~sparcml.torch.SparcmlState` on torch.distributed creates a process
+group of its own (``new_group``, a collective). A rank whose arguments are refused
+(an unknown method, ``density=0``: a per-rank config gone wrong) raises before it,
+and the others would wait in ``new_group`` for their whole timeout, then get
+torch's ``DistStoreError``, which names no rank. So every rank first checks in
+through the rendezvous store (beyond the papers, like every consistency check):
+
+1. a rank that refuses its arguments notes its error (:func:`note_refusal`) and
+   raises it;
+2. a rank that accepts them counts itself in and waits until every rank has done
+   one or the other: any refusal raises
+   :class:`~sparcml.errors.RankMismatchError` naming the refusing ranks and quoting
+   their errors; when all accepted, the group is created
+   (:func:`checked_in_group`);
+3. ranks that never check in (another program, a rank that died) are named when
+   the wait times out (:class:`~sparcml.errors.CommTimeoutError`).
+
+States are numbered per process in the order they are built, the same on every
+rank of a symmetric program; PyTorch's ``(state, hook)`` pair refuses its arguments
+when it is made and builds (checks in) at its first bucket, under the same number.
+Without a rendezvous store the group is created directly.
+
+Cost: one store update per rank and a poll of two counters (backing off from 1 to
+50 ms) until the last rank arrives, once per state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from ..comm import TorchDistCommunicator
+from ..errors import CommTimeoutError, RankMismatchError
+
+__all__ = ["checked_in_group", "note_refusal"]
+
+#: the number of the next state this process builds or refuses
+_builds = itertools.count()
+
+
+def _store() -> Any:
+    """The default process group's rendezvous store, or None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # (a backend without one)
+        return None
+
+
+def _key(n: int, what: str | int) -> str:
+    return f"sparcml/state/{n}/{what}"
+
+
+def note_refusal(error: BaseException) -> None:
+    """Step 1: note that this rank refused the arguments of the state it was to build
+    next (best effort: without a process group or store nothing is noted)."""
+    store = _store()
+    if store is None:
+        return
+    n = next(_builds)
+    with contextlib.suppress(Exception):
+        store.set(_key(n, dist.get_rank()), f"refused {type(error).__name__}: {error}")
+        store.add(_key(n, "refused"), 1)
+
+
+def _refusals(store: Any, n: int, world: int) -> dict[int, str]:
+    out = {}
+    for r in range(world):
+        if store.check([_key(n, r)]):
+            said = bytes(store.get(_key(n, r))).decode("utf-8", "replace")
+            if said.startswith("refused "):
+                out[r] = said.removeprefix("refused ")
+    return out
+
+
+def checked_in_group(timeout: float) -> TorchDistCommunicator:
+    """Steps 2-3, then the state's own process group (a collective every rank of the
+    default group reaches).
+
+    Raises:
+        RankMismatchError: some rank refused its arguments (named, with its error).
+        CommTimeoutError: some rank neither built nor refused its state within
+            ``timeout`` seconds (named).
+    """
+    store, world = _store(), dist.get_world_size()
+    n = next(_builds)
+    if store is not None and world > 1:
+        me = dist.get_rank()
+        store.set(_key(n, me), "built")
+        store.add(_key(n, "built"), 1)
+        deadline, pause = time.monotonic() + timeout, 0.001
+        while True:
+            if store.add(_key(n, "refused"), 0):
+                refused = _refusals(store, n, world)
+                detail = "; ".join(f"rank {r}: {t}" for r, t in sorted(refused.items()))
+                raise RankMismatchError(
+                    f"rank(s) {sorted(refused)} could not build their SparcmlState "
+                    f"({detail}): every rank must build it with the same, valid method "
+                    "and hyperparameters"
+                )
+            if store.add(_key(n, "built"), 0) >= world:
+                break
+            if time.monotonic() > deadline:
+                absent = [r for r in range(world) if not store.check([_key(n, r)])]
+                raise CommTimeoutError(
+                    f"rank {me}: timed out after {timeout:g}s waiting for rank(s) {absent} "
+                    "to build their SparcmlState (is every rank running the same program?)",
+                    peer=absent[0] if absent else None,
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+    return TorchDistCommunicator.dedicated(timeout=timeout)
