@@ -95,3 +95,59 @@ def fsdp_resume(comm: Any, method: str, hyper: dict[str, Any], n: int, m: int) -
         _train(model, opt, comm.rank, n, n + m)
         out["resumed" if with_state else "nostate"] = _full(model)
     return out
+
+
+def fsdp_nan_skip(
+    comm: Any, method: str | None, hyper: dict[str, Any], steps: int
+) -> dict[str, Any]:
+    """The GradScaler pattern under FSDP2: rank 1's gradient is NaN at step 1, and every
+    rank skips ``opt.step()`` when any gradient shard is non-finite; after it, were
+    the steps finite, and is the sparcml state (residuals) finite?"""
+    import torch.distributed as dist
+
+    model = _sharded()
+    state = st.register_fsdp(model, method, **hyper) if method else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    skipped = []
+    for t in range(steps):
+        x, y = batch(comm.rank, t)
+        if t == 1 and comm.rank == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        bad = torch.tensor([0.0])
+        for p in model.parameters():
+            if p.grad is not None and not bool(torch.isfinite(p.grad.to_local()).all()):
+                bad += 1
+        dist.all_reduce(bad)
+        skipped.append(bool(bad.item()))
+        if not skipped[-1]:
+            opt.step()
+    finite_state = True
+    if state is not None:
+        for group in state.groups:
+            for buf in group.feedback.buffers.values():
+                finite_state &= bool(torch.isfinite(buf).all())
+    return {"skipped": skipped, "params": _full(model), "finite_state": finite_state}
+
+
+def fsdp_register_on_each_rank(
+    comm: Any, setups: list[tuple[str, dict[str, Any]]]
+) -> dict[str, Any]:
+    """Rank r registers ``setups[r]`` (method, hyper); what it raised and when."""
+    import time
+
+    method, hyper = setups[comm.rank]
+    model = _sharded()
+    t0 = time.monotonic()
+    try:
+        st.register_fsdp(model, method, timeout=20, **hyper)
+        out: dict[str, Any] = {"type": "no error", "message": ""}
+    except Exception as e:
+        out = {"type": type(e).__name__, "message": str(e)}
+    out["seconds"] = time.monotonic() - t0
+    if comm.rank == 1:
+        time.sleep(2)  # alive: the others must not wait for it to die
+    return out

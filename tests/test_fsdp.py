@@ -84,3 +84,42 @@ def test_fsdp_resume_is_bitwise() -> None:
     for r in range(2):
         assert torch.equal(out[r]["resumed"], out[r]["uninterrupted"])
         assert float((out[r]["nostate"] - out[r]["uninterrupted"]).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize(("method", "hyper"), [("topk", {"density": 0.1}), ("natural", {})])
+def test_a_nan_step_skipped_under_propagate_leaves_nothing_behind(method: str, hyper: dict) -> None:
+    """An audit found nan_policy="propagate" (the default) not applied under FSDP2: a
+    NaN gradient went into topk's residual, so every later step was NaN too; natural
+    raised a plain ValueError. Now a module with NaN/Inf on any rank is reduce-
+    scattered densely for that step, residuals untouched: the skipped step is the
+    only one, as with plain FSDP."""
+    ours = run_processes(2, fsdp_workers.fsdp_nan_skip, method, hyper, 4, timeout=90)
+    plain = run_processes(2, fsdp_workers.fsdp_nan_skip, None, {}, 4, timeout=90)
+    for r in range(2):
+        assert plain[r]["skipped"] == [False, True, False, False]
+        assert ours[r]["skipped"] == [False, True, False, False], ours[r]["skipped"]
+        assert ours[r]["finite_state"] and bool(torch.isfinite(ours[r]["params"]).all())
+        assert torch.equal(ours[r]["params"], ours[0]["params"])
+
+
+@pytest.mark.parametrize(
+    ("odd", "expect"),
+    [
+        (("oktopk", {"density": 0.1}), "could not build their SparcmlState"),  # refused alone
+        (("natural", {}), "configured differently"),  # valid, but not rank 0's
+    ],
+)
+def test_a_rank_registering_fsdp_otherwise_fails_every_rank_at_once(
+    odd: tuple, expect: str
+) -> None:
+    """An audit found: a method FSDP refuses on one rank only (raised there after the
+    state's group existed) left the others to a gloo timeout naming nobody, and a
+    different valid method gave a WireFormatError and a hang. Now the refusal comes
+    before the group and the settings are compared at registration: every other
+    rank raises RankMismatchError, at once."""
+    setups = [("topk", {"density": 0.1}), odd, ("topk", {"density": 0.1})]
+    out = run_processes(3, fsdp_workers.fsdp_register_on_each_rank, setups, timeout=90)
+    for r in (0, 2):
+        assert out[r]["type"] == "RankMismatchError" and expect in out[r]["message"], out[r]
+        assert out[r]["seconds"] < 10, out[r]
+    assert out[1]["type"] in ("ValueError", "RankMismatchError"), out[1]

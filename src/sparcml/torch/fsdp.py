@@ -66,7 +66,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm import SelfCommunicator
 from .config import state_or_method
+from .construction import note_refusal
+from .hook import check_settings
 from .methods import MethodConfig
 from .reduce import Bucket, count_bytes, reduce_group
 from .state import SparcmlState
@@ -180,6 +183,28 @@ def _has_grads(module: Any) -> bool:
     return group is not None and any(p.sharded_param.requires_grad for p in group.fsdp_params)
 
 
+def _check_fsdp(state: SparcmlState) -> None:
+    """Refuse what FSDP2's reduce-scatter cannot run (ValueError naming it)."""
+    if state.groups[0].spec.scatter is None:
+        raise ValueError(
+            f"method {state.method!r} has no FSDP reduce-scatter; use dense, nonzeros, "
+            "a quantizer (natural, qsgd, dithering) or a selector (topk, topk+natural)"
+        )
+    settings = state.settings
+    if settings.momentum or settings.clip_norm is not None or settings.nan_policy != "propagate":
+        raise ValueError(
+            "register_fsdp supports neither momentum correction, clip_norm nor a "
+            f"nan_policy other than 'propagate' (got {settings.nan_policy!r}; use the "
+            "optimizer's momentum and torch's clipping)"
+        )
+    if state.rules:
+        raise ValueError(
+            "register_fsdp does not support layer rules (layers=, dense_below=): FSDP "
+            "reduce-scatters each module's parameters as one flat tensor; use one method "
+            "for the model, or DDP / sync_gradients for per-layer rules"
+        )
+
+
 def register_fsdp(
     model: torch.nn.Module,
     method: str | MethodConfig | Mapping[str, Any] | os.PathLike[str] | None = None,
@@ -205,7 +230,10 @@ def register_fsdp(
     Raises:
         TypeError: ``model`` is not an ``FSDPModule``.
         ValueError: a method or option FSDP cannot run (``oktopk``, ``redsync``,
-            ``natural_ina``; momentum correction, clipping, ``nan_policy="raise"``).
+            ``natural_ina``; momentum correction, clipping, a ``nan_policy`` other
+            than ``"propagate"``).
+        RankMismatchError: ranks register different methods or hyperparameters, or
+            another rank refused its own (raised on every rank, naming them).
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -216,27 +244,20 @@ def register_fsdp(
         )
     built = state_or_method(method, state, hyper)
     if built is not None:
-        state = SparcmlState(built[0], **built[1])
+        name, options = built
+        local = {k: v for k, v in options.items() if k not in ("comm", "timeout")}
+        try:  # FSDP's limits checked before the state's process group exists
+            _check_fsdp(SparcmlState(name, comm=SelfCommunicator(), **local))
+        except Exception as e:
+            if options.get("comm") is None:
+                note_refusal(e)  # the other ranks name this one (construction.py)
+            raise
+        state = SparcmlState(name, **options)
     assert state is not None
-    if state.groups[0].spec.scatter is None:
-        raise ValueError(
-            f"method {state.method!r} has no FSDP reduce-scatter; use dense, nonzeros, "
-            "a quantizer (natural, qsgd, dithering) or a selector (topk, topk+natural)"
-        )
-    settings = state.settings
-    if settings.momentum or settings.clip_norm is not None or settings.nan_policy != "propagate":
-        raise ValueError(
-            "register_fsdp supports neither momentum correction, clip_norm nor "
-            "nan_policy='raise' (use the optimizer's momentum and torch's clipping)"
-        )
-    if state.rules:
-        raise ValueError(
-            "register_fsdp does not support layer rules (layers=, dense_below=): FSDP "
-            "reduce-scatters each module's parameters as one flat tensor; use one method "
-            "for the model, or DDP / sync_gradients for per-layer rules"
-        )
+    _check_fsdp(state)
     if state.registered is not None:
         raise ValueError(f"this state is already registered with {state.registered}")
+    check_settings(state)  # every rank the same method and hyperparameters (a collective)
     cls = type("SparcmlFsdpReduceScatter", (SparcmlReduceScatter, _base_class()), {})
     modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     expected = sum(1 for _, m in modules if _has_grads(m))

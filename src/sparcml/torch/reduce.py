@@ -93,15 +93,18 @@ def _check_finite(comm: Communicator, bucket: Bucket, g: torch.Tensor) -> None:
         )
 
 
-def _dense_for_nonfinite(comm: Communicator, bucket: Bucket, g: torch.Tensor) -> torch.Tensor:
-    """``nan_policy="propagate"``: the bucket's dense sum, NaN/Inf where dense has them."""
+def _dense_for_nonfinite(
+    comm: Communicator | None, bucket: Bucket, g: torch.Tensor
+) -> torch.Tensor:
+    """``nan_policy="propagate"``: the bucket's dense sum, NaN/Inf where dense has them
+    (with no communicator, the warning alone: FSDP2's caller reduce-scatters)."""
     log.warning(
         "NaN/Inf gradient at step %d (bucket %s): reduced densely, the average "
         "is non-finite (nan_policy='propagate')",
         bucket.step,
         bucket.names[0] if bucket.names else "?",
     )
-    return comm.allreduce(g)
+    return g if comm is None else comm.allreduce(g)
 
 
 def _any_nonfinite(comm: Communicator, g: torch.Tensor) -> bool:
@@ -278,15 +281,20 @@ def reduce_group(
         if settings.nan_policy == "raise":
             _check_finite(comm, bucket, g)
         elif (
-            bounds is None
-            and settings.nan_policy == "propagate"
+            settings.nan_policy == "propagate"
             and not spec.lossless
-            and not (spec.checks_nonfinite or spec.carries_nonfinite)
+            # (FSDP2's reduce-scatters carry no NaN flag: always agreed first)
+            and (bounds is not None or not (spec.checks_nonfinite or spec.carries_nonfinite))
             and _any_nonfinite(comm, g)
         ):
             # propagate: compressed methods cannot place NaN/Inf where dense would
             # (selectors may drop them into the residual, quantizers cannot encode
             # them): this bucket goes dense for this step, residuals untouched
+            if bounds is not None:
+                _dense_for_nonfinite(None, bucket, g)  # (the warning only)
+                result = scatter_dense(group, bucket, g, bounds)
+                assert isinstance(result.total, torch.Tensor)
+                return result.total
             total = _dense_for_nonfinite(comm, bucket, g)
             return total / p if average else total
         t_local = time.perf_counter()
