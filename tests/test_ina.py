@@ -267,3 +267,33 @@ def test_bench_ina_runs_under_torchrun() -> None:
 def test_an_empty_vector_needs_no_aggregator() -> None:
     out = ina_allreduce(torch.zeros(0), ("127.0.0.1", 9), InaSession(1), 0, 2, "natural", timeout=1)
     assert out.numel() == 0
+
+
+def test_a_result_dropped_for_room_is_refused_when_asked_again() -> None:
+    """An audit found: with ``slots`` below the workers' window a complete chunk's
+    shadow could be dropped before a worker that lost the result asked again; the
+    retransmission then opened a slot no other member would fill, and the call timed
+    out blaming a healthy worker. Now it is refused as 'evicted', naming --slots."""
+    from sparcml.ina.packet import REFUSED, RESULT
+
+    with AggregatorServer(slots=2) as srv:
+        a = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        a.settimeout(5)
+
+        def data(worker: int, chunk: int) -> bytes:
+            return build(Packet(DATA, 9, 77, worker, 2, chunk, FIXED, 2, b"\x00" * 8))
+
+        for chunk in range(4):  # four complete chunks; two shadows kept
+            for worker in (0, 1):
+                a.sendto(data(worker, chunk), srv.address)
+        got = [parse(a.recv(65535)) for _ in range(8)]  # each result to both members
+        assert sorted(p.chunk for p in got if p.kind == RESULT) == [0, 0, 1, 1, 2, 2, 3, 3]
+        a.sendto(data(1, 3), srv.address)  # kept: answered from the shadow
+        assert parse(a.recv(65535)).kind == RESULT
+        a.sendto(data(1, 0), srv.address)  # dropped for room: refused, not a new slot
+        refused = parse(a.recv(65535))
+        a.close()
+        counters = srv.snapshot()
+    assert refused.kind == REFUSED and refused.chunk == 0
+    assert refused.payload.decode().startswith("evicted")  # (cut to the payload length)
+    assert counters["slots"] == 0 and counters.get("rejected_evicted") == 1

@@ -59,6 +59,7 @@ __all__ = [
     "STATS_REPLY",
     "TAG_BYTES",
     "VERSION",
+    "WINDOW",
     "Packet",
     "PacketError",
     "build",
@@ -78,6 +79,9 @@ FLAG_MAC = 0x01
 TAG_BYTES = 16
 MAX_COUNT = 1024  # values per packet: 1 KB of natural codes, 8 KB of int64 sums
 MAX_WORKERS = 1024
+#: chunks a worker keeps outstanding by default (SwitchML's pool): the aggregator
+#: should keep at least as many complete chunks' results per session (``slots``)
+WINDOW = 64
 MAX_STATS_BYTES = 8192  # a STATS request or reply, padding included
 
 

@@ -45,7 +45,11 @@ chunks per session and ``max_slots`` in all (``pool_full``; the worker
 retransmits); at most ``slots`` shadows per session, and only of its current
 and previous call (chunk ids are ``call * 2^32 + index`` and a member starts call
 ``c + 1`` only once every chunk of call ``c`` is complete, so when call ``c + 1``
-appears no member can still need a shadow of call ``c - 1``). Idle sessions
+appears no member can still need a shadow of call ``c - 1``). A shadow dropped
+for room (more than ``slots`` complete chunks in a call: ``slots`` below the
+workers' window) is remembered (the last ``EVICTED_KEPT`` per session), so that a
+member's retransmission of it is refused as ``evicted``, naming ``slots``, instead
+of opening a slot that no other member will fill. Idle sessions
 expire after ``session_timeout`` seconds, incomplete slots after
 ``slot_timeout`` (their members still hold the chunk as outstanding and resend
 it). Nothing is kept per chunk once its shadow is gone. ``state_bytes`` (in
@@ -86,6 +90,7 @@ from .packet import (
     STATS,
     STATS_REPLY,
     TAG_BYTES,
+    WINDOW,
     Packet,
     PacketError,
     build,
@@ -100,6 +105,9 @@ log = logging.getLogger("sparcml.ina")
 
 Address = tuple[str, int]
 # the counters a stranger's small STATS reply keeps first
+#: dropped shadows remembered per session, to refuse their retransmissions clearly
+EVICTED_KEPT = 4096
+
 _CORE = ("packets", "results", "rejected", "sessions", "slots")
 
 
@@ -173,6 +181,8 @@ class _Session:
     slots: dict[int, _Slot] = field(default_factory=dict)
     shadows: collections.OrderedDict[int, _Shadow] = field(default_factory=collections.OrderedDict)
     addrs: dict[int, Address] = field(default_factory=dict)
+    #: chunks of the current and previous call whose shadows were dropped for room
+    evicted: collections.OrderedDict[int, None] = field(default_factory=collections.OrderedDict)
 
     @property
     def proven(self) -> bool:
@@ -229,6 +239,10 @@ class AggregatorServer:
         self.sock.settimeout(0.2)
         self.address = self.sock.getsockname()
         self.slots = slots
+        if slots < WINDOW:
+            log.warning("aggregator slots=%d is below the workers' default window (%d): a "
+                        "result lost on its way back may be dropped before it is resent, and "
+                        "that worker's call refused as 'evicted'", slots, WINDOW)  # fmt: skip
         self.max_sessions, self.max_slots = max_sessions, max_slots
         self.session_timeout, self.slot_timeout = float(session_timeout), float(slot_timeout)
         self.master_rounding = master_rounding
@@ -353,6 +367,8 @@ class AggregatorServer:
         s.call = call
         while s.shadows and (next(iter(s.shadows)) >> 32) < call - 1:
             self._drop_shadow(s)
+        while s.evicted and (next(iter(s.evicted)) >> 32) < call - 1:
+            s.evicted.popitem(last=False)
         for chunk in [c for c in s.slots if (c >> 32) < call]:
             self._drop_slot(s, chunk)
 
@@ -439,6 +455,12 @@ class AggregatorServer:
                              "already: a call number used twice (a rewound counter or a "
                              "restored checkpoint?); open a new session")  # fmt: skip
             return
+        if p.chunk in s.evicted:
+            self._refuse(s, p, addr, "evicted", f"chunk {p.chunk:#x} is complete, but its "
+                         f"result was dropped for room (the aggregator keeps {self.slots} per "
+                         "session) before this worker had it: start the aggregator with "
+                         f"--slots at least the workers' window ({WINDOW} by default)")  # fmt: skip
+            return
         if call < s.call:
             self._refuse(s, p, addr, "stale", f"chunk {p.chunk:#x} of call {call}, the session "
                          f"is at call {s.call}: calls of a session only go forward")  # fmt: skip
@@ -505,7 +527,10 @@ class AggregatorServer:
             shadow = s.shadows[p.chunk] = _Shadow(out, dict(slot.seen))
             self._state_bytes += shadow.nbytes
             while len(s.shadows) > self.slots:
+                s.evicted[next(iter(s.shadows))] = None
                 self._drop_shadow(s)
+                while len(s.evicted) > EVICTED_KEPT:
+                    s.evicted.popitem(last=False)
             s.completed += 1
             self.counters["results"] += 1
             for w in range(s.workers):
