@@ -83,16 +83,19 @@ def refused_on_one_rank(comm: Any, api: str, bad: dict[str, Any]) -> dict[str, A
 
 
 def absent_from_construction(comm: Any, absent: int) -> dict[str, Any]:
-    """Every rank but ``absent`` builds a SparcmlState (timeout 2 s); ``absent``
-    waits a while and builds none."""
+    """Every rank builds a SparcmlState (timeout 2 s), ``absent`` only after 4 s."""
     if comm.rank == absent:
         time.sleep(4)
-        return {"type": "absent"}
+    t0 = time.monotonic()
     try:
         st.SparcmlState("topk", density=0.1, timeout=2.0)
+        out: dict[str, Any] = {"type": "no error"}
     except Exception as e:
-        return _caught(e)
-    return {"type": "no error"}
+        out = _caught(e)
+    out["seconds"] = time.monotonic() - t0
+    if comm.rank != absent:
+        time.sleep(4)  # (alive, with the store rank 0 hosts, while the late rank arrives)
+    return out
 
 
 def dense_timeout(comm: Any, absent: int, algorithm: str) -> dict[str, Any] | None:

@@ -118,9 +118,9 @@ def test_a_comm_hook_checkpoint_of_another_model_is_refused() -> None:
     """An audit found comm_hook's checkpoints carrying no parameters ({}), so one of
     another model with as many entries loaded silently, its residuals applied to
     the wrong tensors. The hook now records the shapes it meets: the checkpoint
-    names them, and a load into another model raises ValueError in the first
-    backward, before its residuals are used (register() refuses it at once,
-    knowing the model)."""
+    names them, and a load into another model drops what it loaded before a bucket
+    uses it and raises ValueError at the end of the first backward (register()
+    refuses it at once, knowing the model)."""
     same = run_processes(2, train_workers.comm_hook_checkpoint_into, False, timeout=60)
     other = run_processes(2, train_workers.comm_hook_checkpoint_into, True, timeout=60)
     for r in range(2):

@@ -182,7 +182,9 @@ def test_ranks_configured_differently_fail_registration_on_every_rank() -> None:
 
 @pytest.mark.spawn
 @pytest.mark.parametrize("api", ["register", "comm_hook"])
-@pytest.mark.parametrize("bad", [{"method": "topkk"}, {"density": 0}])
+@pytest.mark.parametrize(
+    "bad", [{"method": "topkk"}, {"density": 0}, {"compressor_params": {"bogus": 1}}]
+)
 def test_a_rank_that_refuses_its_arguments_is_named_by_every_rank_at_once(
     api: str, bad: dict
 ) -> None:
@@ -204,12 +206,16 @@ def test_a_rank_that_refuses_its_arguments_is_named_by_every_rank_at_once(
 @pytest.mark.spawn
 def test_a_rank_that_never_builds_its_state_is_named_at_the_timeout() -> None:
     """The check-in's other half: a rank that neither builds nor refuses its state
-    (another program) is named by a CommTimeoutError at the builders' timeout, not
-    by torch's DistStoreError from inside new_group."""
+    in time (another program, or late) is named by a CommTimeoutError at the
+    builders' timeout, not by torch's DistStoreError from inside new_group."""
     out = run_processes(3, fw.absent_from_construction, 2, timeout=60)
     for r in (0, 1):
         assert out[r]["type"] == "CommTimeoutError" and out[r]["peer"] == 2, out[r]
         assert "waiting for rank(s) [2] to build their SparcmlState" in out[r]["message"]
+    # arriving after they gave up, it learns why at once instead of waiting alone in
+    # the group's creation (they marked themselves refused when they timed out)
+    assert out[2]["type"] == "RankMismatchError", out[2]
+    assert "timed out waiting for ranks [2]" in out[2]["message"] and out[2]["seconds"] < 2
 
 
 @pytest.mark.spawn

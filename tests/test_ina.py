@@ -292,8 +292,12 @@ def test_a_result_dropped_for_room_is_refused_when_asked_again() -> None:
         assert parse(a.recv(65535)).kind == RESULT
         a.sendto(data(1, 0), srv.address)  # dropped for room: refused, not a new slot
         refused = parse(a.recv(65535))
+        other_call = build(Packet(DATA, 9, 78, 1, 2, 0, FIXED, 2, b"\x00" * 8))
+        a.sendto(other_call, srv.address)  # the chunk from another call: replayed
+        replayed = parse(a.recv(65535))
         a.close()
         counters = srv.snapshot()
+    assert replayed.kind == REFUSED and replayed.payload.decode().startswith("replayed")
     assert refused.kind == REFUSED and refused.chunk == 0
     assert refused.payload.decode().startswith("evicted")  # (cut to the payload length)
     assert counters["slots"] == 0 and counters.get("rejected_evicted") == 1

@@ -104,10 +104,10 @@ __all__ = ["AggregatorServer", "natural_compress_integers", "worker_ranges"]
 log = logging.getLogger("sparcml.ina")
 
 Address = tuple[str, int]
-# the counters a stranger's small STATS reply keeps first
 #: dropped shadows remembered per session, to refuse their retransmissions clearly
 EVICTED_KEPT = 4096
 
+# the counters a stranger's small STATS reply keeps first
 _CORE = ("packets", "results", "rejected", "sessions", "slots")
 
 
@@ -182,7 +182,10 @@ class _Session:
     shadows: collections.OrderedDict[int, _Shadow] = field(default_factory=collections.OrderedDict)
     addrs: dict[int, Address] = field(default_factory=dict)
     #: chunks of the current and previous call whose shadows were dropped for room
-    evicted: collections.OrderedDict[int, None] = field(default_factory=collections.OrderedDict)
+    #: (each with its members' call nonces, as the shadow had them)
+    evicted: collections.OrderedDict[int, dict[int, int]] = field(
+        default_factory=collections.OrderedDict
+    )
 
     @property
     def proven(self) -> bool:
@@ -455,7 +458,13 @@ class AggregatorServer:
                              "already: a call number used twice (a rewound counter or a "
                              "restored checkpoint?); open a new session")  # fmt: skip
             return
-        if p.chunk in s.evicted:
+        nonces = s.evicted.get(p.chunk)
+        if nonces is not None and nonces.get(p.worker) != p.epoch:
+            self._refuse(s, p, addr, "replayed", f"call {call} of this session is complete "
+                         "already: a call number used twice (a rewound counter or a "
+                         "restored checkpoint?); open a new session")  # fmt: skip
+            return
+        if nonces is not None:
             self._refuse(s, p, addr, "evicted", f"chunk {p.chunk:#x} is complete, but its "
                          f"result was dropped for room (the aggregator keeps {self.slots} per "
                          "session) before this worker had it: start the aggregator with "
@@ -527,7 +536,8 @@ class AggregatorServer:
             shadow = s.shadows[p.chunk] = _Shadow(out, dict(slot.seen))
             self._state_bytes += shadow.nbytes
             while len(s.shadows) > self.slots:
-                s.evicted[next(iter(s.shadows))] = None
+                oldest = next(iter(s.shadows))
+                s.evicted[oldest] = s.shadows[oldest].nonces
                 self._drop_shadow(s)
                 while len(s.evicted) > EVICTED_KEPT:
                     s.evicted.popitem(last=False)

@@ -22,14 +22,18 @@ rank of a symmetric program; PyTorch's ``(state, hook)`` pair refuses its argume
 when it is made and builds (checks in) at its first bucket, under the same number.
 Without a rendezvous store the group is created directly.
 
-Cost: one store update per rank and a poll of two counters (backing off from 1 to
-50 ms) until the last rank arrives, once per state.
+Cost: a key and a counter update per rank, and a poll of two counters (backing off
+from 1 to 50 ms) until the last rank arrives, once per state. A rank that times
+out marks itself refused, so that a late rank does not go on into ``new_group``
+alone. Keys are scoped to torchrun's run and restart (its store outlives a
+restart, the counters do not).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import time
 from typing import Any
 
@@ -55,7 +59,11 @@ def _store() -> Any:
 
 
 def _key(n: int, what: str | int) -> str:
-    return f"sparcml/state/{n}/{what}"
+    # torchrun's agent store outlives a restart of the workers, whose counters start
+    # again at 0: the run and the restart name the attempt
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return f"sparcml/state/{run}/{attempt}/{n}/{what}"
 
 
 def note_refusal(error: BaseException) -> None:
@@ -109,6 +117,10 @@ def checked_in_group(timeout: float) -> TorchDistCommunicator:
                 break
             if time.monotonic() > deadline:
                 absent = [r for r in range(world) if not store.check([_key(n, r)])]
+                # a rank arriving later must not count this one in and wait in new_group
+                with contextlib.suppress(Exception):
+                    store.set(_key(n, me), f"refused timed out waiting for ranks {absent}")
+                    store.add(_key(n, "refused"), 1)
                 raise CommTimeoutError(
                     f"rank {me}: timed out after {timeout:g}s waiting for rank(s) {absent} "
                     "to build their SparcmlState (is every rank running the same program?)",

@@ -254,10 +254,10 @@ def register_fsdp(
             raise
         state = SparcmlState(name, **options)
     assert state is not None
-    _check_fsdp(state)
+    check_settings(state)  # every rank the same method and hyperparameters (a collective)
+    _check_fsdp(state)  # (a ready state: after the comparison, so every rank raises alike)
     if state.registered is not None:
         raise ValueError(f"this state is already registered with {state.registered}")
-    check_settings(state)  # every rank the same method and hyperparameters (a collective)
     cls = type("SparcmlFsdpReduceScatter", (SparcmlReduceScatter, _base_class()), {})
     modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     expected = sum(1 for _, m in modules if _has_grads(m))

@@ -375,6 +375,8 @@ class HookState:
         self.method = method
         self.options = dict(options)
         self._state: SparcmlState | None = None
+        #: a loaded checkpoint found to be another model's, raised after the last bucket
+        self.refused_checkpoint: ValueError | None = None
 
     @property
     def state(self) -> SparcmlState:
@@ -419,9 +421,10 @@ def _comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
     Their shapes are recorded as met (checkpoints carry them), and a checkpoint
     loaded before the first step is checked against them: each parameter when a
     bucket first brings it, before that bucket is reduced with the checkpoint's
-    residuals, and their count after the first step's last bucket. A checkpoint of
-    another model raises ``ValueError`` from the hook (every rank that loaded it
-    alike; rebuild the model and the pair after it)."""
+    residuals, and their count after the first step's last bucket. On a checkpoint
+    of another model the state forgets what it loaded (residuals, momenta) before
+    that bucket, every bucket is still reduced (no rank waits on this one), and
+    backward raises ``ValueError`` at its end, before any optimizer step."""
     inner = state.state
     names = inner.param_names
     expected = inner.checkpoint_parameters
@@ -430,16 +433,28 @@ def _comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
             names[id(p)] = name = f"param{len(names)}"
             inner.param_shapes[name] = tuple(p.shape)
             if expected is not None and tuple(expected.get(name, ())) != tuple(p.shape):
-                inner.checkpoint_parameters = None
                 saved = tuple(expected[name]) if name in expected else "not there"
-                raise ValueError(
+                state.refused_checkpoint = ValueError(
                     f"sparcml checkpoint of other parameters ({name}: {saved} in the "
-                    f"checkpoint, {tuple(p.shape)} here): it belongs to another model. "
-                    "load_state_dict(..., strict=False) skips this check"
+                    f"checkpoint, {tuple(p.shape)} here): it belongs to another model; "
+                    "what it held was dropped. load_state_dict(..., strict=False) skips "
+                    "this check"
                 )
-    if bucket.is_last() and expected is not None:
-        inner.check_checkpoint_parameters()
-    return sparcml_hook(inner, bucket)
+                inner.checkpoint_parameters = expected = None
+                inner.comm.run_ordered(inner.reset, async_op=True)  # before this bucket
+    fut = sparcml_hook(inner, bucket)
+    if bucket.is_last():
+        if expected is not None:
+            try:
+                inner.check_checkpoint_parameters()  # the count, once all were met
+            except ValueError as e:
+                state.refused_checkpoint = e
+        if state.refused_checkpoint is not None:
+            # (at the last bucket: an error stored earlier would be raised by the next
+            # bucket's hook, before its collective, leaving the other ranks waiting)
+            inner.hook_error = inner.hook_error or state.refused_checkpoint
+            state.refused_checkpoint = None
+    return fut
 
 
 _comm_hook.__annotations__ = {  # as sparcml_hook's: DDP checks them as objects

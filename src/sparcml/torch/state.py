@@ -144,9 +144,11 @@ class SparcmlState:
     ) -> None:
         joins = comm is None and dist.is_available() and dist.is_initialized()
         try:
-            settings, config, rules, configs = _validated(
+            settings, rules, configs = _validated(
                 method, density, settings, layers, dense_below, options
             )
+            if joins:  # what the groups refuse (their operators' parameters), before it
+                _groups(configs, settings, rules, SelfCommunicator(), {})
         except Exception as e:
             if joins:  # the others wait for this rank's verdict (sparcml.torch.construction)
                 note_refusal(e)
@@ -166,12 +168,7 @@ class SparcmlState:
         self.rules = rules
         #: parameter names by id (registration), shared by every group
         self.param_names: dict[int, str] = {}
-        self.groups = [
-            Group(config, settings, comm, "default", self.param_names, settings.error_feedback)
-        ] + [
-            Group(c, settings, comm, r.name, self.param_names)
-            for r, c in zip(rules, configs[1:], strict=True)
-        ]
+        self.groups = _groups(configs, settings, rules, comm, self.param_names)
         # ------------------------------------------------------------- counters
         self.step = 0
         self.bytes_sent = 0
@@ -466,10 +463,10 @@ def _validated(
     layers: Sequence[LayerRule | tuple[str, str]] | None,
     dense_below: int,
     options: dict[str, Any],
-) -> tuple[PipelineSettings, MethodConfig, list[LayerRule], list[MethodConfig]]:
-    """A state's arguments checked and resolved: the pipeline settings, the method's
-    config, the layer rules and their configs (ValueError / TypeError naming what is
-    wrong)."""
+) -> tuple[PipelineSettings, list[LayerRule], list[MethodConfig]]:
+    """A state's arguments checked and resolved: the pipeline settings, the layer
+    rules, and the configs (the method's first, then each rule's; ValueError /
+    TypeError naming what is wrong)."""
     pipeline = {k: options.pop(k) for k in PipelineSettings.names() if k in options}
     if settings is not None and pipeline:
         raise ValueError(
@@ -490,7 +487,20 @@ def _validated(
     rules = rules_from(layers, dense_below)
     inherited = getattr(config, "density", density)
     configs = [config] + [_rule_config(r, config, inherited) for r in rules]
-    return settings, config, rules, configs
+    return settings, rules, configs
+
+
+def _groups(
+    configs: list[MethodConfig],
+    settings: PipelineSettings,
+    rules: list[LayerRule],
+    comm: Communicator,
+    names: dict[int, str],
+) -> list[Group]:
+    """The default group and one per layer rule."""
+    return [Group(configs[0], settings, comm, "default", names, settings.error_feedback)] + [
+        Group(c, settings, comm, r.name, names) for r, c in zip(rules, configs[1:], strict=True)
+    ]
 
 
 def _rule_config(rule: LayerRule, parent: MethodConfig, density: Density | None) -> MethodConfig:
