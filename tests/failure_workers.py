@@ -77,8 +77,10 @@ def refused_on_one_rank(comm: Any, api: str, bad: dict[str, Any]) -> dict[str, A
     except Exception as e:
         out = _caught(e)
     out["seconds"] = time.monotonic() - t0
-    if comm.rank == 1:
-        time.sleep(2)  # alive: the others must not wait for it to die
+    # every rank alive a while: rank 1 so that the others must not wait for it to
+    # die; the others so that rank 0's rendezvous store outlives a slower rank's
+    # check-in (under torchrun the agent holds it)
+    time.sleep(2)
     return out
 
 

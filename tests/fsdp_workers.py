@@ -148,6 +148,8 @@ def fsdp_register_on_each_rank(
     except Exception as e:
         out = {"type": type(e).__name__, "message": str(e)}
     out["seconds"] = time.monotonic() - t0
-    if comm.rank == 1:
-        time.sleep(2)  # alive: the others must not wait for it to die
+    # every rank alive a while: rank 1 so that the others must not wait for it to
+    # die; the others so that rank 0's rendezvous store outlives a slower rank's
+    # check-in (under torchrun the agent holds it)
+    time.sleep(2)
     return out

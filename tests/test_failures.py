@@ -209,13 +209,13 @@ def test_a_rank_that_never_builds_its_state_is_named_at_the_timeout() -> None:
     in time (another program, or late) is named by a CommTimeoutError at the
     builders' timeout, not by torch's DistStoreError from inside new_group."""
     out = run_processes(3, fw.absent_from_construction, 2, timeout=60)
-    for r in (0, 1):
+    for r in (0, 1):  # (the first to time out names rank 2; the other may learn it so)
         assert out[r]["type"] == "CommTimeoutError" and out[r]["peer"] == 2, out[r]
-        assert "waiting for rank(s) [2] to build their SparcmlState" in out[r]["message"]
+        assert "[2]" in out[r]["message"] and "SparcmlState" in out[r]["message"], out[r]
     # arriving after they gave up, it learns why at once instead of waiting alone in
-    # the group's creation (they marked themselves refused when they timed out)
-    assert out[2]["type"] == "RankMismatchError", out[2]
-    assert "timed out waiting for ranks [2]" in out[2]["message"] and out[2]["seconds"] < 2
+    # the group's creation (they noted that they gave up)
+    assert out[2]["type"] == "CommTimeoutError" and out[2]["peer"] == 2, out[2]
+    assert "timed out waiting for ranks" in out[2]["message"] and out[2]["seconds"] < 2
 
 
 @pytest.mark.spawn

@@ -40,7 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..comm import TorchDistCommunicator
-from ..errors import CommTimeoutError, RankMismatchError
+from ..errors import CommTimeoutError, PeerFailedError, RankMismatchError
 
 __all__ = ["checked_in_group", "note_refusal"]
 
@@ -78,14 +78,18 @@ def note_refusal(error: BaseException) -> None:
         store.add(_key(n, "refused"), 1)
 
 
-def _refusals(store: Any, n: int, world: int) -> dict[int, str]:
-    out = {}
+def _refusals(store: Any, n: int, world: int) -> tuple[dict[int, str], dict[int, str]]:
+    """The ranks that refused their arguments (with their errors), and those that gave
+    up waiting (with the ranks they waited for)."""
+    refused, gave_up = {}, {}
     for r in range(world):
         if store.check([_key(n, r)]):
             said = bytes(store.get(_key(n, r))).decode("utf-8", "replace")
             if said.startswith("refused "):
-                out[r] = said.removeprefix("refused ")
-    return out
+                refused[r] = said.removeprefix("refused ")
+            elif said.startswith("gave up "):
+                gave_up[r] = said.removeprefix("gave up ")
+    return refused, gave_up
 
 
 def checked_in_group(timeout: float) -> TorchDistCommunicator:
@@ -96,36 +100,66 @@ def checked_in_group(timeout: float) -> TorchDistCommunicator:
         RankMismatchError: some rank refused its arguments (named, with its error).
         CommTimeoutError: some rank neither built nor refused its state within
             ``timeout`` seconds (named).
+        PeerFailedError: the rendezvous store stopped answering (the process
+            holding it exited).
     """
     store, world = _store(), dist.get_world_size()
     n = next(_builds)
     if store is not None and world > 1:
-        me = dist.get_rank()
-        store.set(_key(n, me), "built")
-        store.add(_key(n, "built"), 1)
-        deadline, pause = time.monotonic() + timeout, 0.001
-        while True:
-            if store.add(_key(n, "refused"), 0):
-                refused = _refusals(store, n, world)
+        try:
+            _check_in(store, n, world, timeout)
+        except (RankMismatchError, CommTimeoutError):
+            raise
+        except Exception as e:  # the store itself failed (its host exited?)
+            raise PeerFailedError(
+                f"rank {dist.get_rank()}: the rendezvous store stopped answering while the "
+                f"ranks checked in to build their SparcmlState (did the process holding it "
+                f"exit?): {e}"
+            ) from e
+    return TorchDistCommunicator.dedicated(timeout=timeout)
+
+
+def _first_absent(gave_up: dict[int, str]) -> int | None:
+    """The lowest rank some rank gave up waiting for (their notes: ``[2, 3]``)."""
+    absent = {int(r) for t in gave_up.values() for r in t.strip("[]").split(",") if r.strip()}
+    return min(absent) if absent else None
+
+
+def _check_in(store: Any, n: int, world: int, timeout: float) -> None:
+    """Steps 2-3 for this process's ``n``-th state."""
+    me = dist.get_rank()
+    store.set(_key(n, me), "built")
+    store.add(_key(n, "built"), 1)
+    deadline, pause = time.monotonic() + timeout, 0.001
+    while True:
+        if store.add(_key(n, "refused"), 0):
+            refused, gave_up = _refusals(store, n, world)
+            if refused:
                 detail = "; ".join(f"rank {r}: {t}" for r, t in sorted(refused.items()))
                 raise RankMismatchError(
                     f"rank(s) {sorted(refused)} could not build their SparcmlState "
                     f"({detail}): every rank must build it with the same, valid method "
                     "and hyperparameters"
                 )
-            if store.add(_key(n, "built"), 0) >= world:
-                break
-            if time.monotonic() > deadline:
-                absent = [r for r in range(world) if not store.check([_key(n, r)])]
-                # a rank arriving later must not count this one in and wait in new_group
-                with contextlib.suppress(Exception):
-                    store.set(_key(n, me), f"refused timed out waiting for ranks {absent}")
-                    store.add(_key(n, "refused"), 1)
-                raise CommTimeoutError(
-                    f"rank {me}: timed out after {timeout:g}s waiting for rank(s) {absent} "
-                    "to build their SparcmlState (is every rank running the same program?)",
-                    peer=absent[0] if absent else None,
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
-    return TorchDistCommunicator.dedicated(timeout=timeout)
+            detail = "; ".join(f"rank {r} for {t}" for r, t in sorted(gave_up.items()))
+            raise CommTimeoutError(
+                f"rank {me}: rank(s) {sorted(gave_up)} timed out waiting for ranks to "
+                f"build their SparcmlState ({detail}; is every rank running the same "
+                "program?)",
+                peer=_first_absent(gave_up),
+            )
+        if store.add(_key(n, "built"), 0) >= world:
+            break
+        if time.monotonic() > deadline:
+            absent = [r for r in range(world) if not store.check([_key(n, r)])]
+            # a rank arriving later must not count this one in and wait in new_group
+            with contextlib.suppress(Exception):
+                store.set(_key(n, me), f"gave up {absent}")
+                store.add(_key(n, "refused"), 1)
+            raise CommTimeoutError(
+                f"rank {me}: timed out after {timeout:g}s waiting for rank(s) {absent} "
+                "to build their SparcmlState (is every rank running the same program?)",
+                peer=absent[0] if absent else None,
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
