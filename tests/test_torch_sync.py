@@ -474,6 +474,13 @@ def test_bad_hyperparameters_name_the_problem() -> None:
         SparcmlState("topk", density=0.0)
     with pytest.raises(ValueError, match="density must be in"):
         SparcmlState("topk", density=1.5)
+    with pytest.raises(ValueError, match="density must be a number in"):
+        SparcmlState("topk", density=True)  # (float(True) is 1: an audit found it taken)
+    for bad in (0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            SparcmlState("topk", density=0.1, timeout=bad)
+    with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+        SparcmlState("topk", density=0.1, timeout="30")
     with pytest.raises(ValueError, match="unknown sparse allreduce algorithm"):
         SparcmlState("topk", algorithm="ring")
     with pytest.raises(ValueError, match="error feedback applies to sparse methods"):

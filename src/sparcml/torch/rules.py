@@ -43,7 +43,10 @@ Density = float | Callable[[int], float]
 
 
 def check_density(value: float, what: str = "density") -> float:
-    """``value`` as a float in (0, 1]; ``ValueError`` naming ``what`` otherwise."""
+    """``value`` as a float in (0, 1]; ``ValueError`` naming ``what`` otherwise (a
+    bool too: ``True`` is no density, though ``float(True)`` is 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a number in (0, 1], got {value!r}")
     try:
         d = float(value)
     except (TypeError, ValueError):

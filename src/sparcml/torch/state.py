@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -144,6 +145,10 @@ class SparcmlState:
     ) -> None:
         joins = comm is None and dist.is_available() and dist.is_initialized()
         try:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+                raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+            if not 0 < timeout < math.inf:
+                raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
             settings, rules, configs = _validated(
                 method, density, settings, layers, dense_below, options
             )
