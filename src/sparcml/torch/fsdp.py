@@ -66,13 +66,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import SelfCommunicator
 from .config import state_or_method
-from .construction import note_refusal
 from .hook import check_settings
 from .methods import MethodConfig
 from .reduce import Bucket, count_bytes, reduce_group
-from .state import SparcmlState
+from .state import SparcmlState, checked_locally
 from .stats import log_step
 
 __all__ = ["SparcmlReduceScatter", "register_fsdp"]
@@ -245,13 +243,7 @@ def register_fsdp(
     built = state_or_method(method, state, hyper)
     if built is not None:
         name, options = built
-        local = {k: v for k, v in options.items() if k not in ("comm", "timeout")}
-        try:  # FSDP's limits checked before the state's process group exists
-            _check_fsdp(SparcmlState(name, comm=SelfCommunicator(), **local))
-        except Exception as e:
-            if options.get("comm") is None:
-                note_refusal(e)  # the other ranks name this one (construction.py)
-            raise
+        checked_locally(name, options, _check_fsdp)  # before the state's process group
         state = SparcmlState(name, **options)
     assert state is not None
     check_settings(state)  # every rank the same method and hyperparameters (a collective)

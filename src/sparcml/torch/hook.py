@@ -42,7 +42,7 @@ from .layout import reduce_ddp_bucket
 from .methods import MethodConfig
 from .peers import PeerState, pytorch_method, register_peer
 from .reduce import Bucket, check_sparse_gradient_method
-from .state import SparcmlState
+from .state import SparcmlState, checked_locally
 from .stats import log_step
 
 __all__ = [
@@ -360,18 +360,15 @@ class HookState:
     def __init__(
         self, method: str | MethodConfig | Mapping[str, Any] = "topk", **options: Any
     ) -> None:
-        from ..comm import SelfCommunicator
-
+        # (a refusal is noted: the other ranks build their state at their first bucket
+        # and find it there, naming this rank, instead of waiting for it)
         try:
             method, options = resolve_method(method, options)
-            local = {k: v for k, v in options.items() if k not in ("comm", "timeout")}
-            SparcmlState(method, comm=SelfCommunicator(), **local)  # validation only
         except Exception as e:
-            # the other ranks build their state at their first bucket: they find this
-            # note there and raise naming this rank, instead of waiting for it
             if options.get("comm") is None:
                 note_refusal(e)
             raise
+        checked_locally(method, options)
         self.method = method
         self.options = dict(options)
         self._state: SparcmlState | None = None

@@ -93,18 +93,19 @@ def _check_finite(comm: Communicator, bucket: Bucket, g: torch.Tensor) -> None:
         )
 
 
-def _dense_for_nonfinite(
-    comm: Communicator | None, bucket: Bucket, g: torch.Tensor
-) -> torch.Tensor:
-    """``nan_policy="propagate"``: the bucket's dense sum, NaN/Inf where dense has them
-    (with no communicator, the warning alone: FSDP2's caller reduce-scatters)."""
+def _warn_nonfinite(bucket: Bucket) -> None:
     log.warning(
         "NaN/Inf gradient at step %d (bucket %s): reduced densely, the average "
         "is non-finite (nan_policy='propagate')",
         bucket.step,
         bucket.names[0] if bucket.names else "?",
     )
-    return g if comm is None else comm.allreduce(g)
+
+
+def _dense_for_nonfinite(comm: Communicator, bucket: Bucket, g: torch.Tensor) -> torch.Tensor:
+    """``nan_policy="propagate"``: the bucket's dense sum, NaN/Inf where dense has them."""
+    _warn_nonfinite(bucket)
+    return comm.allreduce(g)
 
 
 def _any_nonfinite(comm: Communicator, g: torch.Tensor) -> bool:
@@ -291,7 +292,7 @@ def reduce_group(
             # (selectors may drop them into the residual, quantizers cannot encode
             # them): this bucket goes dense for this step, residuals untouched
             if bounds is not None:
-                _dense_for_nonfinite(None, bucket, g)  # (the warning only)
+                _warn_nonfinite(bucket)
                 result = scatter_dense(group, bucket, g, bounds)
                 assert isinstance(result.total, torch.Tensor)
                 return result.total

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -459,6 +459,28 @@ class SparcmlState:
             f"SparcmlState(config={self.config!r}, settings={self.settings!r}, "
             f"layers={len(self.rules)}, step={self.step}, world_size={self.comm.world_size})"
         )
+
+
+def checked_locally(
+    method: str | MethodConfig,
+    options: Mapping[str, Any],
+    check: Callable[[SparcmlState], None] | None = None,
+) -> SparcmlState:
+    """A state of these arguments on a world of one (nothing collective), to check
+    them where the real state is built later (PyTorch's ``(state, hook)`` pair) or
+    must pass more checks first (FSDP2's limits, ``check``). A refusal is noted for
+    the ranks that build theirs (:func:`~.construction.note_refusal`), unless the
+    options name their own communicator."""
+    local = {k: v for k, v in options.items() if k not in ("comm", "timeout")}
+    try:
+        probe = SparcmlState(method, comm=SelfCommunicator(), **local)
+        if check is not None:
+            check(probe)
+    except Exception as e:
+        if options.get("comm") is None:
+            note_refusal(e)
+        raise
+    return probe
 
 
 def _validated(
