@@ -12,11 +12,6 @@ user and system CPU time (every thread: gloo's included;
 * ``3 allgather``: the recursive-doubling allgather of the reduced ranges;
 * ``4 decode``: decoding the gathered ranges into the result.
 
-The call is timed unpipelined (one chunk per range,
-:data:`~sparcml.collectives.ssar_split_allgather.PIPELINE_MIN_WIDTH` raised): the
-phases of the paper's algorithm one after the other, which the pipelined call
-interleaves chunk by chunk (``benchmarks/transport_floor.py`` times both).
-
     sparcml cluster -P 8 --rate 1gbit -- \
         .venv/bin/python benchmarks/split_phases.py -N 16M -d 0.00781 --index-coding auto
 """
@@ -30,7 +25,6 @@ from sparcml.tools.bench.phases import Phases, phase_job
 
 
 def wrap(phases: Phases, comm: Any) -> None:
-    split_allgather.PIPELINE_MIN_WIDTH = 1 << 62
     timed = phases.timed
     split_allgather.split_and_reduce = timed("1 split+reduce", split_allgather.split_and_reduce)
     split_allgather.allgather_buffers = timed("3 allgather", split_allgather.allgather_buffers)

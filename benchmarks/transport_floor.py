@@ -15,9 +15,7 @@ one process group, after a barrier each, the slowest rank per call:
   sends, :func:`sparcml.indexcode.index_field_nbytes`, and float32 values),
   next to ``sparse_allreduce(..., algorithm="ssar_split_allgather")`` itself on
   uniform random indices, with the default index coding and with
-  ``index_coding="fixed"``, and with the default coding unpipelined (one chunk
-  per range: :data:`~sparcml.collectives.ssar_split_allgather.PIPELINE_MIN_WIDTH`
-  raised for that row);
+  ``index_coding="fixed"``;
 * the same for recursive doubling (P a power of two): the ``log2 P`` rounds of
   ``isend``/``irecv`` between partners, each of the expected size of the
   partial sum it carries, next to ``ssar_recursive_double``.
@@ -37,7 +35,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-import sparcml.collectives.ssar_split_allgather as split_allgather
 from sparcml import SparseStream
 from sparcml.collectives import sparse_allreduce
 from sparcml.comm import TorchDistCommunicator
@@ -128,9 +125,8 @@ def main() -> None:
         f"gloo all_gather_into_tensor, {mine.numel() / 1e6:.2f} MB per rank",
         lambda: dist.all_gather_into_tensor(gathered, mine),
     )
-    split_p50 = {}
     for coding in ("auto", "fixed"):
-        took = split_p50[coding] = timeit(
+        took = timeit(
             f"sparse_allreduce(algorithm='ssar_split_allgather'), {coding}",
             lambda coding=coding: sparse_allreduce(
                 stream, comm, "ssar_split_allgather", index_coding=coding
@@ -138,14 +134,6 @@ def main() -> None:
         )
         ratios.append((f"ssar_split_allgather, {coding} / its floor", took, floor))
         ratios.append((f"gloo in place / ssar_split_allgather, {coding}", in_place, took))
-    chunked_from, split_allgather.PIPELINE_MIN_WIDTH = split_allgather.PIPELINE_MIN_WIDTH, n + 1
-    took = timeit(
-        "sparse_allreduce(algorithm='ssar_split_allgather'), auto, unpipelined",
-        lambda: sparse_allreduce(stream, comm, "ssar_split_allgather"),
-    )
-    split_allgather.PIPELINE_MIN_WIDTH = chunked_from
-    ratios.append(("ssar_split_allgather, auto, unpipelined / its floor", took, floor))
-    ratios.append(("ssar_split_allgather unpipelined / pipelined (auto)", took, split_p50["auto"]))
     if p & (p - 1) == 0 and p > 1:
         # recursive doubling: round t sends the partial sum of 2^(t-1) ranks' k pairs
         rounds = p.bit_length() - 1

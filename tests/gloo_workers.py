@@ -316,37 +316,3 @@ def two_level_fsdp(comm, steps):  # type: ignore[no-untyped-def]
 
     out["topology"] = str(resolve(None).topology)
     return out
-
-
-INBOX_SIZES = [300_000, 0, 7, 600_000, 262_140]
-
-
-def pipelined(comm):  # type: ignore[no-untyped-def]
-    """Ranks 1 and 2 send rank 0 messages of INBOX_SIZES (past the eager size too),
-    all in flight at once, which rank 0 expects through an inbox and takes last to
-    first; then a pipelined split allgather (N/P past PIPELINE_MIN_WIDTH, pieces past
-    the eager size). Returns (rank 0: (size, distinct bytes) per message), the input
-    and the result as wire bytes."""
-    from sparcml.collectives._common import Inbox
-    from sparcml.collectives.codec import EXACT
-    from sparcml.collectives.ssar_split_allgather import PIPELINE_MIN_WIDTH, chunk_count
-
-    messages = []
-    if comm.rank == 0:
-        inbox = Inbox(comm)
-        got = [inbox.expect(src) for src in (1, 2) for _ in INBOX_SIZES]
-        taken = [got[i].wait() for i in reversed(range(len(got)))][::-1]
-        messages = [(int(m.numel()), sorted(set(m.tolist()))) for m in taken]
-    else:
-        sends = [
-            comm.isend(torch.full((n,), 10 * comm.rank + j, dtype=torch.uint8), 0)
-            for j, n in enumerate(INBOX_SIZES)
-        ]
-        for h in sends:
-            h.wait()
-    n = 3 * PIPELINE_MIN_WIDTH + 5
-    assert chunk_count(n, comm.world_size, EXACT) > 1
-    g = torch.Generator().manual_seed(comm.rank)
-    idx = torch.randperm(n, generator=g)[: n // 8]
-    s = SparseStream(idx, torch.randint(-4, 5, (idx.numel(),), generator=g).float(), n)
-    return messages, encode(s), encode(sparse_allreduce(s, comm, "ssar_split_allgather"))

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..comm import Communicator, Handle
+from ..comm import Communicator
 from ..errors import WireFormatError
 from ..stream import SparseStream
 from .codec import EXACT, HEADER_BYTES, StreamCodec
@@ -17,9 +16,6 @@ if TYPE_CHECKING:
     from ..costmodel import CostModel
 
 __all__ = [
-    "Inbox",
-    "Pending",
-    "Receipt",
     "allgather_cost",
     "decode_or_empty",
     "decode_ranges",
@@ -32,72 +28,6 @@ __all__ = [
     "split_and_reduce",
     "split_cost",
 ]
-
-
-class Pending(Protocol):
-    """A receive in flight: ``wait()`` returns the message."""
-
-    def wait(self) -> torch.Tensor | None: ...
-
-
-class Receipt:
-    """One message expected from ``src`` through an :class:`Inbox`."""
-
-    def __init__(self, inbox: Inbox, src: int) -> None:
-        self.inbox = inbox
-        self.src = src
-        self.handle: Handle | None = None
-        self.message: torch.Tensor | None = None
-
-    def wait(self) -> torch.Tensor:
-        """The message (the receipts from ``src`` before this one are taken first)."""
-        if self.message is None:
-            self.inbox.take(self)
-        assert self.message is not None
-        return self.message
-
-
-class Inbox:
-    """Several messages from one rank in flight, taken in the order they were expected.
-
-    Beyond the paper: what a pipelined algorithm needs (the chunks of
-    :func:`~.ssar_split_allgather.ssar_split_allgather`). A message of unknown
-    length is matched by the transport in the order its receives were posted
-    (gloo: its length, then its body) or waited for (MPI, in-process ranks), so an
-    inbox posts one receive per source at a time, the next as soon as the one
-    before has its length (:meth:`Handle.progress`, which posts its body), and
-    takes each source's messages in order. Every receive is a
-    :meth:`~sparcml.comm.Communicator.irecv` on the calls' tag: an abort note from
-    a failing rank reaches whichever is posted.
-    """
-
-    def __init__(self, comm: Communicator) -> None:
-        self.comm = comm
-        self._queues: dict[int, deque[Receipt]] = {}
-
-    def expect(self, src: int) -> Receipt:
-        """Expect the next message from ``src``; its receive is posted now if none
-        from ``src`` is waiting for its length."""
-        queue = self._queues.setdefault(src, deque())
-        receipt = Receipt(self, src)
-        queue.append(receipt)
-        if len(queue) == 1:
-            receipt.handle = self.comm.irecv(src)
-        return receipt
-
-    def take(self, receipt: Receipt) -> None:
-        """Receive ``receipt``'s message and every earlier one from its source."""
-        queue = self._queues[receipt.src]
-        while receipt.message is None:
-            head = queue[0]
-            assert head.handle is not None
-            head.handle.progress()  # its length is in: the next receive may be posted
-            if len(queue) > 1 and queue[1].handle is None:
-                queue[1].handle = self.comm.irecv(receipt.src)
-            got = head.handle.wait()
-            assert got is not None
-            head.message = got
-            queue.popleft()
 
 
 def largest_power_of_two(p: int) -> int:

@@ -19,60 +19,34 @@ the ``P k beta_s`` of handing the whole result back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-
 import torch
 
-from ..comm import Communicator, Handle, resolve
+from ..comm import Communicator, resolve
 from ..comm.engine import Work
 from ..errors import WireFormatError
 from ..stream import SparseStream
 from ..wire import pack, unpack
-from ._common import Pending, largest_power_of_two
+from ._common import largest_power_of_two
 from ._twolevel import node_and_lane
 from .codec import EXACT, StreamCodec
 
 __all__ = [
     "allgather_buffers",
     "allgather_buffers_on_nodes",
-    "allgather_exchanges",
     "gather_streams",
-    "run_exchanges",
     "sparse_allgather",
 ]
 
 
 def allgather_buffers(buf: torch.Tensor, comm: Communicator) -> list[torch.Tensor]:
     """Recursive-doubling allgather of one byte buffer per rank (steps 0-2 above)."""
-    return run_exchanges(allgather_exchanges(buf, comm, comm.irecv))
-
-
-def run_exchanges(exchanges: Generator[None, None, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Run the rest of :func:`allgather_exchanges`' exchanges; the gathered buffers."""
-    while True:
-        try:
-            next(exchanges)
-        except StopIteration as done:
-            result: list[torch.Tensor] = done.value
-            return result
-
-
-def allgather_exchanges(
-    buf: torch.Tensor, comm: Communicator, expect: Callable[[int], Pending]
-) -> Generator[None, None, list[torch.Tensor]]:
-    """:func:`allgather_buffers` one exchange at a time: yields after posting each
-    exchange's send and receive (``expect(src)``), so that a caller may work while the
-    messages travel (the pipelined split allgather); returns the ``P`` buffers in
-    rank order (:func:`run_exchanges`)."""
     p, me = comm.world_size, comm.rank
     if p == 1:
         return [buf]
     p2 = largest_power_of_two(p)
     held: dict[int, torch.Tensor] = {me: buf}
-    sends: list[Handle] = []
 
-    def merge(bundle: torch.Tensor | None) -> None:
-        assert bundle is not None
+    def merge(bundle: torch.Tensor) -> None:
         for owner, data in unpack(bundle, p):
             if owner in held:
                 raise WireFormatError(f"rank {me}: received rank {owner}'s block twice")
@@ -83,29 +57,20 @@ def allgather_exchanges(
 
     # Step 0: fold the ranks beyond the power of two onto their partners.
     if me >= p2:
-        sends.append(comm.isend(bundle(), me - p2))
-        got = expect(me - p2)
-        yield
+        comm.send(bundle(), me - p2)
         held.clear()
-        merge(got.wait())
+        merge(comm.recv(me - p2))
     else:
         if me < p - p2:
-            got = expect(me + p2)
-            yield
-            merge(got.wait())
+            merge(comm.recv(me + p2))
         # Step 1: recursive doubling among the first P' ranks.
         mask = 1
         while mask < p2:
-            sends.append(comm.isend(bundle(), me ^ mask))
-            got = expect(me ^ mask)
-            yield
-            merge(got.wait())
+            merge(comm.sendrecv(bundle(), me ^ mask))
             mask <<= 1
         # Step 2: unfold.
         if me < p - p2:
-            sends.append(comm.isend(bundle(), me + p2))
-    for s in sends:
-        s.wait()
+            comm.send(bundle(), me + p2)
     if len(held) != p:
         missing = sorted(set(range(p)) - set(held))
         raise WireFormatError(f"rank {me}: allgather finished without ranks {missing}")
