@@ -117,13 +117,15 @@ def main() -> None:
     split_in, split_out = piece.repeat(p), torch.empty(p * piece.numel(), dtype=torch.uint8)
     mine = torch.zeros(pairs_nbytes(width, reduced), dtype=torch.uint8)
     gathered = torch.empty(p * mine.numel(), dtype=torch.uint8)
+    # torch 2.13 renamed all_gather_into_tensor (the old name warns)
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     floor = timeit(
         f"gloo all_to_all_single, {piece.numel() * (p - 1) / 1e6:.2f} MB out",
         lambda: dist.all_to_all_single(split_out, split_in),
     )
     floor += timeit(
         f"gloo all_gather_into_tensor, {mine.numel() / 1e6:.2f} MB per rank",
-        lambda: dist.all_gather_into_tensor(gathered, mine),
+        lambda: all_gather(gathered, mine),
     )
     for coding in ("auto", "fixed"):
         took = timeit(

@@ -121,9 +121,9 @@ class HierarchicalDense:
     baseline next to the two-level sparse algorithms (issue 31).
 
     Every rank creates the node groups and the lane groups (``torch.distributed.new_group``,
-    all ranks, same order) once; a call then runs ``reduce_scatter_tensor`` inside the
+    all ranks, same order) once; a call then runs a reduce-scatter inside the
     node, ``all_reduce`` of the shard between nodes (the ranks with the same local
-    rank), and ``all_gather_into_tensor`` inside the node.
+    rank), and an allgather inside the node.
 
     Args:
         topology: the ranks' :class:`~sparcml.comm.topology.Topology` (several nodes
@@ -156,10 +156,13 @@ class HierarchicalDense:
         pad = (-n) % self.per_node
         flat = torch.cat([dense, dense.new_zeros(pad)]) if pad else dense.clone()
         shard = flat.new_empty(flat.numel() // self.per_node)
-        dist.reduce_scatter_tensor(shard, flat, group=self.node)
+        # torch 2.13 renamed these (the old names warn); torch >= 2.3 has the old ones
+        reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        reduce_scatter(shard, flat, group=self.node)
         dist.all_reduce(shard, group=self.lane)
         out = flat.new_empty(flat.numel())
-        dist.all_gather_into_tensor(out, shard, group=self.node)
+        all_gather(out, shard, group=self.node)
         return out[:n]
 
     def bytes_sent(self, n: int, isize: int = 4) -> float:
