@@ -57,8 +57,10 @@ def register_mismatch(comm: Any, hyper_by_rank: list[dict[str, Any]]) -> dict[st
 
 def refused_on_one_rank(comm: Any, api: str, bad: dict[str, Any]) -> dict[str, Any]:
     """Rank 1 builds its state with ``bad`` arguments (the others valid), through
-    ``register`` or PyTorch's ``(state, hook)`` pair (built at the first bucket); what
-    each rank raised and how long it took. The refusing rank stays alive a moment."""
+    ``register``, PyTorch's ``(state, hook)`` pair (built at the first bucket) or
+    ``SparcmlState.from_config`` (a ``method`` that is a config path: a file missing on
+    rank 1); what each rank raised and how long it took. The refusing rank stays
+    alive a moment."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
@@ -69,6 +71,9 @@ def refused_on_one_rank(comm: Any, api: str, bad: dict[str, Any]) -> dict[str, A
     try:
         if api == "register":
             st.register(model, method, timeout=20, **hyper)
+        elif api == "from_config":
+            config = method if method.endswith(".yaml") else {"method": method}
+            st.SparcmlState.from_config(config, timeout=20, **hyper)
         else:
             state, hook = st.comm_hook(method, timeout=20, **hyper)
             model.register_comm_hook(state, hook)

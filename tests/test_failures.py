@@ -204,6 +204,23 @@ def test_a_rank_that_refuses_its_arguments_is_named_by_every_rank_at_once(
 
 
 @pytest.mark.spawn
+@pytest.mark.parametrize("api", ["register", "comm_hook", "from_config"])
+def test_a_config_missing_on_one_rank_is_named_by_every_rank_at_once(api: str) -> None:
+    """An audit found: a config file that one rank cannot read (missing on its node)
+    raised FileNotFoundError there before any state was built, and noted nothing,
+    so the others waited out their timeout in the check-in. Now the rank notes it
+    as its refusal and the others raise RankMismatchError naming it, at once."""
+    missing = {"method": "/nonexistent/sparcml-config.yaml"}
+    out = run_processes(3, fw.refused_on_one_rank, api, missing, timeout=60)
+    assert out[1]["type"] == "FileNotFoundError", out[1]
+    for r in (0, 2):
+        assert out[r]["type"] == "RankMismatchError", out[r]
+        assert "rank(s) [1] could not build their SparcmlState" in out[r]["message"]
+        assert "sparcml-config.yaml" in out[r]["message"], out[r]
+        assert out[r]["seconds"] < 10, out[r]
+
+
+@pytest.mark.spawn
 def test_a_rank_that_never_builds_its_state_is_named_at_the_timeout() -> None:
     """The check-in's other half: a rank that neither builds nor refuses its state
     in time (another program, or late) is named by a CommTimeoutError at the

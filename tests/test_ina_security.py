@@ -505,6 +505,30 @@ def test_a_dead_worker_of_a_keyed_session_is_named() -> None:
         assert "waiting for worker(s) [1]" in str(errs[r]), errs[r]
 
 
+@pytest.mark.parametrize(
+    ("ranks", "aggregator", "says"),
+    [
+        (b"another secret", SECRET, "the ranks' secret is not the aggregator's --secret-file"),
+        (None, SECRET, "the aggregator has a secret, the ranks none"),
+        (SECRET, None, "the ranks have a secret, the aggregator none"),
+    ],
+)
+def test_a_secret_mismatch_with_the_aggregator_is_named_as_such(
+    ranks: bytes | None, aggregator: bytes | None, says: str
+) -> None:
+    """An audit found: ranks whose secret differs from the aggregator's (or one side
+    without any) timed out told that the aggregator "holds no state of this session
+    (expired?)". Its rejection counters tell the secret apart; the error says so."""
+    xs = _ints(3, 200, 5)
+    with AggregatorServer(secret=aggregator) as srv:
+        s = InaSession.create(3, "fixed", ranks)
+        _, errs = _workers(range(3), 3, xs, srv.address, "fixed", s, timeout=1.0)
+    for e in errs:
+        assert isinstance(e, CommTimeoutError), e
+        assert "a secret mismatch? " in str(e) and says in str(e), e
+        assert "expired" not in str(e), e
+
+
 # --------------------------------------------------------- keyed end to end
 def test_sessions_are_agreed_through_the_process_group() -> None:
     def fn(comm):  # type: ignore[no-untyped-def]

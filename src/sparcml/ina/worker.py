@@ -313,6 +313,13 @@ def _result(buf: bytes, session: InaSession, world: int, code: int) -> Packet | 
     return p
 
 
+#: what the aggregator's rejection reasons that concern the secret say of a session
+SECRET_MISMATCH = {
+    "bad_mac": "tags that do not verify: the ranks' secret is not the aggregator's --secret-file",
+    "mac_required": "untagged packets: the aggregator has a secret, the ranks none",
+    "no_key": "tagged packets: the ranks have a secret, the aggregator none",
+}
+
 STATS_REQUEST_BYTES = 1200  # the padded size of a STATS request: the reply fits in it
 
 
@@ -350,7 +357,10 @@ def _missing(
         if session.key is not None and mine is not None and not verify(buf, session.key):
             mine = None
         if mine is None:
-            return f"{text}: the aggregator holds no state of this session (expired?){why}"
+            # (its counters are the aggregator's, every session's: a likely cause)
+            keyed = [SECRET_MISMATCH[r] for r in rejects if r in SECRET_MISMATCH]
+            cause = f"a secret mismatch? {'; '.join(keyed)}" if keyed else "expired?"
+            return f"{text}: the aggregator holds no state of this session ({cause}){why}"
         if mine.get("missing"):
             return (
                 f"{text}: the aggregator is waiting for worker(s) [{mine['missing']}] (dead?){why}"

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .construction import note_refusal
 from .rules import DensityWarmup, LayerRule, StepRange
 
 __all__ = ["CONFIG_SUFFIXES", "is_config", "load_config", "resolve_method", "state_or_method"]
@@ -126,7 +127,21 @@ def state_or_method(
         if method is not None or options:
             raise ValueError("give either a state or a method with its options, not both")
         return None
-    return resolve_method("topk" if method is None else method, options)
+    return resolved_or_noted("topk" if method is None else method, options)
+
+
+def resolved_or_noted(method: Any, options: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """:func:`resolve_method` where a state is to be built from it: a config this
+    rank cannot read (a file missing on one node, malformed there) is noted as this
+    rank's refusal (:func:`~sparcml.torch.construction.note_refusal`, unless the
+    options name their own communicator), so the other ranks' states raise naming
+    this rank at once instead of waiting out their timeout for it."""
+    try:
+        return resolve_method(method, options)
+    except Exception as e:
+        if options.get("comm") is None:
+            note_refusal(e)
+        raise
 
 
 def resolve_method(method: Any, options: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:

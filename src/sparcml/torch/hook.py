@@ -36,8 +36,7 @@ import torch.distributed as dist
 
 from ..comm.engine import complete_future, device_future
 from ..errors import RankMismatchError
-from .config import resolve_method, state_or_method
-from .construction import note_refusal
+from .config import resolved_or_noted, state_or_method
 from .layout import reduce_ddp_bucket
 from .methods import MethodConfig
 from .peers import PeerState, pytorch_method, register_peer
@@ -362,12 +361,7 @@ class HookState:
     ) -> None:
         # (a refusal is noted: the other ranks build their state at their first bucket
         # and find it there, naming this rank, instead of waiting for it)
-        try:
-            method, options = resolve_method(method, options)
-        except Exception as e:
-            if options.get("comm") is None:
-                note_refusal(e)
-            raise
+        method, options = resolved_or_noted(method, options)
         checked_locally(method, options)
         self.method = method
         self.options = dict(options)

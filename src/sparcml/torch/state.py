@@ -31,7 +31,7 @@ from ..comm import Communicator, SelfCommunicator
 from ..comm import refuse_silent_world_of_one as _refuse_silent_world_of_one
 from ..compress.warmup import warm_kernels
 from ..sgd.feedback import ErrorFeedback, MomentumCorrection
-from .config import resolve_method
+from .config import resolved_or_noted
 from .construction import checked_in_group, note_refusal
 from .methods import MethodConfig, config_of, method_spec, methods
 from .rules import Density, LayerRule, describe_schedule, rules_from
@@ -128,7 +128,7 @@ class SparcmlState:
             >>> SparcmlState.from_config({"method": "topk", "density": 0.05}).density
             0.05
         """
-        method, options = resolve_method(config, overrides)
+        method, options = resolved_or_noted(config, overrides)
         return cls(method, **options)
 
     def __init__(
