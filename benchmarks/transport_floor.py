@@ -4,7 +4,8 @@ Issue 13: the dense baseline of ``sparcml bench`` on the emulated cluster is
 bimodal (about 1.1 s or 2.2 s per 64 MB allreduce at P = 8, 1 Gbit/s), and the
 "x dense" ratios depend on which mode the dense row lands in. This script, run
 as the ranks of a torch.distributed job (``sparcml cluster ... --``), times in
-one process group, after a barrier each, the slowest rank per call:
+one process group the slowest rank per call of each row below, the rows in
+turn, ``--calls`` rounds (:class:`Rounds`), and prints the ratios of their p50s:
 
 * the plain gloo ``all_reduce`` of ``N`` float32 in place, of a fresh clone,
   through :meth:`TorchDistCommunicator.allreduce` and through
@@ -84,28 +85,68 @@ def gloo_job(doc: str, calls: int) -> tuple[argparse.Namespace, TorchDistCommuni
     return args, TorchDistCommunicator()
 
 
+class Rounds:
+    """Rows timed in alternation: every round runs each row once, after a barrier
+    each, and records the slowest rank's seconds. A job's p50s then share its
+    drifts (the link's, the machine's), so their ratios hold still; rows timed in
+    blocks of calls moved by as much as the algorithms differ (docs/cluster.md)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, Callable[[], object]] = {}
+        self.times: dict[str, list[float]] = {}
+
+    def add(self, name: str, fn: Callable[[], object]) -> str:
+        self.rows[name] = fn
+        return name
+
+    def run(self, rounds: int) -> dict[str, float]:
+        """Warm every row once, then ``rounds`` rounds; rank 0 prints each row's p50,
+        min and max (ms); every rank returns the p50s."""
+        for fn in self.rows.values():
+            fn()
+        self.times = {name: [] for name in self.rows}
+        for _ in range(rounds):
+            for name, fn in self.rows.items():
+                dist.barrier()
+                t = time.perf_counter()
+                fn()
+                worst = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                self.times[name].append(float(worst) * 1e3)
+        p50 = {name: statistics.median(ts) for name, ts in self.times.items()}
+        if dist.get_rank() == 0:
+            for name, ts in self.times.items():
+                print(
+                    f"{name:<56} p50 {p50[name]:8.1f} ms  min {min(ts):8.1f}  max {max(ts):8.1f}",
+                    flush=True,
+                )
+        return p50
+
+
 def main() -> None:
     args, comm = gloo_job(__doc__, calls=5)
     p, me = comm.world_size, comm.rank
-    timeit = slowest_rank_timer(args.calls)
     n, k = args.size, k_of(args.density, args.size)
     if me == 0:
         thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
-        print(f"P={p} N={n:,} k={k:,} per rank, THP_MEM_ALLOC_ENABLE={thp}", flush=True)
+        print(
+            f"P={p} N={n:,} k={k:,} per rank, THP_MEM_ALLOC_ENABLE={thp}, "
+            f"{args.calls} rounds of every row in turn",
+            flush=True,
+        )
     x = torch.randn(n)
-    ratios: list[tuple[str, float, float]] = []  # (what, its p50, the p50 it is held to)
-    in_place = timeit(
+    rows = Rounds()
+    in_place = rows.add(
         f"gloo all_reduce in place ({4 * n / 1e6:.1f} MB)", lambda: dist.all_reduce(x)
     )
-    timeit("gloo all_reduce of a fresh clone", lambda: dist.all_reduce(x.clone()))
-    timeit("TorchDistCommunicator.allreduce", lambda: comm.allreduce(x))
+    rows.add("gloo all_reduce of a fresh clone", lambda: dist.all_reduce(x.clone()))
+    rows.add("TorchDistCommunicator.allreduce", lambda: comm.allreduce(x))
     g = torch.Generator().manual_seed(me)
     idx = torch.randperm(n, generator=g)[:k]
     stream = SparseStream(idx, torch.randn(k, generator=g), n)
-    dense = timeit(
+    dense = rows.add(
         "sparse_allreduce(algorithm='dense')", lambda: sparse_allreduce(stream, comm, "dense")
     )
-    ratios.append(("algorithm='dense' / gloo in place", dense, in_place))
     # the split allgather's bytes: k pairs cut into P pieces, then the reduced ranges
     width, d = n // p, args.density
     reduced = round(width * (1 - (1 - d) ** p))  # expected union of one range
@@ -119,23 +160,27 @@ def main() -> None:
     gathered = torch.empty(p * mine.numel(), dtype=torch.uint8)
     # torch 2.13 renamed all_gather_into_tensor (the old name warns)
     all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    floor = timeit(
-        f"gloo all_to_all_single, {piece.numel() * (p - 1) / 1e6:.2f} MB out",
-        lambda: dist.all_to_all_single(split_out, split_in),
-    )
-    floor += timeit(
-        f"gloo all_gather_into_tensor, {mine.numel() / 1e6:.2f} MB per rank",
-        lambda: all_gather(gathered, mine),
-    )
-    for coding in ("auto", "fixed"):
-        took = timeit(
+    split_floor = [
+        rows.add(
+            f"gloo all_to_all_single, {piece.numel() * (p - 1) / 1e6:.2f} MB out",
+            lambda: dist.all_to_all_single(split_out, split_in),
+        ),
+        rows.add(
+            f"gloo all_gather_into_tensor, {mine.numel() / 1e6:.2f} MB per rank",
+            lambda: all_gather(gathered, mine),
+        ),
+    ]
+    split = {
+        coding: rows.add(
             f"sparse_allreduce(algorithm='ssar_split_allgather'), {coding}",
             lambda coding=coding: sparse_allreduce(
                 stream, comm, "ssar_split_allgather", index_coding=coding
             ),
         )
-        ratios.append((f"ssar_split_allgather, {coding} / its floor", took, floor))
-        ratios.append((f"gloo in place / ssar_split_allgather, {coding}", in_place, took))
+        for coding in ("auto", "fixed")
+    }
+    doubling: dict[str, str] = {}
+    doubling_floor = ""
     if p & (p - 1) == 0 and p > 1:
         # recursive doubling: round t sends the partial sum of 2^(t-1) ranks' k pairs
         rounds = p.bit_length() - 1
@@ -151,20 +196,34 @@ def main() -> None:
                     r.wait()
 
         total = sum(b.numel() for b in sends) / 1e6
-        floor = timeit(
+        doubling_floor = rows.add(
             f"gloo isend/irecv of recursive doubling's rounds, {total:.2f} MB out", exchanges
         )
-        for coding in ("auto", "fixed"):
-            took = timeit(
+        doubling = {
+            coding: rows.add(
                 f"sparse_allreduce(algorithm='ssar_recursive_double'), {coding}",
                 lambda coding=coding: sparse_allreduce(
                     stream, comm, "ssar_recursive_double", index_coding=coding
                 ),
             )
-            ratios.append((f"ssar_recursive_double, {coding} / its floor", took, floor))
-            ratios.append((f"gloo in place / ssar_recursive_double, {coding}", in_place, took))
-    timeit(f"gloo all_reduce in place ({4 * n / 1e6:.1f} MB), again", lambda: dist.all_reduce(x))
+            for coding in ("auto", "fixed")
+        }
+    p50 = rows.run(args.calls)
     if me == 0:  # the ratios of p50s measured above, in this job
+        ratios = [("algorithm='dense' / gloo in place", p50[dense], p50[in_place])]
+        floor = sum(p50[r] for r in split_floor)
+        for coding, row in split.items():
+            ratios.append((f"ssar_split_allgather, {coding} / its floor", p50[row], floor))
+            ratios.append(
+                (f"gloo in place / ssar_split_allgather, {coding}", p50[in_place], p50[row])
+            )
+        for coding, row in doubling.items():
+            ratios.append(
+                (f"ssar_recursive_double, {coding} / its floor", p50[row], p50[doubling_floor])
+            )
+            ratios.append(
+                (f"gloo in place / ssar_recursive_double, {coding}", p50[in_place], p50[row])
+            )
         print("ratios of the p50s above (issue 35: a sparse call at most 1.2x its floor):")
         for what, a, b in ratios:
             print(f"  {what:<52} {a / b:6.2f}x")
