@@ -5,7 +5,8 @@ bimodal (about 1.1 s or 2.2 s per 64 MB allreduce at P = 8, 1 Gbit/s), and the
 "x dense" ratios depend on which mode the dense row lands in. This script, run
 as the ranks of a torch.distributed job (``sparcml cluster ... --``), times in
 one process group the slowest rank per call of each row below, the rows in
-turn, ``--calls`` rounds (:class:`Rounds`), and prints the ratios of their p50s:
+turn, ``--calls`` rounds (:class:`Rounds`: the dense rows among themselves, then
+the sparse ones), and prints the ratios of their p50s:
 
 * the plain gloo ``all_reduce`` of ``N`` float32 in place, of a fresh clone,
   through :meth:`TorchDistCommunicator.allreduce` and through
@@ -88,8 +89,10 @@ def gloo_job(doc: str, calls: int) -> tuple[argparse.Namespace, TorchDistCommuni
 class Rounds:
     """Rows timed in alternation: every round runs each row once, after a barrier
     each, and records the slowest rank's seconds. A job's p50s then share its
-    drifts (the link's, the machine's), so their ratios hold still; rows timed in
-    blocks of calls moved by as much as the algorithms differ (docs/cluster.md)."""
+    drifts (the link's, the machine's); rows timed in blocks of calls moved by as
+    much as the algorithms differ (docs/cluster.md). The dense rows alternate among
+    themselves and the sparse rows among themselves: a sparse call right after a
+    67 MB allreduce ran slower than in a round of sparse calls."""
 
     def __init__(self) -> None:
         self.rows: dict[str, Callable[[], object]] = {}
@@ -135,7 +138,7 @@ def main() -> None:
             flush=True,
         )
     x = torch.randn(n)
-    rows = Rounds()
+    rows = dense_rows = Rounds()
     in_place = rows.add(
         f"gloo all_reduce in place ({4 * n / 1e6:.1f} MB)", lambda: dist.all_reduce(x)
     )
@@ -148,6 +151,7 @@ def main() -> None:
         "sparse_allreduce(algorithm='dense')", lambda: sparse_allreduce(stream, comm, "dense")
     )
     # the split allgather's bytes: k pairs cut into P pieces, then the reduced ranges
+    rows = Rounds()
     width, d = n // p, args.density
     reduced = round(width * (1 - (1 - d) ** p))  # expected union of one range
 
@@ -208,7 +212,7 @@ def main() -> None:
             )
             for coding in ("auto", "fixed")
         }
-    p50 = rows.run(args.calls)
+    p50 = {**dense_rows.run(args.calls), **rows.run(args.calls)}
     if me == 0:  # the ratios of p50s measured above, in this job
         ratios = [("algorithm='dense' / gloo in place", p50[dense], p50[in_place])]
         floor = sum(p50[r] for r in split_floor)

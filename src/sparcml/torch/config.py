@@ -44,7 +44,14 @@ from typing import Any
 from .construction import note_refusal
 from .rules import DensityWarmup, LayerRule, StepRange
 
-__all__ = ["CONFIG_SUFFIXES", "is_config", "load_config", "resolve_method", "state_or_method"]
+__all__ = [
+    "CONFIG_SUFFIXES",
+    "is_config",
+    "load_config",
+    "resolve_method",
+    "resolved_or_noted",
+    "state_or_method",
+]
 
 #: file name endings read as configs (a method name never ends so)
 CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
