@@ -165,6 +165,32 @@ def test_decode_concat_equals_decoding_then_concatenating() -> None:
         decode_concat([bad], [sizes[0]], torch.float32)
 
 
+def test_decode_concat_copies_known_ranges_in_place_of_their_messages() -> None:
+    """A rank's own range, held as a stream, is copied in instead of decoded from
+    the message it sent (the split allgather's last step): the same result, whatever
+    its message holds (here garbage); a dense known range leaves the caller to
+    decode one by one; a known range of the wrong size is refused."""
+    from sparcml.wire import decode_concat
+
+    g = torch.Generator().manual_seed(4)
+    sizes = [1000, 0, 3000, 17]
+    parts = []
+    for n in sizes:
+        idx = torch.randperm(n, generator=g)[: n // 10].sort().values
+        parts.append(SparseStream(idx, torch.randn(idx.numel(), generator=g), n))
+    bufs = [encode(p) for p in parts]
+    want = decode_concat(bufs, sizes, torch.float32)
+    assert want is not None
+    for j in range(len(sizes)):
+        garbage = [b if i != j else torch.zeros(3, dtype=torch.uint8) for i, b in enumerate(bufs)]
+        got = decode_concat(garbage, sizes, torch.float32, known={j: parts[j]})
+        assert got is not None and got.equal(want), j
+    dense = SparseStream.dense(torch.ones(17))
+    assert decode_concat(bufs, sizes, torch.float32, known={3: dense}) is None
+    with pytest.raises(ValueError, match="range 2: a known stream"):
+        decode_concat(bufs, sizes, torch.float32, known={2: parts[0]})
+
+
 def idx0() -> torch.Tensor:
     return torch.zeros(0, dtype=torch.int64)
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -300,6 +300,7 @@ def decode_concat(
     sizes: Sequence[int],
     dtype: torch.dtype,
     device: torch.device | str | None = None,
+    known: Mapping[int, SparseStream] | None = None,
 ) -> SparseStream | None:
     """Decode messages holding consecutive ranges of one vector into their concatenation.
 
@@ -313,18 +314,29 @@ def decode_concat(
         sizes: each range's expected size.
         dtype: the values' expected dtype.
         device: where to place the result (default: the first buffer's device).
+        known: ranges already held as streams (a rank's own range, whose message it
+            sent itself), by position: copied in, their ``bufs`` entries not read.
 
     Returns:
-        The concatenated stream, or ``None`` when a message holds a dense stream
-        (the caller then decodes one by one).
+        The concatenated stream, or ``None`` when a message (or a known stream)
+        holds a dense stream (the caller then decodes one by one).
 
     Raises:
         WireFormatError: as :func:`decode`, naming the message.
     """
     if len(bufs) != len(sizes):
         raise ValueError(f"{len(bufs)} messages for {len(sizes)} ranges")
-    heads = []
+    known = known or {}
+    heads: list[_Checked | SparseStream] = []
     for j, (buf, size) in enumerate(zip(bufs, sizes, strict=True)):
+        if j in known:
+            part = known[j]
+            if part.size != size or part.dtype != dtype:
+                raise ValueError(f"range {j}: a known stream of {part} for size {size}, {dtype}")
+            if part.is_dense:
+                return None
+            heads.append(part)
+            continue
         try:
             head = _checked_header(buf, size, dtype)
         except WireFormatError as e:
@@ -338,11 +350,15 @@ def decode_concat(
     values = torch.empty(total, dtype=dtype, device=target)
     start = offset = 0
     for j, (buf, size, h) in enumerate(zip(bufs, sizes, heads, strict=True)):
-        body = buf[HEADER_BYTES:].to(target)
         stop = start + h.nnz
-        _read_index_field(h, body[: h.field], indices[start:stop], offset, f"range {j}")
-        # a byte copy: the values need not be aligned in the message (c = 3)
-        as_bytes(values[start:stop]).copy_(body[h.field :])
+        if isinstance(h, SparseStream):
+            torch.add(h.indices.to(target), offset, out=indices[start:stop])
+            values[start:stop].copy_(h.values)
+        else:
+            body = buf[HEADER_BYTES:].to(target)
+            _read_index_field(h, body[: h.field], indices[start:stop], offset, f"range {j}")
+            # a byte copy: the values need not be aligned in the message (c = 3)
+            as_bytes(values[start:stop]).copy_(body[h.field :])
         start = stop
         offset += size
     return SparseStream.from_sorted(indices, values, offset)

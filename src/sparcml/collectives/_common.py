@@ -81,13 +81,19 @@ def decode_ranges(
     like: SparseStream,
     rank: int,
     what: str,
+    own: tuple[int, SparseStream] | None = None,
 ) -> SparseStream:
     """The concatenation of the gathered messages of consecutive ranges ``bounds``
     (the last step of the split-allgather algorithms), decoded straight into the
-    result; a corrupt or mismatched message raises naming ``what`` was gathered."""
+    result; a corrupt or mismatched message raises naming ``what`` was gathered.
+
+    ``own``: ``(position, stream)`` of the range this rank reduced and sent, as its
+    receivers decode it (:meth:`StreamCodec.roundtrip`): copied in, not decoded
+    from its own message (beyond the paper: 1/P of the decoding saved)."""
     widths = [bounds[j + 1] - bounds[j] for j in range(len(bounds) - 1)]
+    known = dict([own]) if own is not None else None
     try:
-        return codec.decode_concat(bufs, widths, like.dtype, like.device)
+        return codec.decode_concat(bufs, widths, like.dtype, like.device, known)
     except WireFormatError as e:
         raise WireFormatError(f"rank {rank}: {what}: {e} (do all ranks pass the same N?)") from None
 

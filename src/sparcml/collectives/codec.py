@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -356,15 +356,26 @@ class StreamCodec:
         sizes: Sequence[int],
         dtype: torch.dtype,
         device: torch.device,
+        known: Mapping[int, SparseStream] | None = None,
     ) -> SparseStream:
         """Decode the messages of consecutive ranges into their concatenation: exact
         sparse messages straight into the result (:func:`~sparcml.wire.decode_concat`),
-        anything else one by one, then :meth:`SparseStream.concat`."""
-        if not any(b.numel() >= 3 and bytes(b[:3].tolist()) == b"SpQ" for b in bufs):
-            out = decode_concat(bufs, sizes, dtype, device)
+        anything else one by one, then :meth:`SparseStream.concat`. ``known``: ranges
+        already held as the streams the messages decode to (not decoded again)."""
+        known = known or {}
+        quantized = (
+            b.numel() >= 3 and bytes(b[:3].tolist()) == b"SpQ"
+            for j, b in enumerate(bufs)
+            if j not in known
+        )
+        if not any(quantized):
+            out = decode_concat(bufs, sizes, dtype, device, known)
             if out is not None:
                 return out
-        parts = [self.decode(b, n, dtype, device) for b, n in zip(bufs, sizes, strict=True)]
+        parts = [
+            known[j] if j in known else self.decode(b, n, dtype, device)
+            for j, (b, n) in enumerate(zip(bufs, sizes, strict=True))
+        ]
         return SparseStream.concat(parts)
 
     def roundtrip(

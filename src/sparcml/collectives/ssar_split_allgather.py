@@ -70,6 +70,9 @@ def ssar_split_allgather(
     # Steps 1-2: split and reduce.
     mine, bounds, _ = split_and_reduce(stream, comm, codec)
     # Step 3: sparse allgather of the reduced ranges, then concatenation.
-    bufs = allgather_buffers(codec.encode(mine, partial=True), comm)
-    # decoded straight into the result (exact codec: one pass per range)
-    return decode_ranges(codec, bufs, bounds, stream, comm.rank, "the gathered ranges")
+    buf = codec.encode(mine, partial=True)
+    bufs = allgather_buffers(buf, comm)
+    # decoded straight into the result (exact codec: one pass per range; this
+    # rank's own range as its receivers decode it, without decoding it again)
+    own = (comm.rank, codec.roundtrip(mine, buf, partial=True))
+    return decode_ranges(codec, bufs, bounds, stream, comm.rank, "the gathered ranges", own)

@@ -122,7 +122,9 @@ def twolevel_shard(
         return mine
     # Step 3: allgather of the reduced shards inside the node, then concatenation.
     bufs = allgather_buffers(inside.encode_exact(mine), node)
-    return decode_ranges(inside, bufs, bounds, stream, comm.rank, "the node's gathered shards")
+    return decode_ranges(
+        inside, bufs, bounds, stream, comm.rank, "the node's gathered shards", (node.rank, mine)
+    )
 
 
 # twolevel_shard+ssar_split_allgather, twolevel_shard+dsar_split_allgather: auto's other inners
