@@ -105,10 +105,15 @@ def test_sparse_allgather_returns_every_stream(world: int) -> None:
         return s, sparse_allgather(s, comm)
 
     out = run_ranks(world, fn)
-    for _, gathered in out:
+    for rank, (mine, gathered) in enumerate(out):
         assert len(gathered) == world
         for j in range(world):
             assert gathered[j].equal(out[j][0])
+        # this rank's own entry is not decoded again, but a copy: never its input
+        own = gathered[rank]
+        assert own is not mine
+        if own.nnz:
+            assert own.values.data_ptr() != mine.values.data_ptr()
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -146,12 +146,21 @@ def gather_streams(
 ) -> list[SparseStream]:
     """The blocking allgather itself, for use inside other collectives.
 
-    Every stream, this rank's own included, is decoded from the gathered bytes,
-    so a lossy codec leaves every rank with the same values. ``partial``: the
-    streams are partial sums, not the ranks' own contributions (see :mod:`.codec`).
-    On ranks spanning several nodes of several ranks the bytes gather in two
-    levels (:func:`allgather_buffers_on_nodes`: each block crosses the node's NIC
-    once per other node instead of once per rank there); flat elsewhere.
+    Every stream is what its message decodes to, so a lossy codec leaves every
+    rank with the same values; this rank's own is not decoded again but taken as
+    its receivers decode it (:meth:`StreamCodec.roundtrip`, a copy: never the
+    caller's stream itself). ``partial``: the streams are partial sums, not the
+    ranks' own contributions (see :mod:`.codec`). On ranks spanning several nodes
+    of several ranks the bytes gather in two levels
+    (:func:`allgather_buffers_on_nodes`: each block crosses the node's NIC once per
+    other node instead of once per rank there); flat elsewhere.
     """
-    bufs = allgather_buffers_on_nodes(codec.encode(stream, partial=partial), comm)
-    return [codec.decode(b, None, stream.dtype, stream.device) for b in bufs]
+    buf = codec.encode(stream, partial=partial)
+    bufs = allgather_buffers_on_nodes(buf, comm)
+    own = codec.roundtrip(stream, buf, partial=partial)
+    if own is stream:
+        own = stream.clone()
+    return [
+        own if r == comm.rank else codec.decode(b, None, stream.dtype, stream.device)
+        for r, b in enumerate(bufs)
+    ]
