@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("-d", "--density", type=float, default=0.00781)
     ap.add_argument("--rounds", type=int, default=41)
     args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2 (quartiles of the rounds)")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     comm = TorchDistCommunicator()

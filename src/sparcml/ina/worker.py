@@ -357,9 +357,10 @@ def _missing(
         if session.key is not None and mine is not None and not verify(buf, session.key):
             mine = None
         if mine is None:
-            # (its counters are the aggregator's, every session's: a likely cause)
+            # (its counters are the aggregator's, over every session and its whole
+            # life: a likely cause, next to expiry, not a verdict)
             keyed = [SECRET_MISMATCH[r] for r in rejects if r in SECRET_MISMATCH]
-            cause = f"a secret mismatch? {'; '.join(keyed)}" if keyed else "expired?"
+            cause = f"expired, or a secret mismatch? {'; '.join(keyed)}" if keyed else "expired?"
             return f"{text}: the aggregator holds no state of this session ({cause}){why}"
         if mine.get("missing"):
             return (
