@@ -449,26 +449,22 @@ class AggregatorServer:
         # and a chunk of an earlier call are refused, never answered with an old sum.
         shadow = s.shadows.get(p.chunk)
         call = p.chunk >> 32
-        if shadow is not None:
-            if shadow.nonces.get(p.worker) == p.epoch:
-                self.counters["retransmissions"] += 1
-                self._send(shadow.out, addr)
-            else:
+        # (a shadow dropped for room keeps its nonces: its chunk is complete too)
+        nonces = shadow.nonces if shadow is not None else s.evicted.get(p.chunk)
+        if nonces is not None:
+            if nonces.get(p.worker) != p.epoch:
                 self._refuse(s, p, addr, "replayed", f"call {call} of this session is complete "
                              "already: a call number used twice (a rewound counter or a "
                              "restored checkpoint?); open a new session")  # fmt: skip
-            return
-        nonces = s.evicted.get(p.chunk)
-        if nonces is not None and nonces.get(p.worker) != p.epoch:
-            self._refuse(s, p, addr, "replayed", f"call {call} of this session is complete "
-                         "already: a call number used twice (a rewound counter or a "
-                         "restored checkpoint?); open a new session")  # fmt: skip
-            return
-        if nonces is not None:
-            self._refuse(s, p, addr, "evicted", f"chunk {p.chunk:#x} is complete, but its "
-                         f"result was dropped for room (the aggregator keeps {self.slots} per "
-                         "session) before this worker had it: start the aggregator with "
-                         f"--slots at least the workers' window ({WINDOW} by default)")  # fmt: skip
+            elif shadow is not None:
+                self.counters["retransmissions"] += 1
+                self._send(shadow.out, addr)
+            else:
+                self._refuse(s, p, addr, "evicted", f"chunk {p.chunk:#x} is complete, but its "
+                             f"result was dropped for room (the aggregator keeps {self.slots} "
+                             "per session) before this worker had it: start the aggregator "
+                             f"with --slots at least the workers' window ({WINDOW} by "
+                             "default)")  # fmt: skip
             return
         if call < s.call:
             self._refuse(s, p, addr, "stale", f"chunk {p.chunk:#x} of call {call}, the session "
