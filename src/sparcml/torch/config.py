@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .construction import note_refusal
+from .construction import noting_refusal
 from .rules import DensityWarmup, LayerRule, StepRange
 
 __all__ = [
@@ -143,12 +143,9 @@ def resolved_or_noted(method: Any, options: Mapping[str, Any]) -> tuple[Any, dic
     rank's refusal (:func:`~sparcml.torch.construction.note_refusal`, unless the
     options name their own communicator), so the other ranks' states raise naming
     this rank at once instead of waiting out their timeout for it."""
-    try:
-        return resolve_method(method, options)
-    except Exception as e:
-        if options.get("comm") is None:
-            note_refusal(e)
-        raise
+    with noting_refusal(options.get("comm") is None):
+        resolved = resolve_method(method, options)
+    return resolved
 
 
 def resolve_method(method: Any, options: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:

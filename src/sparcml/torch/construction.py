@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from ..comm import TorchDistCommunicator
 from ..errors import CommTimeoutError, PeerFailedError, RankMismatchError
 
-__all__ = ["checked_in_group", "note_refusal"]
+__all__ = ["checked_in_group", "note_refusal", "noting_refusal"]
 
 #: the number of the next state this process builds or refuses
 _builds = itertools.count()
@@ -76,6 +77,19 @@ def note_refusal(error: BaseException) -> None:
     with contextlib.suppress(Exception):
         store.set(_key(n, dist.get_rank()), f"refused {type(error).__name__}: {error}")
         store.add(_key(n, "refused"), 1)
+
+
+@contextlib.contextmanager
+def noting_refusal(noting: bool = True) -> Iterator[None]:
+    """Step 1 around a rank's own checks of a state's arguments: an error raised
+    inside is noted as this rank's refusal (where ``noting``: the state is to be
+    built on the default group, not on a communicator of its own), then raised."""
+    try:
+        yield
+    except Exception as e:
+        if noting:
+            note_refusal(e)
+        raise
 
 
 def _refusals(store: Any, n: int, world: int) -> tuple[dict[int, str], dict[int, str]]:

@@ -32,7 +32,7 @@ from ..comm import refuse_silent_world_of_one as _refuse_silent_world_of_one
 from ..compress.warmup import warm_kernels
 from ..sgd.feedback import ErrorFeedback, MomentumCorrection
 from .config import resolved_or_noted
-from .construction import checked_in_group, note_refusal
+from .construction import checked_in_group, noting_refusal
 from .methods import MethodConfig, config_of, method_spec, methods
 from .rules import Density, LayerRule, describe_schedule, rules_from
 from .runtime import Group
@@ -144,7 +144,8 @@ class SparcmlState:
         **options: Any,
     ) -> None:
         joins = comm is None and dist.is_available() and dist.is_initialized()
-        try:
+        # (the others wait for this rank's verdict: sparcml.torch.construction)
+        with noting_refusal(joins):
             if isinstance(timeout, bool) or not isinstance(timeout, int | float):
                 raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
             if not 0 < timeout < math.inf:
@@ -154,10 +155,6 @@ class SparcmlState:
             )
             if joins:  # what the groups refuse (their operators' parameters), before it
                 _groups(configs, settings, rules, SelfCommunicator(), {})
-        except Exception as e:
-            if joins:  # the others wait for this rank's verdict (sparcml.torch.construction)
-                note_refusal(e)
-            raise
         self.settings = settings
         if comm is None:
             if joins:
@@ -472,14 +469,10 @@ def checked_locally(
     the ranks that build theirs (:func:`~.construction.note_refusal`), unless the
     options name their own communicator."""
     local = {k: v for k, v in options.items() if k not in ("comm", "timeout")}
-    try:
+    with noting_refusal(options.get("comm") is None):
         probe = SparcmlState(method, comm=SelfCommunicator(), **local)
         if check is not None:
             check(probe)
-    except Exception as e:
-        if options.get("comm") is None:
-            note_refusal(e)
-        raise
     return probe
 
 
