@@ -24,12 +24,13 @@ py=${PYTHON:-python3}
 cat "$out/device.txt"
 
 echo "== CUDA tests"
-"$py" -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="-ra" \
-    --timeout 300 --junitxml="$out/cuda_tests.xml" 2>&1 | tee "$out/cuda_tests.txt"
+# whole-step limits, so that a hang in one step leaves the other's output
+timeout "${TESTS_LIMIT_S:-300}" "$py" -m pytest tests/test_cuda.py -q -p no:cacheprovider \
+    -o addopts="-ra" --durations=10 --timeout 120 --junitxml="$out/cuda_tests.xml" 2>&1 | tee "$out/cuda_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== GPU kernel benchmark"
-"$py" -m sparcml.tools.cli bench-gpu --json "$out/bench_gpu.json" 2>"$out/bench_gpu.log" \
+timeout "${BENCH_LIMIT_S:-180}" "$py" -m sparcml.tools.cli bench-gpu --json "$out/bench_gpu.json" 2>"$out/bench_gpu.log" \
     | tee "$out/bench_gpu.txt"
 bench_rc=${PIPESTATUS[0]}
 echo "cuda tests exit $tests_rc, bench-gpu exit $bench_rc"

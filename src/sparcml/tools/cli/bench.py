@@ -432,8 +432,8 @@ def add_parsers(sub: Any) -> None:
         "bench-gpu",
         help="selection, quantizer and stream kernels on one device against their anchors",
         description="Times, in one run on one device: every selector against torch.topk at "
-        "0.1%% and 1%% of a 64 MB gradient (RedSync's 16-38x claim), the quantizers as a "
-        "share of a device-to-device copy (target 50%%), and the sparse collectives' local "
+        "0.1% and 1% of a 64 MB gradient (RedSync's 16-38x claim), the quantizers as a "
+        "share of a device-to-device copy (target 50%), and the sparse collectives' local "
         "stream kernels. Made for CUDA (benchmarks/gpu_check.sh); --device cpu runs it here.",
     )
     bg.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
