@@ -231,6 +231,17 @@ def test_measured_rows_are_the_median_of_repeated_calls(monkeypatch: pytest.Monk
     with pytest.raises(ValueError, match="repeats"):
         SimConfig(repeats=0).validate()
     assert SimConfig(compute="measured").timed_calls == simulate_tool.MEASURED_REPEATS > 1
+
+
+def test_measured_compute_on_scaled_down_data_is_refused() -> None:
+    # measured local work is timed on the vectors the ranks hold: scaled down s times,
+    # it would be charged for 1/s of the real work (the network charged at full scale)
+    cfg = SimConfig(world_sizes=(4, 64), size=1 << 20, sim_elements=1 << 24, compute="measured")
+    assert cfg.scale_for(4) == 1 and cfg.scale_for(64) == 4
+    with pytest.raises(ValueError, match=r"P=64 .*sim_elements=16,777,216.*67,108,864"):
+        cfg.validate()
+    SimConfig(world_sizes=(4, 16), size=1 << 20, sim_elements=1 << 24, compute="measured").validate()
+    dataclasses.replace(cfg, compute="model").validate()  # the model scales its gamma terms
     assert SimConfig(compute="model").timed_calls == 1
 
 

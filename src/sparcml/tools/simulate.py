@@ -164,6 +164,19 @@ class SimConfig:
             raise ValueError(
                 f"world sizes {odd} are not multiples of {self.ranks_per_node} ranks per node"
             )
+        if self.compute == "measured":
+            # measured local work is the ranks' real work on the data they hold: on
+            # vectors scaled down s times it would be charged for 1/s of the pairs
+            scaled = [p for p in self.world_sizes if self.scale_for(p) > 1]
+            if scaled:
+                p = max(scaled)
+                raise ValueError(
+                    f"measured compute times the ranks' work on full-size vectors, but at "
+                    f"P={p} the ranks would hold {self.size * p:,} elements, over the "
+                    f"memory budget sim_elements={self.sim_elements:,} (data scaled down "
+                    f"{self.scale_for(p)}x); raise sim_elements (--sim-elements) to at least "
+                    f"{self.size * p:,}, lower P or N, or use compute='model'"
+                )
         unknown = [a for a in self.algorithms if a not in algorithms()]
         if unknown:
             raise ValueError(f"cannot simulate {unknown}; choose from {', '.join(algorithms())}")
