@@ -205,3 +205,54 @@ def every_rank_raises(comm: Any) -> dict[str, Any]:
 MISMATCHES = _bench_faults.MISMATCHES
 MISMATCH_NAMES = _bench_faults.MISMATCH_NAMES
 mismatch = _bench_faults.mismatch_worker
+
+
+def mismatch_seen_by_one_rank(comm: Any) -> dict[str, Any] | None:
+    """Rank 0 waits in gloo's own allreduce (no abort note reaches it), rank 1
+    receives from rank 2, rank 2 sends, then raises a mismatch only it saw."""
+    from sparcml.comm.abort import mark_uniform
+    from sparcml.errors import RankMismatchError
+
+    number = comm.next_sequence()
+    out = None
+    try:
+        with comm.in_call(number):
+            if comm.rank == 0:
+                comm.allreduce(torch.ones(4))
+            elif comm.rank == 1:
+                comm.recv(2)
+                comm.recv(2)  # takes rank 2's note
+            else:
+                comm.send(torch.zeros(0, dtype=torch.uint8), 1)
+                raise mark_uniform(RankMismatchError("only rank 2 sees this"), False)
+    except Exception as e:
+        out = _caught(e)
+    if comm.rank != 0:
+        time.sleep(comm.timeout + 3)  # alive: no closed connection to go by
+    return out
+
+
+def alike_error_then_calls(comm: Any, algorithm: str, seconds: float, exits: int | None) -> Any:
+    """Every rank passes a tensor where a stream belongs (the documented TypeError,
+    raised by each), then makes calls for ``seconds``; rank ``exits`` leaves at the
+    third. Returns the first error and what the later calls did."""
+    import os
+
+    out: dict[str, Any] = {}
+    try:
+        sparse_allreduce(torch.zeros(8), comm)  # type: ignore[arg-type]
+    except Exception as e:
+        out["first"] = type(e).__name__
+    t0, calls = time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        if calls == 2 and comm.rank == exits:
+            os._exit(3)
+        s = SparseStream(torch.tensor([comm.rank]), torch.tensor([1.0]), 8)
+        try:
+            got = sparse_allreduce(s, comm, algorithm=algorithm)
+        except Exception as e:
+            return {**out, "calls": calls, "error": _caught(e)}
+        assert got.to_dense().tolist() == [1.0] * comm.world_size + [0.0] * (8 - comm.world_size)
+        calls += 1
+        time.sleep(0.1)
+    return {**out, "calls": calls, "error": None}

@@ -282,6 +282,49 @@ def test_ranks_failing_at_once_raise_their_own_errors_without_waiting_for_each_o
 
 
 @pytest.mark.spawn
+def test_a_mismatch_one_rank_saw_is_named_to_a_rank_in_a_dense_collective() -> None:
+    # rank 2 raises a mismatch only it saw; rank 0, inside gloo's own allreduce, takes
+    # no abort note and times out. It must name rank 2: the mismatch was not
+    # published (a type filter), so rank 0 named a live bystander, and rank 2's
+    # unsent note to rank 0 was waited for until the timeout in the background,
+    # closing the group's connections and publishing a verdict naming rank 0
+    out = run_processes(3, fw.mismatch_seen_by_one_rank, timeout=3.0, deadline=90)
+    assert out[0]["type"] == "PeerFailedError" and out[0]["peer"] == 2, out[0]
+    assert "rank 2 raised RankMismatchError" in out[0]["message"], out[0]
+    for o in out[1:]:
+        assert o["type"] == "RankMismatchError", o
+
+
+@pytest.mark.spawn
+def test_an_error_every_rank_raised_is_not_blamed_for_a_later_failure() -> None:
+    # a TypeError every rank raised leaves the communicator usable; its failure
+    # record must not name rank 0 when rank 2 dies two calls later
+    out = run_processes(
+        3, fw.alike_error_then_calls, "ssar_split_allgather", 30.0, 2,
+        timeout=3.0, deadline=90, allow_missing=True,
+    )  # fmt: skip
+    assert out[2] is None
+    for o in out[:2]:
+        assert o["first"] == "TypeError" and o["calls"] == 2, o
+        assert o["error"]["type"] == "PeerFailedError" and o["error"]["peer"] == 2, o
+        assert "TypeError" not in o["error"]["message"], o
+
+
+@pytest.mark.spawn
+def test_abort_notes_no_peer_takes_leave_the_group_usable() -> None:
+    # after a TypeError every rank raised, each rank's abort notes to the peers that
+    # recursive doubling never pairs it with stay unsent; waiting for them timed out
+    # in the background and closed the group's connections (calls then failed at the
+    # timeout, blaming the TypeError)
+    out = run_processes(
+        4, fw.alike_error_then_calls, "ssar_recursive_double", 5.0, None,
+        timeout=2.0, deadline=90,
+    )  # fmt: skip
+    for o in out:
+        assert o["first"] == "TypeError" and o["error"] is None and o["calls"] > 10, o
+
+
+@pytest.mark.spawn
 @pytest.mark.parametrize(
     ("scenario", "mode", "world", "seed", "victim"),
     [

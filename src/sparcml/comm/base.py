@@ -81,9 +81,11 @@ class Handle:
         self,
         waiter: Callable[[], torch.Tensor | None],
         progress: Callable[[], None] | None = None,
+        poll: Callable[[], bool] | None = None,
     ) -> None:
         self._waiter: Callable[[], torch.Tensor | None] | None = waiter
         self._progress = progress
+        self._poll = poll
         self._result: torch.Tensor | None = None
 
     def progress(self) -> None:
@@ -106,7 +108,9 @@ class Handle:
         return self._result
 
     def is_completed(self) -> bool:
-        return self._waiter is None
+        """Whether the operation is over: waited for, or (where the backend can tell
+        without waiting) finished."""
+        return self._waiter is None or (self._poll is not None and self._poll())
 
 
 def check_payload(buf: torch.Tensor) -> torch.Tensor:
@@ -158,6 +162,7 @@ class Communicator(abc.ABC):
         self._call: int | None = None  # the collective call in progress (its number)
         self._call_traffic = False  # a message of that call was sent or received
         self._broken: str | None = None  # why this communicator refuses further use
+        self._unsent_notes: list[Handle] = []  # abort notes no peer has taken yet
         self._topology: Any = None  # comm.topology.Topology, once set or detected
         self._groups: dict[tuple[int, ...], Any] = {}
 
@@ -266,8 +271,9 @@ class Communicator(abc.ABC):
         with contextlib.suppress(AttributeError):
             exc._sparcml_failed = True  # type: ignore[attr-defined]
         number = self._call if self._call is not None else self.next_sequence()
-        self.record_failure(exc)
         note = AbortNote.of(number, self.rank, exc)
+        if note.origin == self.rank:  # a forwarded note's origin recorded its own
+            self.record_failure(exc, number)
         payload = torch.frombuffer(bytearray(note.encode()), dtype=torch.uint8)
         sends = []
         for peer in range(self.world_size):
@@ -276,7 +282,7 @@ class Communicator(abc.ABC):
                     sends.append(self._send_note(payload, peer))
         self._flush_notes(sends)
         with contextlib.suppress(Exception):
-            self._after_failure(note.origin)
+            self._after_failure(note.origin, number)
         if self._call is None or self._call_traffic or note.origin != self.rank:
             # messages of the abandoned call may still be in flight on some link
             self._broken = (
@@ -292,24 +298,29 @@ class Communicator(abc.ABC):
         it), for at most :attr:`NOTE_FLUSH_S`. A transport may complete a send only
         once the peer posts its receive (gloo): a peer waiting on this rank takes its
         note at once; a peer that is failing too, or waiting on another rank, may
-        never post one, and two failing ranks waiting on each other's notes would
-        stall until the timeout. The sends go on in the background."""
-        if all(h.is_completed() for h in sends):
-            return
+        never post one. So the notes are polled, never waited for: a wait would end
+        only at the communicator's timeout, and a timed-out wait is itself a failure
+        (gloo closes the group's connections, and the timeout would be resolved,
+        naming a live rank). A note still unsent goes on in the background; its
+        handle is kept until it completes."""
+        deadline = time.monotonic() + self.NOTE_FLUSH_S
+        pending = [h for h in sends if not h.is_completed()]
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.002)
+            pending = [h for h in pending if not h.is_completed()]
+        self._unsent_notes = [h for h in self._unsent_notes if not h.is_completed()] + pending
 
-        def flush() -> None:
-            for h in sends:
-                with contextlib.suppress(Exception):
-                    h.wait()
-
-        t = threading.Thread(target=flush, name="sparcml-abort-notes", daemon=True)
-        t.start()
-        t.join(self.NOTE_FLUSH_S)
-
-    def _after_failure(self, origin: int) -> None:
-        """After a failed call's notes are sent: backends whose failure record lives in
-        one rank's process keep that process up until the others have seen it."""
+    def _after_failure(self, origin: int, call: int) -> None:
+        """After call ``call`` failed and its notes are sent: backends whose failure
+        record lives in one rank's process keep that process up until the others have
+        seen it."""
         return None
+
+    def failing_call(self) -> int:
+        """The call a failure seen now belongs to: the call this rank is in, or
+        between calls the next one (where a peer that failed outside a call counts
+        its failure, :meth:`fail_call`)."""
+        return self._call if self._call is not None else self._sequence + 1
 
     def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
         """Send an abort note to ``dst`` on the links the calls use, so that whatever
@@ -533,10 +544,11 @@ class Communicator(abc.ABC):
             self.fail_call(e)
             raise
 
-    def record_failure(self, exc: BaseException) -> None:
-        """Tell the other ranks that this rank's own code raised ``exc`` in a collective,
-        so that they name this rank (not a neighbour) when they give up waiting.
-        Backends with a shared store implement it; the default does nothing."""
+    def record_failure(self, exc: BaseException, call: int) -> None:
+        """Tell the other ranks that this rank's own code raised ``exc`` in collective
+        call ``call`` (an error the others may not see), so that they name this rank
+        (not a neighbour) when they give up waiting in that call. Backends with a
+        shared store implement it; the default does nothing."""
         return None
 
     def close(self) -> None:

@@ -27,7 +27,10 @@ the recorded rank, and says which rank it was itself waiting for.
 If the store itself is unreachable, the rank that hosts it (rank 0 under
 ``init_method="tcp://..."`` or ``env://`` without torchrun's agent store) is
 presumed dead. Records are kept per process group (keys prefixed with the
-group's name).
+group's name) and per collective call (the call's number, which every rank
+counts alike): a failure every rank survived (an error each raised alike, the
+communicator still usable) leaves a record that a later call's failure must not
+be blamed on.
 """
 
 from __future__ import annotations
@@ -39,16 +42,11 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ..errors import (
-    CommError,
-    CommTimeoutError,
-    NonFiniteError,
-    PeerFailedError,
-    RankMismatchError,
-)
+from ..errors import CommError, CommTimeoutError, PeerFailedError
+from .abort import is_uniform
 
 __all__ = [
     "FailureRecord",
@@ -66,12 +64,14 @@ _POLL_S = 0.05
 
 
 def is_local_failure(exc: BaseException) -> bool:
-    """True for an error that this rank alone raised and the others cannot know of.
+    """True for an error that this rank raised and the others may not know of.
 
-    Communication errors are already resolved; mismatches, NaN/Inf checks and
-    other agreed errors are raised by every rank at once.
+    Communication errors are already resolved; mismatches, NaN/Inf checks and other
+    agreed errors are raised by every rank at once, unless marked otherwise (a
+    mismatch only some ranks could see is marked non-uniform where it is found,
+    :func:`sparcml.comm.abort.mark_uniform`).
     """
-    return not isinstance(exc, CommError | RankMismatchError | NonFiniteError | FloatingPointError)
+    return not isinstance(exc, CommError) and not is_uniform(exc)
 
 
 @dataclasses.dataclass
@@ -151,10 +151,21 @@ class StoreFaults:
         # a dense collective (no known peer) whose connection closed: the others in
         # it give up only at their timeout, so their reports take up to this long
         self.collective_wait = collective_wait
+        self._call: int | None = None  # the call whose keys are read and written
 
     # ----------------------------------------------------------------- store access
     def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}"
+        call = "" if self._call is None else f"c{self._call}/"
+        return f"{self.prefix}/{call}{name}"
+
+    @contextlib.contextmanager
+    def _scoped(self, call: int | None) -> Iterator[None]:
+        """The keys of collective call ``call`` (None: unscoped) meanwhile."""
+        outer, self._call = self._call, call
+        try:
+            yield
+        finally:
+            self._call = outer
 
     def _op(self, fn: Callable[[Any], T]) -> T | None:
         """``fn(store)`` in a helper thread, at most ``op_timeout`` seconds; None if the
@@ -216,9 +227,11 @@ class StoreFaults:
         frozen = isinstance(e, TimeoutError) or _classify(str(e)) == "timeout"
         return "timeout" if frozen else "closed"
 
-    def read(self) -> FailureRecord | None:
-        """The published root cause, if any."""
-        text = self._get("abort")
+    def read(self, call: int | None = None) -> FailureRecord | None:
+        """The published root cause of call ``call``'s failure (of the call in
+        progress when None), if any."""
+        with self._scoped(self._call if call is None else call):
+            text = self._get("abort")
         return FailureRecord.decode(text) if text else None
 
     def publish(self, record: FailureRecord) -> FailureRecord:
@@ -228,14 +241,16 @@ class StoreFaults:
         held = FailureRecord.decode(got.decode("utf-8", "replace")) if got else None
         return held if held is not None else record
 
-    def record_local(self, exc: BaseException) -> None:
-        """This rank's own code raised ``exc`` inside a sparcml call: publish it."""
+    def record_local(self, exc: BaseException, call: int | None = None) -> None:
+        """This rank's own code raised ``exc`` inside sparcml collective call ``call``:
+        publish it."""
         if not is_local_failure(exc) or getattr(exc, "_sparcml_recorded", False):
             return
         with contextlib.suppress(Exception):  # exceptions without a __dict__
             exc._sparcml_recorded = True  # type: ignore[attr-defined]
         reason = f"raised {type(exc).__name__}: {exc}".replace("\n", " ")[:500]
-        self.publish(FailureRecord(self.rank, "error", self.rank, reason))
+        with self._scoped(call):
+            self.publish(FailureRecord(self.rank, "error", self.rank, reason))
 
     # ----------------------------------------------------------------- resolution
     def _reports(self) -> dict[int, int | None]:
@@ -281,19 +296,24 @@ class StoreFaults:
             self.store_host, "died", self.rank, f"is unreachable (it hosts the store) during {what}"
         )
 
-    def resolve(self, error: Exception, peer: int | None, what: str) -> FailureRecord:
-        """The root cause of ``error``, seen by this rank while waiting for ``peer`` in ``what``."""
-        record = self._resolve(error, peer, what)
-        self._set(f"seen/{self.rank}", "1")
-        if self.rank == self.store_host and self._store_ok and self.linger > 0:
-            self._wait_for_readers(record)
+    def resolve(
+        self, error: Exception, peer: int | None, what: str, call: int | None = None
+    ) -> FailureRecord:
+        """The root cause of ``error``, seen by this rank while waiting for ``peer`` in
+        ``what``, in collective call ``call``."""
+        with self._scoped(call):
+            record = self._resolve(error, peer, what)
+            self._set(f"seen/{self.rank}", "1")
+            if self.rank == self.store_host and self._store_ok and self.linger > 0:
+                self._wait_for_readers(record)
         return record
 
-    def acknowledge(self, origin: int) -> None:
-        """This rank failed a call that ``origin`` failed first (an abort note): say so
-        (the others learn from the notes themselves, on their way before the error
-        leaves, so the store's host need not stay up for them)."""
-        self._set(f"seen/{self.rank}", "1")
+    def acknowledge(self, origin: int, call: int | None = None) -> None:
+        """This rank failed call ``call``, which ``origin`` failed first (an abort
+        note): say so (the others learn from the notes themselves, on their way
+        before the error leaves, so the store's host need not stay up for them)."""
+        with self._scoped(call):
+            self._set(f"seen/{self.rank}", "1")
 
     def _wait_for_readers(self, record: FailureRecord) -> None:
         """On the store's host: let the other survivors read the record before this

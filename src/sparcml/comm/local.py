@@ -151,16 +151,17 @@ class LocalCommunicator(Communicator):
 
     def _fail(self, e: CommError, peer: int) -> CommError:
         """The error naming the root cause (see the module docstring)."""
+        call = self.failing_call()
         if isinstance(e, RankAbortedError):
-            record = self.faults.read()
+            record = self.faults.read(call)
             if record is None:
                 return e
         else:
-            record = self.faults.resolve(e, peer, "recv")
+            record = self.faults.resolve(e, peer, "recv", call)
         return make_error(record, self.rank, peer, "recv", str(e), self.timeout)
 
-    def record_failure(self, exc: BaseException) -> None:
-        self.faults.record_local(exc)
+    def record_failure(self, exc: BaseException, call: int) -> None:
+        self.faults.record_local(exc, call)
 
     def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
         note = AbortNote.decode(bytes(payload.numpy()))

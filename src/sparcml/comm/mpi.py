@@ -206,8 +206,16 @@ class MPICommunicator(Communicator):
         return Handle(wait)
 
     def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
-        # abort notes travel under a tag of their own, probed by every receive
-        return self._isend(payload, dst, NOTE_TAG)
+        # abort notes travel under a tag of their own, probed by every receive; they
+        # are polled, never waited for (base._flush_notes)
+        arr = payload.numpy()  # the note's own bytes on the host
+        req = self.mpi.Isend([arr, self._MPI.BYTE], dest=dst, tag=NOTE_TAG)
+
+        def wait() -> None:
+            self._deadline_wait(req, dst, "send")
+            _ = arr
+
+        return Handle(wait, poll=lambda: bool(req.Test()) and arr is not None)
 
     def _irecv(self, src: int, tag: int) -> Handle:
         def wait() -> torch.Tensor | AbortNote:

@@ -161,13 +161,13 @@ class TorchDistCommunicator(Communicator):
             )  # fmt: skip
         return self._faults
 
-    def record_failure(self, exc: BaseException) -> None:
-        self.faults.record_local(exc)
+    def record_failure(self, exc: BaseException, call: int) -> None:
+        self.faults.record_local(exc, call)
 
     def _fail(self, e: Exception, peer: int | None, what: str) -> CommError:
         """The error to raise for ``e``, naming the root cause agreed through the store."""
         try:
-            record = self.faults.resolve(e, peer, what)
+            record = self.faults.resolve(e, peer, what, self.failing_call())
         except Exception:  # never hide the original failure behind our own
             return _wrap_error(e, self.rank, peer, what, self.timeout)
         return make_error(record, self.rank, peer, what, str(e).strip(), self.timeout)
@@ -230,8 +230,8 @@ class TorchDistCommunicator(Communicator):
         except Exception as e:
             raise self._fail(e, peer, what) from e
 
-    def _after_failure(self, origin: int) -> None:
-        self.faults.acknowledge(origin)
+    def _after_failure(self, origin: int, call: int) -> None:
+        self.faults.acknowledge(origin, call)
 
     def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
         # an abort note is a message whose length word is negative: -(bytes + 1)
@@ -265,7 +265,11 @@ class TorchDistCommunicator(Communicator):
             del works[:]
             _ = (first, rest)  # the closure keeps the tensors alive until the sends finish
 
-        return Handle(wait)
+        def sent() -> bool:
+            # without waiting: an abort note's send may never complete (base._flush_notes)
+            return all(w.is_completed() for w in works)
+
+        return Handle(wait, poll=sent)
 
     def _irecv(self, src: int, tag: int) -> Handle:
         eager = self._eager
