@@ -108,7 +108,8 @@ def gtopk(
         raise ValueError(f"gtopk: k must be at least 0, got {k}")
     # Step 1: a common k
     mine = max(stream.nnz, k or 0)
-    k = int(comm.allreduce(torch.tensor([mine], dtype=torch.int64), op="max"))
+    with comm.control():
+        k = int(comm.allreduce(torch.tensor([mine], dtype=torch.int64), op="max"))
     if comm.world_size == 1:
         return keep_topk(stream, k).clone()
     comm = in_node_order(comm)  # the tree's first levels inside the nodes

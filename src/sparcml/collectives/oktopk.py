@@ -128,7 +128,8 @@ def _balanced_boundaries(
     else:
         sample = torch.full((q,), -1, dtype=torch.int64)
     row = torch.cat([torch.tensor([n], dtype=torch.int64), sample])
-    rows = comm.allgather(row)
+    with comm.control():  # P x (q + 1) integers, whatever the vector's length
+        rows = comm.allgather(row)
     # Each quantile of rank r stands for n_r / q of its selected entries.
     points = torch.cat([r[1:] for r in rows])
     weights = torch.cat([torch.full((q,), float(r[0]) / q, dtype=torch.float64) for r in rows])
@@ -178,10 +179,12 @@ def _global_kth(values: torch.Tensor, k: int, comm: Communicator) -> tuple[float
     for r, shift in enumerate(shifts):
         digit = ((bits >> shift) & 0xFF).to(torch.int64)
         mine = torch.bincount(digit, minlength=256).to(device="cpu", dtype=torch.int64)
-        if r < len(shifts) - 1:
-            hist = comm.allreduce(mine)
-        else:
-            rows = comm.allgather(torch.cat([mine, torch.tensor([above])]))
+        with comm.control():  # 256-bin histograms, whatever the vector's length
+            if r < len(shifts) - 1:
+                hist = comm.allreduce(mine)
+            else:
+                rows = comm.allgather(torch.cat([mine, torch.tensor([above])]))
+        if r == len(shifts) - 1:
             hist = torch.stack([row[:256] for row in rows]).sum(0)
         if r == 0 and int(hist.sum()) < k:
             return 0.0, None
@@ -350,7 +353,8 @@ def _near_k(count: int, k: int) -> bool:
 
 
 def _allgather_count(nnz: int, comm: Communicator) -> list[int]:
-    return [int(c) for c in comm.allgather(torch.tensor([nnz], dtype=torch.int64))]
+    with comm.control():
+        return [int(c) for c in comm.allgather(torch.tensor([nnz], dtype=torch.int64))]
 
 
 def _balanced_allgather(

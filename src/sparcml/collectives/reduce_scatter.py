@@ -68,7 +68,8 @@ def reduce_scatter(
     if first is not None:
         # a consistency header meant for a flat split's messages: every rank's, checked
         # on every rank before any data moves (one allgather)
-        headers = comm.allgather(first.header.to(stream.device))
+        with comm.control():
+            headers = comm.allgather(first.header.to(stream.device))
         first.ks = first.check(headers)
     node, lane = node_and_lane(comm)
     lanes = [[n[loc] for n in topo.nodes] for loc in range(topo.ranks_per_node)]

@@ -622,14 +622,14 @@ class SimCommunicator(Communicator):
         p, m = self.world_size, self.world.model
         if p == 1:
             return [buf]
-        mine = self.world.charge(buf, self.world.scale)
+        w = self.world
+        scale = 1 if self._control else w.scale  # control traffic is not scaled data
+        mine = w.charge(buf, scale)
         self.charged_bytes += (p - 1) * mine.nbytes  # each block crosses P-1 links
         self.messages += p - 1
 
-        w = self.world
-
         def finish(start: float, bufs: list[torch.Tensor]) -> list[tuple[float, Any]]:
-            charges = [w.charge(b, w.scale) for b in bufs]
+            charges = [w.charge(b, scale) for b in bufs]
             out = list(bufs)
             ends = []
             for r in range(p):
@@ -645,7 +645,8 @@ class SimCommunicator(Communicator):
         return list(got)
 
     def allgather(self, tensor: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
-        """Dense allgather of equal shapes: ``ceil(log2 P) alpha + (P-1) L beta``."""
+        """Dense allgather of equal shapes: ``ceil(log2 P) alpha + (P-1) L beta`` (under a
+        topology each block at its pair's cost, as :meth:`allgatherv`)."""
         flat = tensor.detach().contiguous().reshape(-1).clone()
         p, m = self.world_size, self.world.model
         if p == 1:
@@ -654,14 +655,22 @@ class SimCommunicator(Communicator):
         self.charged_bytes += (p - 1) * nbytes
         self.messages += p - 1
 
+        dense = Charge(nbytes, 0.0, True)
+
         def finish(start: float, parts: list[torch.Tensor]) -> list[tuple[float, Any]]:
             sizes = {t.numel() for t in parts}
             if len(sizes) != 1:
                 raise ValueError(
                     f"allgather: ranks sent {sorted(sizes)} elements (shapes differ across ranks)"
                 )
-            end = start + math.ceil(math.log2(p)) * m.alpha + (p - 1) * nbytes * m.beta
-            return [(end, parts)] * p
+            # as allgatherv: each rank receives the others' blocks once; under a
+            # topology those from other nodes come through its node's shared NIC
+            latency = start + math.ceil(math.log2(p)) * m.alpha
+            return [
+                (latency + math.fsum(nbytes * self._pair_beta(dense, i, r)
+                                     for i in range(p) if i != r), parts)
+                for r in range(p)
+            ]  # fmt: skip
 
         parts: list[torch.Tensor] = self._collective(flat, finish)
         return [t.reshape(tensor.shape) for t in parts]
@@ -671,7 +680,8 @@ class SimCommunicator(Communicator):
 
         Rank ``r`` finishes at ``start + (P-1) alpha + max(out_r, in_r) + gamma E_r``:
         its outgoing and incoming links work in parallel (``out_r``/``in_r``: its
-        bytes times beta), ``E_r`` the elements it receives.
+        bytes times beta), ``E_r`` the elements it receives (``gamma_add`` for dense
+        pieces; no gamma term with measured compute).
         """
         p, me = self.world_size, self.rank
         if len(parts) != p:
@@ -686,10 +696,14 @@ class SimCommunicator(Communicator):
         ]
         self.charged_bytes += sum(c.nbytes for c in charges)
         self.messages += p - 1
+        # the receiver's reduction of each piece, as a point-to-point receive charges
+        # it (none with measured compute: the reduction runs in the caller's code,
+        # and is timed there)
+        gamma = self.world.gamma_scale
         contribution = (
             mine,
             [c.nbytes * self._pair_beta(c, me, j) for j, c in enumerate(charges)],
-            [c.elements for c in charges],
+            [gamma * c.elements * (m.gamma_add if c.dense else m.gamma) for c in charges],
         )
 
         def finish(start: float, rows: list[Any]) -> list[tuple[float, Any]]:
@@ -697,8 +711,8 @@ class SimCommunicator(Communicator):
             for r in range(p):
                 tx = sum(rows[r][1])
                 rx = math.fsum(rows[i][1][r] for i in range(p))
-                elements = math.fsum(rows[i][2][r] for i in range(p))
-                end = start + (p - 1) * m.alpha + max(tx, rx) + m.gamma * elements
+                reduce_s = math.fsum(rows[i][2][r] for i in range(p))
+                end = start + (p - 1) * m.alpha + max(tx, rx) + reduce_s
                 out.append((end, [rows[i][0][r] for i in range(p)]))
             return out
 

@@ -31,11 +31,12 @@ papers assume regular nodes; the refusal is ours.)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -253,3 +254,9 @@ class SubCommunicator(Communicator):
 
     def check_usable(self) -> None:
         self.parent.check_usable()
+
+    @contextlib.contextmanager
+    def control(self) -> Iterator[None]:
+        """Control traffic here is the parent's too: its messages travel there."""
+        with super().control(), self.parent.control():
+            yield

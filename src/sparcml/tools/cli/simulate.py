@@ -35,15 +35,22 @@ def simulate(args: argparse.Namespace) -> int:
         print("|---|---:|---|---:|---:|---:|---:|")
         out = []
         for f in args.validate:
-            for r in validate_against(
-                Path(f), model, args.quadratic_limit, args.compute, args.cores, args.repeats
-            ):
+            try:
+                rows = validate_against(
+                    Path(f), model, args.quadratic_limit, args.compute, args.cores, args.repeats
+                )
+            except ValueError as e:
+                print(f"sparcml simulate: {e}", file=sys.stderr)
+                return 2
+            for r in rows:
                 r["file"] = f
                 out.append(r)
+                sim = "-" if r["simulated_s"] is None else f"{r['simulated_s'] * 1e3:,.1f}"
+                err = "-" if r["error"] is None else f"{r['error']:+.0%}"
                 print(
                     f"| {Path(f).name} | {r['P']} | {r['algorithm']} "
-                    f"| {r['measured_s'] * 1e3:,.1f} | {r['simulated_s'] * 1e3:,.1f} "
-                    f"| {(r['model_s'] or 0) * 1e3:,.1f} | {r['error']:+.0%} |",
+                    f"| {r['measured_s'] * 1e3:,.1f} | {sim} "
+                    f"| {(r['model_s'] or 0) * 1e3:,.1f} | {err} |",
                     flush=True,
                 )
         if args.json:
