@@ -418,3 +418,17 @@ def test_validation_uses_the_model_it_is_given_and_refuses_another_dtype(tmp_pat
     f.write_text(json.dumps(bench))
     with pytest.raises(ValueError, match="float16"):
         validate_against(f, M)
+
+
+def test_a_scaled_stream_past_the_full_size_dense_switch_is_charged_dense() -> None:
+    # narrower indices move the scaled stream's dense switch (c = 2 below 65,536
+    # entries, 3 at 1M): a stream between the two switches stayed sparse when scaled
+    rows = [
+        run_simulation(SimConfig(world_sizes=(4,), size=1 << 20, density=0.95,
+                                 algorithms=("ssar_recursive_double",), sim_elements=se,
+                                 progress=False), model=M)[0]
+        for se in ((1 << 20) * 4, (1 << 16) * 4)
+    ]  # fmt: skip
+    assert [r["scale"] for r in rows] == [1, 16]
+    assert rows[1]["time_s"] == pytest.approx(rows[0]["time_s"], rel=0.1)
+    assert rows[1]["bytes_sent_max"] == pytest.approx(rows[0]["bytes_sent_max"], rel=0.1)
