@@ -734,3 +734,81 @@ def test_the_cost_formulas_stay_real_where_shares_round_above_their_range(size: 
     )):  # fmt: skip
         t = predict(model, algo, 6, size, [size] * 6, 4)
         assert isinstance(t, float) and math.isfinite(t), (algo, size, t)
+
+
+# --- found by a review: ranks that disagree on their nodes, inner='dense' quantized ---
+
+
+def test_a_layout_has_one_spelling() -> None:
+    # the same nodes in another order pair the same ranks (their leaders, their lanes)
+    odd = Topology(((3, 2), (1, 0)))
+    assert odd == Topology.regular(4, 2) and odd.nodes == ((0, 1), (2, 3))
+
+
+@pytest.mark.parametrize("algorithm", ["twolevel_shard", "twolevel_leader", "topka", "auto"])
+def test_ranks_that_disagree_on_their_nodes_are_refused_on_every_rank(algorithm: str) -> None:
+    # rank 0 flat, the others 2 x 2 (one process's SPARCML_RANKS_PER_NODE differing):
+    # the two-level algorithms summed the wrong pieces, silently, and differently per rank
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(Topology.regular(4, 1 if comm.rank == 0 else 2))
+        s = SparseStream(torch.tensor([comm.rank]), torch.tensor([1.0]), 4)
+        try:
+            sparse_allreduce(s, comm, algorithm=algorithm)
+        except RankMismatchError as e:
+            return str(e)
+        return "no error"
+
+    for msg in run_ranks(4, fn, timeout=10):
+        assert "different node topologies" in msg and "rank 0" in msg, msg
+
+
+def test_a_flat_algorithm_ignores_a_disagreement_on_nodes() -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(Topology.regular(4, 1 if comm.rank == 0 else 2))
+        s = SparseStream(torch.tensor([comm.rank]), torch.tensor([1.0]), 4)
+        return sparse_allreduce(s, comm, algorithm="ssar_recursive_double").to_dense().tolist()
+
+    assert run_ranks(4, fn) == [[1.0] * 4] * 4
+
+
+@pytest.mark.parametrize(("nodes", "per"), [(1, 4), (2, 2), (4, 1)])
+@pytest.mark.parametrize("algorithm", ["twolevel_shard", "twolevel_leader"])
+def test_inner_dense_with_a_quantizer_is_refused_on_every_rank_before_any_data(
+    algorithm: str, nodes: int, per: int
+) -> None:
+    def fn(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(Topology.regular(nodes * per, per))
+        s = SparseStream(torch.tensor([comm.rank]), torch.tensor([1.0]), 8)
+        try:
+            sparse_allreduce(s, comm, algorithm=algorithm, inner="dense", quantizer="qsgd",
+                             quantize="contributions")  # fmt: skip
+        except ValueError as e:
+            return type(e).__name__, str(e)
+        return "no error", ""
+
+    for kind, msg in run_ranks(nodes * per, fn, timeout=10):
+        assert kind == "ValueError" and "inner='dense'" in msg, msg
+
+
+def test_a_subgroup_finds_its_nodes_in_its_parents_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a group of one rank per node spans nodes, whatever its size; the world's
+    # SPARCML_RANKS_PER_NODE was applied to the group's own ranks (2 ranks "cannot form
+    # nodes of 4"), and in-process groups always reported one node
+    def fn(comm):  # type: ignore[no-untyped-def]
+        lane = comm.subgroup([comm.rank % 4, comm.rank % 4 + 4])
+        node = comm.subgroup(list(range(comm.rank // 4 * 4, comm.rank // 4 * 4 + 4)))
+        odd = comm.subgroup([0, 1, 4] if comm.rank in (0, 1, 4) else [2, 3, 5, 6, 7])
+        s = SparseStream(torch.tensor([comm.rank]), torch.tensor([1.0]), 8)
+        total = sparse_allreduce(s, lane).to_dense().sum().item()
+        return lane.topology.nodes, node.topology.nodes, odd.topology.is_flat, total
+
+    monkeypatch.setenv("SPARCML_RANKS_PER_NODE", "4")
+    for lane, node, flat, total in run_ranks(8, fn, timeout=20):
+        assert lane == ((0,), (1,)) and node == ((0, 1, 2, 3),) and flat and total == 2.0
+    monkeypatch.delenv("SPARCML_RANKS_PER_NODE")
+
+    def explicit(comm):  # type: ignore[no-untyped-def]
+        comm.set_topology(Topology.regular(4, 2))
+        return comm.subgroup([0, 2] if comm.rank in (0, 2) else [1, 3]).topology.nodes
+
+    assert run_ranks(4, explicit) == [((0,), (1,))] * 4

@@ -61,7 +61,7 @@ def check_inner(name: str) -> None:
             ValueError(
                 f"inner={name!r} cannot run between nodes: it must be a flat exact "
                 "algorithm that takes a stream and no options (ssar_recursive_double, "
-                "ssar_split_allgather, dsar_split_allgather, dense)"
+                "ssar_split_allgather, dsar_split_allgather, or dense without a quantizer)"
             ),
             True,
         )

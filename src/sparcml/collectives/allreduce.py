@@ -41,7 +41,13 @@ from ..errors import RankMismatchError
 from ..stream import SparseStream
 from .autotune import carrying_choice, observe, plan, remember, run_auto
 from .codec import FirstRound, StreamCodec
-from .headers import CallSettings, check_consistent, check_headers, consistency_header
+from .headers import (
+    CallSettings,
+    check_consistent,
+    check_headers,
+    consistency_header,
+    topology_fingerprint,
+)
 from .registry import algorithm_info, algorithms, check_options, get_algorithm
 
 __all__ = ["check_dense_result", "sparse_allreduce"]
@@ -234,7 +240,7 @@ def sparse_allreduce(
         [0.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0]
     """
     comm = resolve(comm)
-    settings = CallSettings.of(algorithm, quantizer, quantize, index_coding, options)
+    given = CallSettings.of(algorithm, quantizer, quantize, index_coding, options)
 
     def call() -> SparseStream:
         number = comm.next_sequence()
@@ -245,6 +251,7 @@ def sparse_allreduce(
                     "wrap a tensor with SparseStream.from_dense(t) or "
                     "SparseStream(indices, values, N)"
                 )
+            settings = _with_topology(given, comm)
             try:
                 codec = _checked_codec(algorithm, quantizer, quantize, index_coding, options)
             except (ValueError, TypeError) as e:
@@ -276,6 +283,18 @@ def sparse_allreduce(
     return comm.run_ordered(call, async_op)
 
 
+def _with_topology(settings: CallSettings, comm: Communicator) -> CallSettings:
+    """``settings`` with the fingerprint of the node topology the call may use
+    (``auto`` and the two-level and node-aware algorithms; on more than one rank),
+    so that ranks that disagree on their nodes are refused alike (beyond the papers)."""
+    name = settings.algorithm
+    if comm.world_size == 1 or (name != "auto" and name not in algorithms()):
+        return settings
+    if name != "auto" and not (algorithm_info(name).two_level or algorithm_info(name).node_aware):
+        return settings
+    return dataclasses.replace(settings, topology=topology_fingerprint(comm.topology))
+
+
 def _returns_dense(algorithm: str, options: dict[str, Any]) -> bool:
     """The algorithm's ``dense_result`` fact, or for a two-level algorithm with
     ``inner=`` the inner algorithm's (an unknown inner is refused later, by name)."""
@@ -303,10 +322,12 @@ def _checked_codec(
 
         quantizer = get(quantizer)  # type: ignore[assignment]
     codec = StreamCodec(quantizer, quantize, index_coding=index_coding)  # type: ignore[arg-type]
-    if codec.lossy and algorithm == "dense":
+    if codec.lossy and (algorithm == "dense" or options.get("inner") == "dense"):
+        where = "the dense algorithm" if algorithm == "dense" else f"{algorithm}(inner='dense')"
         raise ValueError(
-            "the dense algorithm cannot quantize; use algorithm='dsar_split_allgather' "
-            "(SparCML sec. 6 quantizes its dense phase) or no quantizer"
+            f"{where} cannot quantize; use algorithm='dsar_split_allgather' (SparCML "
+            "sec. 6 quantizes its dense phase), inner='dsar_split_allgather', or no "
+            "quantizer"
         )
     return codec
 

@@ -134,6 +134,10 @@ class CallSettings:
     k: int | None = None
     inner: str | None = None  # the two-level algorithms' algorithm between nodes
     refused: bool = False
+    #: a 7-bit fingerprint of the node topology the call would use (0: none, the
+    #: algorithm ignores nodes): ranks that disagree on their nodes would pair the
+    #: wrong ranks and sum the wrong pieces, silently (:func:`topology_fingerprint`)
+    topology: int = 0
 
     @classmethod
     def of(
@@ -159,8 +163,8 @@ class CallSettings:
         return cls(str(algorithm), name, params, str(quantize), str(index_coding), k, inner)
 
     def words(self) -> tuple[int, int]:
-        """The header's settings words: (magic, algorithm, quantizer, refused, mode,
-        coding) and (quantizer parameters, k + 1), as signed int64."""
+        """The header's settings words: (magic, algorithm, quantizer, topology, refused,
+        mode, coding) and (quantizer parameters, k + 1), as signed int64."""
         q = _name_id(self.quantizer) if self.quantizer is not None else 0
         mode = QUANTIZE_MODES.index(self.quantize) + 1 if self.quantize in QUANTIZE_MODES else 15
         known = self.index_coding in INDEX_CODINGS
@@ -169,11 +173,16 @@ class CallSettings:
             mode = coding = 0
         algorithm = self.algorithm if self.inner is None else f"{self.algorithm}:{self.inner}"
         w3 = (HEADER_MAGIC << 48) | (_name_id(algorithm) << 32) | (q << 16)
-        w3 |= (int(self.refused) << 8) | (mode << 4) | coding
+        w3 |= ((self.topology & 0x7F) << 9) | (int(self.refused) << 8) | (mode << 4) | coding
         qp = zlib.crc32(self.quantizer_params.encode()) & 0xFFFF if self.quantizer else 0
         kk = 0 if self.k is None else (self.k + 1) & ((1 << 48) - 1)
         w4 = (qp << 48) | kk
         return _signed(w3), _signed(w4)
+
+
+def topology_fingerprint(topology: Any) -> int:
+    """A 7-bit fingerprint (1-127) of a :class:`~sparcml.comm.topology.Topology`'s nodes."""
+    return (zlib.crc32(repr(topology.nodes).encode()) & 0x7F) or 1
 
 
 def _signed(word: int) -> int:
@@ -274,7 +283,7 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
         rows.append([size, code, nnz, calls & _MASK32, -1 if cid == _MASK32 else cid, flag,
                      (w3 >> 32) & 0xFFFF, (w3 >> 16) & 0xFFFF, (w4 >> 48) & 0xFFFF,
                      (w3 >> 4) & 0xF, w3 & 0xF, w4 & ((1 << 48) - 1),
-                     (w3 >> 8) & 1])  # fmt: skip
+                     (w3 >> 8) & 1, (w3 >> 9) & 0x7F])  # fmt: skip
     # headers in the split phase on some ranks only: different message patterns, and
     # some ranks may never hold these headers (the separate exchange and recursive
     # doubling's rounds send the same messages)
@@ -304,6 +313,13 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
             values = _setting_names(what, [r[col] for r in rows])
             refuse(f"ranks passed different {what} settings to the same call "
                    f"({each(values)})")  # fmt: skip
+    if len({r[13] for r in rows if r[13]}) > 1:  # (0: the algorithm ignores nodes)
+        prints = each([f"{r[13]:#04x}" if r[13] else "none" for r in rows])
+        refuse(
+            f"ranks see different node topologies ({prints}, fingerprints of their "
+            "layouts): a two-level or node-aware algorithm would pair the wrong ranks; "
+            "set SPARCML_RANKS_PER_NODE (or call set_topology) alike on every rank"
+        )
     if _differ(rows, 12):
         refused = [r for r, row in enumerate(rows) if row[12]]
         err = RankMismatchError(

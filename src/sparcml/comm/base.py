@@ -217,6 +217,11 @@ class Communicator(abc.ABC):
             self._topology = detect_topology(self)
         return self._topology
 
+    @property
+    def known_topology(self) -> Any:
+        """The node layout if set or detected already, else None (no messages)."""
+        return self._topology
+
     def set_topology(self, topology: Any) -> None:
         """Use ``topology`` (a :class:`~sparcml.comm.topology.Topology` of this world
         size, the same on every rank) instead of detecting it."""

@@ -62,6 +62,10 @@ class Topology:
     nodes: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
+        # one spelling per layout: each node ascending, nodes by their lowest rank (the
+        # same nodes given in another order must pair the same ranks on every rank)
+        canonical = tuple(sorted((tuple(sorted(n)) for n in self.nodes), key=lambda n: n[:1]))
+        object.__setattr__(self, "nodes", canonical)
         ranks = sorted(r for node in self.nodes for r in node)
         if not self.nodes or ranks != list(range(len(ranks))):
             raise TopologyError(
@@ -171,23 +175,59 @@ def detect_topology(comm: Communicator) -> Topology:
             divide the world size (on every rank alike).
     """
     p = comm.world_size
+    if p == 1:
+        return Topology.flat(1)
+    if isinstance(comm, SubCommunicator):
+        return _sub_topology(comm)
+    known = _local_topology(comm)
+    if known is not None:
+        return known
+    code = _key_code(comm.node_key())
+    keys = comm.allgather(torch.tensor([code], dtype=torch.int64))
+    return Topology.from_keys([int(k.item()) for k in keys])
+
+
+def _local_topology(comm: Communicator) -> Topology | None:
+    """The layout the environment gives without messages, or None: the explicit
+    ``SPARCML_RANKS_PER_NODE`` (contiguous nodes of the world's ranks), a launcher that
+    started the whole job on one node, in-process ranks (one host)."""
+    p = comm.world_size
     env = os.environ.get("SPARCML_RANKS_PER_NODE", "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
             raise TopologyError(f"SPARCML_RANKS_PER_NODE must be a positive integer, got {env!r}")
         return Topology.regular(p, int(env))
-    if p == 1:
-        return Topology.flat(1)
     local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     if local and local == os.environ.get("WORLD_SIZE", "").strip():
         # the launcher started the whole job on this node (torchrun, run_processes):
-        # this communicator's ranks, a sub-group's too, share it
+        # this communicator's ranks share it
         return Topology.regular(p, p)
     if comm.one_process:  # in-process ranks share a host: one node unless set explicitly
         return Topology.regular(p, p)
-    code = _key_code(comm.node_key())
-    keys = comm.allgather(torch.tensor([code], dtype=torch.int64))
-    return Topology.from_keys([int(k.item()) for k in keys])
+    return None
+
+
+def _sub_topology(sub: SubCommunicator) -> Topology:
+    """A group's nodes are its parent's: the members' nodes there (a layout the parent
+    knows already, or finds without messages, which only the members reach here);
+    else the members' node keys, gathered among them. Members spread unevenly over
+    the parent's nodes run flat (the two-level algorithms need regular nodes)."""
+    outer = sub.parent.known_topology
+    if outer is None and sub.parent.world_size > 1:
+        outer = (
+            _sub_topology(sub.parent)
+            if isinstance(sub.parent, SubCommunicator)
+            else _local_topology(sub.parent)
+        )
+    if outer is None:
+        code = _key_code(sub.node_key())
+        keys = [int(k.item()) for k in sub.allgather(torch.tensor([code], dtype=torch.int64))]
+    else:
+        keys = [outer.node_of(m) for m in sub.members]
+    try:
+        return Topology.from_keys(keys)
+    except TopologyError:
+        return Topology.flat(sub.world_size)
 
 
 class SubCommunicator(Communicator):
