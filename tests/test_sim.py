@@ -382,16 +382,6 @@ def test_control_traffic_is_not_scaled_in_allgatherv_nor_through_a_subgroup() ->
     assert max(r.charged_bytes) == 3 * 100 + 100  # not 64 times either
 
 
-@pytest.mark.parametrize("per_node", [1, 4, 16])
-def test_dense_allgather_is_charged_by_the_topology_as_allgatherv(per_node: int) -> None:
-    m = CostModel(alpha=50e-6, beta=1e-9, gamma=0.0, alpha_intra=10e-6, beta_intra=2.5e-10)
-    topo = None if per_node == 1 else Topology.regular(16, per_node)
-    x = torch.zeros(1 << 16)
-    a = simulate_ranks(16, lambda c: c.allgather(x), model=m, topology=topo)
-    b = simulate_ranks(16, lambda c: c.allgatherv(x.view(torch.uint8)), model=m, topology=topo)
-    assert a.time == pytest.approx(b.time)
-
-
 def test_oktopk_refresh_does_not_depend_on_the_data_scale() -> None:
     # its histograms and counts are control traffic: at s = 64 (n / P = 256, the
     # histogram's length) they were charged as 64 times their bytes
