@@ -9,6 +9,8 @@ runs the 10-run statistics (see docs/failures.md).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -475,3 +477,28 @@ def test_an_error_every_rank_raises_alike_leaves_the_communicator_usable() -> No
 
     for got in run_ranks(3, fn, timeout=60):
         assert got == [1.0, 1.0, 1.0, 0, 0, 0, 0, 0]
+
+
+def test_a_rank_in_the_next_call_follows_the_chain_into_the_last_one() -> None:
+    # rank 1 waits (call 1) for rank 2, which froze; rank 0, done with call 1, waits
+    # (call 2) for rank 1. Reports kept per call hid rank 1's from rank 0, which then
+    # named rank 1, alive and waiting itself
+    from sparcml.comm import run_ranks
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        try:
+            with comm.in_call(comm.next_sequence()):
+                if comm.rank == 1:
+                    comm.recv(2)
+                if comm.rank == 2:
+                    time.sleep(6.0)  # frozen
+                    return None
+            with comm.in_call(comm.next_sequence()):
+                if comm.rank == 0:
+                    comm.recv(1)
+        except CommError as e:
+            return e.peer, str(e)
+        return "no error"
+
+    out = run_ranks(3, fn, timeout=2.0)
+    assert out[0][0] == 2 and out[1][0] == 2, out

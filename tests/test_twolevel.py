@@ -812,3 +812,54 @@ def test_a_subgroup_finds_its_nodes_in_its_parents_layout(monkeypatch: pytest.Mo
         return comm.subgroup([0, 2] if comm.rank in (0, 2) else [1, 3]).topology.nodes
 
     assert run_ranks(4, explicit) == [((0,), (1,))] * 4
+
+
+def _nodes_to_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process ranks that find their nodes (two ranks each) by gathering node keys,
+    as ranks on several hosts without SPARCML_RANKS_PER_NODE do."""
+    from sparcml.comm.local import LocalCommunicator
+
+    for var in ("SPARCML_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(LocalCommunicator, "one_process", False)
+    monkeypatch.setattr(LocalCommunicator, "node_key", lambda self: f"node{self.rank // 2}")
+
+
+def test_nodes_are_not_gathered_before_the_header_shows_the_same_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # auto on some ranks, a flat algorithm on the others: gathering the node keys
+    # before the header (to fingerprint the layout) hung until the timeout, blaming
+    # a live rank; the header refuses the difference at once
+    _nodes_to_gather(monkeypatch)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = SparseStream(torch.tensor([comm.rank]), torch.tensor([1.0]), 8)
+        try:
+            sparse_allreduce(s, comm, algorithm="auto" if comm.rank % 2 else "ssar_split_allgather")
+        except RankMismatchError as e:
+            return str(e)
+        return "no error"
+
+    for msg in run_ranks(4, fn, timeout=5):
+        assert "different algorithm settings" in msg, msg
+    twice = run_ranks(4, lambda c: [sparse_allreduce(  # the nodes gathered, then known
+        SparseStream(torch.tensor([c.rank]), torch.tensor([1.0]), 8), c).to_dense().tolist()
+        for _ in range(2)] + [c.topology.nodes], timeout=10)  # fmt: skip
+    assert all(t == [[1.0] * 4 + [0.0] * 4] * 2 + [((0, 1), (2, 3))] for t in twice), twice
+
+
+def test_a_group_of_a_group_finds_its_nodes_without_messages_on_its_parent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # ranks 0 and 1 alone ask a group of a group for its nodes: the middle group's
+    # nodes were gathered on it, among ranks (2) that never asked: a timeout
+    _nodes_to_gather(monkeypatch)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        if comm.rank == 3:
+            return None
+        mid = comm.subgroup((0, 1, 2))
+        return None if comm.rank == 2 else mid.subgroup((0, 1)).topology.nodes
+
+    assert run_ranks(4, fn, timeout=5) == [((0, 1),), ((0, 1),), None, None]

@@ -50,6 +50,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "SparseStream",
     "dense_threshold",
+    "dense_threshold_of",
     "index_bytes",
 ]
 
@@ -95,8 +96,12 @@ def dense_threshold(size: int, dtype: torch.dtype) -> int:
         >>> dense_threshold(1_000_000, torch.float32)  # c = 3
         571428
     """
-    isize = dtype.itemsize
-    return (size * isize) // (index_bytes(size) + isize)
+    return dense_threshold_of(size, dtype.itemsize)
+
+
+def dense_threshold_of(size: int, value_bytes: int) -> int:
+    """:func:`dense_threshold` for values of ``value_bytes`` bytes each."""
+    return (size * value_bytes) // (index_bytes(size) + value_bytes)
 
 
 def _check_dtype(dtype: torch.dtype) -> None:

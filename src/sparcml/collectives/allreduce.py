@@ -35,6 +35,7 @@ from ..comm import Communicator, resolve
 from ..comm.abort import is_uniform, mark_uniform
 from ..comm.engine import Work
 from ..comm.hostmem import device_memory_bytes
+from ..comm.topology import local_topology
 from ..compress.base import Quantizer
 from ..costmodel import CostModel
 from ..errors import RankMismatchError
@@ -286,13 +287,17 @@ def sparse_allreduce(
 def _with_topology(settings: CallSettings, comm: Communicator) -> CallSettings:
     """``settings`` with the fingerprint of the node topology the call may use
     (``auto`` and the two-level and node-aware algorithms; on more than one rank),
-    so that ranks that disagree on their nodes are refused alike (beyond the papers)."""
+    so that ranks that disagree on their nodes are refused alike (beyond the papers).
+    Only a layout known without messages is fingerprinted: finding one by gathering
+    the node keys is a collective, which must not run before the header has shown
+    that every rank is in the same call (a layout to be gathered has a fingerprint
+    of its own, the same on every rank)."""
     name = settings.algorithm
     if comm.world_size == 1 or (name != "auto" and name not in algorithms()):
         return settings
     if name != "auto" and not (algorithm_info(name).two_level or algorithm_info(name).node_aware):
         return settings
-    return dataclasses.replace(settings, topology=topology_fingerprint(comm.topology))
+    return dataclasses.replace(settings, topology=topology_fingerprint(local_topology(comm)))
 
 
 def _returns_dense(algorithm: str, options: dict[str, Any]) -> bool:

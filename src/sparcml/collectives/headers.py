@@ -180,9 +180,18 @@ class CallSettings:
         return _signed(w3), _signed(w4)
 
 
-def topology_fingerprint(topology: Any) -> int:
-    """A 7-bit fingerprint (1-127) of a :class:`~sparcml.comm.topology.Topology`'s nodes."""
-    return (zlib.crc32(repr(topology.nodes).encode()) & 0x7F) or 1
+#: the fingerprint of a layout the ranks will find by gathering their node keys
+#: (the same on every rank by construction): not known before the call's header
+TOPOLOGY_GATHERED = 0x7F
+
+
+def topology_fingerprint(topology: Any | None) -> int:
+    """A 7-bit fingerprint (1-126) of a :class:`~sparcml.comm.topology.Topology`'s nodes,
+    or :data:`TOPOLOGY_GATHERED` for None (a layout to be gathered). Two different
+    layouts share one with a chance of 1 in 126 (the header has 7 bits to spare)."""
+    if topology is None:
+        return TOPOLOGY_GATHERED
+    return zlib.crc32(repr(topology.nodes).encode()) % 126 + 1
 
 
 def _signed(word: int) -> int:

@@ -334,7 +334,10 @@ class Communicator(abc.ABC):
         return Handle.done()
 
     def check_usable(self) -> None:
-        """Raise if a failed call left this communicator unusable."""
+        """Raise if a failed call left this communicator unusable (and let go of the
+        abort notes that peers have taken since)."""
+        if self._unsent_notes:
+            self._unsent_notes = [h for h in self._unsent_notes if not h.is_completed()]
         if self._broken is not None:
             raise CommError(
                 f"rank {self.rank}: this communicator cannot be used after {self._broken}: "

@@ -27,10 +27,12 @@ the recorded rank, and says which rank it was itself waiting for.
 If the store itself is unreachable, the rank that hosts it (rank 0 under
 ``init_method="tcp://..."`` or ``env://`` without torchrun's agent store) is
 presumed dead. Records are kept per process group (keys prefixed with the
-group's name) and per collective call (the call's number, which every rank
-counts alike): a failure every rank survived (an error each raised alike, the
-communicator still usable) leaves a record that a later call's failure must not
-be blamed on.
+group's name). A rank's own error is recorded for its collective call (the
+call's number, which every rank counts alike): an error every rank raised alike
+leaves the communicator usable, and a later call's failure must not be blamed on
+it. A death, a freeze and the ranks' reports of whom they wait for break the
+communicator, and stay readable from any call (a rank that moved on to the next
+call may wait on one still stuck in the last).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import CommError, CommTimeoutError, PeerFailedError
@@ -151,21 +153,11 @@ class StoreFaults:
         # a dense collective (no known peer) whose connection closed: the others in
         # it give up only at their timeout, so their reports take up to this long
         self.collective_wait = collective_wait
-        self._call: int | None = None  # the call whose keys are read and written
 
     # ----------------------------------------------------------------- store access
-    def _key(self, name: str) -> str:
-        call = "" if self._call is None else f"c{self._call}/"
-        return f"{self.prefix}/{call}{name}"
-
-    @contextlib.contextmanager
-    def _scoped(self, call: int | None) -> Iterator[None]:
-        """The keys of collective call ``call`` (None: unscoped) meanwhile."""
-        outer, self._call = self._call, call
-        try:
-            yield
-        finally:
-            self._call = outer
+    def _key(self, name: str, call: int | None = None) -> str:
+        """The store key of ``name``: of collective call ``call``, or of the group."""
+        return f"{self.prefix}/{name}" if call is None else f"{self.prefix}/c{call}/{name}"
 
     def _op(self, fn: Callable[[Any], T]) -> T | None:
         """``fn(store)`` in a helper thread, at most ``op_timeout`` seconds; None if the
@@ -191,8 +183,8 @@ class StoreFaults:
             return None
         return box["out"]  # type: ignore[no-any-return]
 
-    def _get(self, name: str) -> str | None:
-        key = self._key(name)
+    def _get(self, name: str, call: int | None = None) -> str | None:
+        key = self._key(name, call)
 
         def get(store: Any) -> str | None:
             if not store.check([key]):
@@ -228,15 +220,17 @@ class StoreFaults:
         return "timeout" if frozen else "closed"
 
     def read(self, call: int | None = None) -> FailureRecord | None:
-        """The published root cause of call ``call``'s failure (of the call in
-        progress when None), if any."""
-        with self._scoped(self._call if call is None else call):
-            text = self._get("abort")
+        """The published root cause, if any: a death or freeze, or a rank's own error
+        in collective call ``call``."""
+        text = self._get("abort")
+        if not text and call is not None:
+            text = self._get("abort", call)
         return FailureRecord.decode(text) if text else None
 
-    def publish(self, record: FailureRecord) -> FailureRecord:
-        """Publish ``record`` unless one exists already; returns the one that holds."""
-        key = self._key("abort")
+    def publish(self, record: FailureRecord, call: int | None = None) -> FailureRecord:
+        """Publish ``record`` (a rank's own error: for collective ``call``) unless one
+        exists already; returns the one that holds."""
+        key = self._key("abort", call)
         got = self._op(lambda store: bytes(store.compare_set(key, "", record.encode())))
         held = FailureRecord.decode(got.decode("utf-8", "replace")) if got else None
         return held if held is not None else record
@@ -249,8 +243,7 @@ class StoreFaults:
         with contextlib.suppress(Exception):  # exceptions without a __dict__
             exc._sparcml_recorded = True  # type: ignore[attr-defined]
         reason = f"raised {type(exc).__name__}: {exc}".replace("\n", " ")[:500]
-        with self._scoped(call):
-            self.publish(FailureRecord(self.rank, "error", self.rank, reason))
+        self.publish(FailureRecord(self.rank, "error", self.rank, reason), call)
 
     # ----------------------------------------------------------------- resolution
     def _reports(self) -> dict[int, int | None]:
@@ -263,7 +256,7 @@ class StoreFaults:
         got = self._op(read) or {}
         return {r: (int(v) if v.isdigit() else None) for r, v in got.items()}
 
-    def _peer_gave_up(self, peer: int) -> bool:
+    def _peer_gave_up(self, peer: int, call: int | None) -> bool:
         """Whether ``peer`` reports waiting for someone (it is alive), within a moment.
 
         A live rank that times out may close its connections before its own report
@@ -276,7 +269,7 @@ class StoreFaults:
             return False
         deadline = time.monotonic() + min(self.grace, 2.0)
         while True:
-            if peer in self._reports() or self.read() is not None:
+            if peer in self._reports() or self.read(call) is not None:
                 return True
             if time.monotonic() >= deadline or not self._store_ok:
                 return False
@@ -300,20 +293,18 @@ class StoreFaults:
         self, error: Exception, peer: int | None, what: str, call: int | None = None
     ) -> FailureRecord:
         """The root cause of ``error``, seen by this rank while waiting for ``peer`` in
-        ``what``, in collective call ``call``."""
-        with self._scoped(call):
-            record = self._resolve(error, peer, what)
-            self._set(f"seen/{self.rank}", "1")
-            if self.rank == self.store_host and self._store_ok and self.linger > 0:
-                self._wait_for_readers(record)
+        ``what``, in collective call ``call`` (whose own-error records count)."""
+        record = self._resolve(error, peer, what, call)
+        self._set(f"seen/{self.rank}", "1")
+        if self.rank == self.store_host and self._store_ok and self.linger > 0:
+            self._wait_for_readers(record)
         return record
 
     def acknowledge(self, origin: int, call: int | None = None) -> None:
         """This rank failed call ``call``, which ``origin`` failed first (an abort
         note): say so (the others learn from the notes themselves, on their way
         before the error leaves, so the store's host need not stay up for them)."""
-        with self._scoped(call):
-            self._set(f"seen/{self.rank}", "1")
+        self._set(f"seen/{self.rank}", "1")
 
     def _wait_for_readers(self, record: FailureRecord) -> None:
         """On the store's host: let the other survivors read the record before this
@@ -326,13 +317,15 @@ class StoreFaults:
                 return
             time.sleep(_POLL_S)
 
-    def _resolve(self, error: Exception, peer: int | None, what: str) -> FailureRecord:
+    def _resolve(
+        self, error: Exception, peer: int | None, what: str, call: int | None
+    ) -> FailureRecord:
         kind = _classify(str(error))
-        held = self.read()
+        held = self.read(call)
         if held is not None:
             return held
         if kind == "closed" and peer is not None:
-            gave_up = self._peer_gave_up(peer)
+            gave_up = self._peer_gave_up(peer, call)
             if not self._store_ok:
                 # the store is gone too: the peer may only have given up on its host,
                 # which is then the one to name (a frozen or dead rank 0)
@@ -356,9 +349,9 @@ class StoreFaults:
                 self.rank,
                 f"did not answer during {what}",
             )
-        return self._follow(peer, kind, what)
+        return self._follow(peer, kind, what, call)
 
-    def _follow(self, peer: int | None, kind: str, what: str) -> FailureRecord:
+    def _follow(self, peer: int | None, kind: str, what: str, call: int | None) -> FailureRecord:
         """Wait up to ``grace`` for the chain of waits to end at a rank that reports nothing.
 
         In a dense collective (no known peer) the ranks that report nothing are the
@@ -369,7 +362,7 @@ class StoreFaults:
         wait = self.grace + (self.collective_wait if closed_collective else 0.0)
         deadline = time.monotonic() + wait
         while True:
-            held = self.read()
+            held = self.read(call)
             if held is not None:
                 return held
             if not self._store_ok:

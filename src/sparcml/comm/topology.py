@@ -43,7 +43,14 @@ import torch
 from ..errors import CommError
 from .base import Communicator, Handle
 
-__all__ = ["SubCommunicator", "Topology", "TopologyError", "detect_topology", "node_identity"]
+__all__ = [
+    "SubCommunicator",
+    "Topology",
+    "TopologyError",
+    "detect_topology",
+    "local_topology",
+    "node_identity",
+]
 
 
 class TopologyError(ValueError):
@@ -64,7 +71,9 @@ class Topology:
     def __post_init__(self) -> None:
         # one spelling per layout: each node ascending, nodes by their lowest rank (the
         # same nodes given in another order must pair the same ranks on every rank)
-        canonical = tuple(sorted((tuple(sorted(n)) for n in self.nodes), key=lambda n: n[:1]))
+        canonical = tuple(
+            sorted((tuple(sorted(int(r) for r in n)) for n in self.nodes), key=lambda n: n[:1])
+        )
         object.__setattr__(self, "nodes", canonical)
         ranks = sorted(r for node in self.nodes for r in node)
         if not self.nodes or ranks != list(range(len(ranks))):
@@ -174,24 +183,33 @@ def detect_topology(comm: Communicator) -> Topology:
         TopologyError: irregular nodes, or ``SPARCML_RANKS_PER_NODE`` does not
             divide the world size (on every rank alike).
     """
+    found = local_topology(comm)
+    if found is not None:
+        return found
+    code = _key_code(comm.node_key())
+    keys = [int(k.item()) for k in comm.allgather(torch.tensor([code], dtype=torch.int64))]
+    if isinstance(comm, SubCommunicator):
+        return _regular_or_flat(keys)
+    return Topology.from_keys(keys)
+
+
+def local_topology(comm: Communicator) -> Topology | None:
+    """The layout of ``comm``'s ranks known or found without messages, or None (then
+    only gathering the ranks' node keys tells): one rank; a layout set or detected
+    already; for a group, its members' nodes in such a layout of its parent; the
+    explicit ``SPARCML_RANKS_PER_NODE`` (contiguous nodes of the world's ranks); a
+    launcher that started the whole job on one node; in-process ranks (one host)."""
     p = comm.world_size
     if p == 1:
         return Topology.flat(1)
-    if isinstance(comm, SubCommunicator):
-        return _sub_topology(comm)
-    known = _local_topology(comm)
+    known = comm.known_topology
     if known is not None:
-        return known
-    code = _key_code(comm.node_key())
-    keys = comm.allgather(torch.tensor([code], dtype=torch.int64))
-    return Topology.from_keys([int(k.item()) for k in keys])
-
-
-def _local_topology(comm: Communicator) -> Topology | None:
-    """The layout the environment gives without messages, or None: the explicit
-    ``SPARCML_RANKS_PER_NODE`` (contiguous nodes of the world's ranks), a launcher that
-    started the whole job on one node, in-process ranks (one host)."""
-    p = comm.world_size
+        return known  # type: ignore[no-any-return]
+    if isinstance(comm, SubCommunicator):
+        # a group's nodes are its parent's: never messages on the parent here (only
+        # the members reach this); members spread unevenly over the nodes run flat
+        outer = local_topology(comm.parent)
+        return None if outer is None else _regular_or_flat([outer.node_of(m) for m in comm.members])
     env = os.environ.get("SPARCML_RANKS_PER_NODE", "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
@@ -199,35 +217,20 @@ def _local_topology(comm: Communicator) -> Topology | None:
         return Topology.regular(p, int(env))
     local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     if local and local == os.environ.get("WORLD_SIZE", "").strip():
-        # the launcher started the whole job on this node (torchrun, run_processes):
-        # this communicator's ranks share it
+        # the launcher started the whole job on this node (torchrun, run_processes)
         return Topology.regular(p, p)
     if comm.one_process:  # in-process ranks share a host: one node unless set explicitly
         return Topology.regular(p, p)
     return None
 
 
-def _sub_topology(sub: SubCommunicator) -> Topology:
-    """A group's nodes are its parent's: the members' nodes there (a layout the parent
-    knows already, or finds without messages, which only the members reach here);
-    else the members' node keys, gathered among them. Members spread unevenly over
-    the parent's nodes run flat (the two-level algorithms need regular nodes)."""
-    outer = sub.parent.known_topology
-    if outer is None and sub.parent.world_size > 1:
-        outer = (
-            _sub_topology(sub.parent)
-            if isinstance(sub.parent, SubCommunicator)
-            else _local_topology(sub.parent)
-        )
-    if outer is None:
-        code = _key_code(sub.node_key())
-        keys = [int(k.item()) for k in sub.allgather(torch.tensor([code], dtype=torch.int64))]
-    else:
-        keys = [outer.node_of(m) for m in sub.members]
+def _regular_or_flat(keys: Sequence[object]) -> Topology:
+    """The ranks grouped by node key; flat where the groups are irregular (a group's
+    members spread unevenly over its parent's nodes)."""
     try:
         return Topology.from_keys(keys)
     except TopologyError:
-        return Topology.flat(sub.world_size)
+        return Topology.flat(len(keys))
 
 
 class SubCommunicator(Communicator):

@@ -51,7 +51,7 @@ from ..comm.topology import Topology
 from ..compress.selection import k_of
 from ..costmodel import CostModel, expected_fill_in
 from ..indexcode import layout
-from ..stream import SparseStream, index_bytes
+from ..stream import SparseStream, dense_threshold_of
 from ..wire import HEADER_BYTES, peek, peek_bundle
 from .bench.allreduce import gradient_like
 from .bench.harness import write_json
@@ -247,7 +247,7 @@ def _stream_charge(buf: torch.Tensor, offset: int, scale: int) -> Charge | None:
     if h.dense:
         return Charge(HEADER_BYTES + h.size * scale * h.value_bytes, h.size * scale, True)
     size, nnz = h.size * scale, h.nnz * scale
-    if scale > 1 and nnz > (size * h.value_bytes) // (index_bytes(size) + h.value_bytes):
+    if scale > 1 and nnz > dense_threshold_of(size, h.value_bytes):
         # past the full-size stream's dense switch (SparCML's delta, sec. 5.1), which
         # the scaled one, of narrower indices, had not reached: the full-size
         # message is dense
