@@ -297,7 +297,10 @@ def _with_topology(settings: CallSettings, comm: Communicator) -> CallSettings:
         return settings
     if name != "auto" and not (algorithm_info(name).two_level or algorithm_info(name).node_aware):
         return settings
-    return dataclasses.replace(settings, topology=topology_fingerprint(local_topology(comm)))
+    # a layout found without messages is kept (comm.topology finds it the same way),
+    # so later calls read it back instead of looking again
+    found = comm.topology if local_topology(comm) is not None else None
+    return dataclasses.replace(settings, topology=topology_fingerprint(found))
 
 
 def _returns_dense(algorithm: str, options: dict[str, Any]) -> bool:

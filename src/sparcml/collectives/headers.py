@@ -16,6 +16,7 @@ papers, which assume matching calls.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from typing import Any
 
@@ -185,6 +186,7 @@ class CallSettings:
 TOPOLOGY_GATHERED = 0x7F
 
 
+@functools.lru_cache(maxsize=64)
 def topology_fingerprint(topology: Any | None) -> int:
     """A 7-bit fingerprint (1-126) of a :class:`~sparcml.comm.topology.Topology`'s nodes,
     or :data:`TOPOLOGY_GATHERED` for None (a layout to be gathered). Two different

@@ -287,7 +287,7 @@ class Communicator(abc.ABC):
                     sends.append(self._send_note(payload, peer))
         self._flush_notes(sends)
         with contextlib.suppress(Exception):
-            self._after_failure(note.origin, number)
+            self._after_failure(note.origin)
         if self._call is None or self._call_traffic or note.origin != self.rank:
             # messages of the abandoned call may still be in flight on some link
             self._broken = (
@@ -315,10 +315,9 @@ class Communicator(abc.ABC):
             pending = [h for h in pending if not h.is_completed()]
         self._unsent_notes = [h for h in self._unsent_notes if not h.is_completed()] + pending
 
-    def _after_failure(self, origin: int, call: int) -> None:
-        """After call ``call`` failed and its notes are sent: backends whose failure
-        record lives in one rank's process keep that process up until the others have
-        seen it."""
+    def _after_failure(self, origin: int) -> None:
+        """After a failed call's notes are sent: backends whose failure record lives in
+        one rank's process keep that process up until the others have seen it."""
         return None
 
     def failing_call(self) -> int:

@@ -300,10 +300,10 @@ class StoreFaults:
             self._wait_for_readers(record)
         return record
 
-    def acknowledge(self, origin: int, call: int | None = None) -> None:
-        """This rank failed call ``call``, which ``origin`` failed first (an abort
-        note): say so (the others learn from the notes themselves, on their way
-        before the error leaves, so the store's host need not stay up for them)."""
+    def acknowledge(self, origin: int) -> None:
+        """This rank failed a call that ``origin`` failed first (an abort note): say so
+        (the others learn from the notes themselves, on their way before the error
+        leaves, so the store's host need not stay up for them)."""
         self._set(f"seen/{self.rank}", "1")
 
     def _wait_for_readers(self, record: FailureRecord) -> None:

@@ -213,9 +213,9 @@ class MPICommunicator(Communicator):
 
         def wait() -> None:
             self._deadline_wait(req, dst, "send")
-            _ = arr
+            _ = arr  # the closure keeps the buffer alive as long as the handle
 
-        return Handle(wait, poll=lambda: bool(req.Test()) and arr is not None)
+        return Handle(wait, poll=lambda: bool(req.Test()))
 
     def _irecv(self, src: int, tag: int) -> Handle:
         def wait() -> torch.Tensor | AbortNote:

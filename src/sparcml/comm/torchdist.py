@@ -230,8 +230,8 @@ class TorchDistCommunicator(Communicator):
         except Exception as e:
             raise self._fail(e, peer, what) from e
 
-    def _after_failure(self, origin: int, call: int) -> None:
-        self.faults.acknowledge(origin, call)
+    def _after_failure(self, origin: int) -> None:
+        self.faults.acknowledge(origin)
 
     def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
         # an abort note is a message whose length word is negative: -(bytes + 1)
