@@ -62,3 +62,43 @@ def test_save_and_load(tmp_path, monkeypatch) -> None:  # type: ignore[no-untype
     path.write_text(json.dumps({"alpha": "x"}))
     with pytest.raises(ValueError, match="invalid calibration"):
         CostModel.load(path)
+
+
+def test_a_calibration_rewritten_at_once_is_read_again(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``auto`` loads the calibration on every call, parsed once per content: a file
+    rewritten with the same size within the file system's timestamp resolution
+    (a test, a script calibrating twice) must not give the old numbers."""
+    path = tmp_path / "cal.json"
+    monkeypatch.setenv("SPARCML_CALIBRATION", str(path))
+    CostModel(alpha=1e-5, beta=2e-9).save(path)
+    first = CostModel.load()
+    assert CostModel.load() is first  # unchanged: not parsed again
+    size = path.stat().st_size
+    CostModel(alpha=3e-5, beta=2e-9).save(path)  # the same length, at once
+    assert path.stat().st_size == size
+    assert CostModel.load().alpha == 3e-5
+    path.unlink()
+    assert CostModel.load().source == "default"
+    path.mkdir()
+    with pytest.raises(ValueError, match="invalid calibration"):
+        CostModel.load()
+
+
+def test_auto_choice_follows_a_cost_formula_registered_again() -> None:
+    """``choose`` keeps its predictions per model and registered facts: the same name
+    registered again with another cost formula is costed again."""
+    import dataclasses
+
+    from sparcml.collectives import registry
+
+    model = CostModel()
+    names = ["ssar_recursive_double", "ssar_split_allgather"]
+    before = choose(model, 8, 1 << 20, [8000] * 8, 4, names)
+    other = next(n for n in names if n != before)
+    info = registry._REGISTRY[other]
+    try:
+        registry._REGISTRY[other] = dataclasses.replace(info, cost=lambda *a: 0.0)
+        assert choose(model, 8, 1 << 20, [8000] * 8, 4, names) == other
+    finally:
+        registry._REGISTRY[other] = info
+    assert choose(model, 8, 1 << 20, [8000] * 8, 4, names) == before

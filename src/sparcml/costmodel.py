@@ -28,6 +28,7 @@ calibration (``sparcml calibrate``, or any JSON file with the same keys) at
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -43,7 +44,12 @@ __all__ = ["CostModel", "calibration_path", "expected_fill_in"]
 
 def calibration_path() -> Path:
     """Where a stored calibration is looked for."""
-    env = os.environ.get("SPARCML_CALIBRATION")
+    return _calibration_path(os.environ.get("SPARCML_CALIBRATION"), os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=8)
+def _calibration_path(env: str | None, home: str | None) -> Path:
+    # (asked on every call of ``auto``: the path is built once per environment)
     if env:
         return Path(env)
     return Path.home() / ".config" / "sparcml" / "calibration.json"
@@ -60,6 +66,10 @@ def expected_fill_in(size: int, ks: Sequence[int]) -> float:
         return 0.0
     log_empty = sum(math.log1p(-min(k, size) / size) if k < size else -math.inf for k in ks)
     return size * (1.0 - math.exp(log_empty))
+
+
+#: the calibration files parsed so far: (class, path, content) -> model
+_LOADED: dict[tuple[type, str, bytes], CostModel] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +123,29 @@ class CostModel:
             ValueError: the file exists but is not a valid calibration.
         """
         p = Path(path) if path is not None else calibration_path()
-        if not p.exists():
-            return cls()
         try:
-            data = json.loads(p.read_text())
+            with open(p, "rb") as f:
+                raw = f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return cls()
+        except OSError as e:
+            raise ValueError(f"invalid calibration file {p}: {e}") from e
+        # (parsed once per content: ``auto`` asks on every call; a file rewritten
+        # within the file system's timestamp resolution is still seen)
+        key = (cls, str(p), raw)
+        hit = _LOADED.get(key)
+        if hit is not None:
+            return hit
+        model = cls._parse(p, raw)
+        if len(_LOADED) >= 8:
+            _LOADED.clear()  # (files rewritten many times in one process: bounded)
+        _LOADED[key] = model
+        return model
+
+    @classmethod
+    def _parse(cls, p: Path, raw: bytes) -> CostModel:
+        try:
+            data = json.loads(raw)
             return cls(
                 alpha=float(data["alpha"]),
                 beta=float(data["beta"]),

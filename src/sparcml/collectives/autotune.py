@@ -61,6 +61,7 @@ its algorithm, pass a ``cost_model`` or keep a calibration file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -74,7 +75,7 @@ from ..comm import Communicator
 from ..costmodel import CostModel, calibration_path
 from ..stream import SparseStream
 from .headers import check_consistent
-from .registry import algorithm_info, algorithms, predict
+from .registry import AlgorithmInfo, algorithm_info, algorithms, predict
 
 __all__ = [
     "CLOSE_FACTOR",
@@ -232,6 +233,24 @@ def measured_candidates(
 
     Of an algorithm's variants (``twolevel_shard`` and ``twolevel_shard+...``, its
     inner algorithm between nodes) only the one the model ranks best is measured."""
+    # (the registered facts in the key: a name registered again is costed again)
+    infos = tuple(algorithm_info(a) for a in names)
+    keep, best = _measured_candidates(model, p, n, tuple(ks), isize, infos)
+    return list(keep), best
+
+
+@functools.lru_cache(maxsize=256)
+def _measured_candidates(
+    model: CostModel,
+    p: int,
+    n: int,
+    ks: tuple[int, ...],
+    isize: int,
+    infos: tuple[AlgorithmInfo, ...],
+) -> tuple[tuple[str, ...], float]:
+    # a pure function of its arguments, asked on every call of a class that runs the
+    # model's choice without measuring: the predictions are made once
+    names = [i.name for i in infos]
     pred = {a: predict(model, a, p, n, ks, isize) for a in names}
     best = min(pred.values())
     pick: dict[str, str] = {}
@@ -239,9 +258,10 @@ def measured_candidates(
         base = algorithm_info(a).base
         if base not in pick or pred[a] < pred[pick[base]]:
             pick[base] = a
-    names = [a for a in names if pick[algorithm_info(a).base] == a]
-    keep = [a for a in names if pred[a] <= PRUNE_FACTOR * best]
-    return sorted(keep, key=lambda a: pred[a]), best
+    keep = [
+        a for a in names if pick[algorithm_info(a).base] == a and pred[a] <= PRUNE_FACTOR * best
+    ]
+    return tuple(sorted(keep, key=lambda a: pred[a])), best
 
 
 def plan(
@@ -480,7 +500,21 @@ def choose(
             for a in algorithms(auto=True)
             if model.ranks_per_node > 1 or not algorithm_info(a).two_level
         ]
-    names.sort(key=lambda a: algorithm_info(a).auto_priority)
+    infos = tuple(algorithm_info(a) for a in names)
+    return _choose(model, world_size, size, tuple(ks), isize, infos)
+
+
+@functools.lru_cache(maxsize=256)
+def _choose(
+    model: CostModel,
+    world_size: int,
+    size: int,
+    ks: tuple[int, ...],
+    isize: int,
+    infos: tuple[AlgorithmInfo, ...],
+) -> str:
+    # (a pure function of its arguments, asked on every call with a calibration file)
+    names = [i.name for i in sorted(infos, key=lambda i: i.auto_priority)]
     return min(names, key=lambda a: predict(model, a, world_size, size, ks, isize))
 
 
