@@ -102,6 +102,7 @@ def _rank(
         "cpu": cpu,
         "threads": per,
         "voluntary": (ru1.ru_nvcsw - ru0.ru_nvcsw) / steps,
+        "faults": (ru1.ru_minflt - ru0.ru_minflt) / steps,
     }
 
 
@@ -137,7 +138,8 @@ def main() -> None:
         print(
             f"{method:14s} wall {wall:6.1f} ms/step{ratio}; hook local {local:.1f} ms, "
             f"collective {coll:.1f} ms; process CPU per rank {cpus} ms; "
-            f"by thread (mean): {threads}; voluntary switches/step {res[0]['voluntary']:.0f}"
+            f"by thread (mean): {threads}; voluntary switches/step {res[0]['voluntary']:.0f}; "
+            f"page faults/step {res[0]['faults']:.0f}"
         )
 
 

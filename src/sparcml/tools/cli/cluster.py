@@ -13,9 +13,19 @@ __all__ = ["add_parsers"]
 
 def calibrate(args: argparse.Namespace) -> int:
 
-    from ..calibrate import measure, to_model
+    from ..calibrate import fit, measure, to_model
 
-    if args.env:  # one rank of a job started by torchrun or sparcml cluster
+    if args.refit:  # the measurements of an earlier calibration, fitted again
+        import json
+
+        try:
+            with open(args.refit) as f:
+                stored = json.load(f)
+            figures = fit(stored.get("rows", stored))
+        except (OSError, ValueError, AttributeError) as e:
+            print(f"sparcml calibrate: --refit {args.refit}: {e}", file=sys.stderr)
+            return 2
+    elif args.env:  # one rank of a job started by torchrun or sparcml cluster
         import torch.distributed as dist
 
         from ...comm import TorchDistCommunicator
@@ -40,8 +50,9 @@ def calibrate(args: argparse.Namespace) -> int:
         f"beta_sparse {figures['beta_sparse'] * 1e9:.3f} ns/B, "
         f"gamma {model.gamma * 1e9:.2f} ns/element (dense add {figures['gamma_dense'] * 1e9:.2f})"
     )
+    where = figures.get("topology", "topology not recorded")
     print(f"inside a node: alpha {model.alpha_intra * 1e6:.1f} us, beta "
-          f"{model.beta_intra * 1e9:.3f} ns/B ({figures['topology']})")  # fmt: skip
+          f"{model.beta_intra * 1e9:.3f} ns/B ({where})")  # fmt: skip
     print(f"wrote {path} (algorithm='auto' reads it; SPARCML_CALIBRATION overrides the path)")
     if args.json:
         from ..bench.harness import write_json
@@ -102,6 +113,9 @@ def add_parsers(sub: Any) -> None:
     ca.add_argument("--out", help="calibration file (default $SPARCML_CALIBRATION or "
                     "~/.config/sparcml/calibration.json)")  # fmt: skip
     ca.add_argument("--json", help="also write every measurement to this file")
+    ca.add_argument("--refit", metavar="FIGURES",
+                    help="measure nothing: fit the measurements an earlier calibration wrote "
+                    "with --json again (the model's fit of this version)")  # fmt: skip
     ca.set_defaults(run=calibrate)
     cl = sub.add_parser(
         "cluster",
