@@ -220,6 +220,20 @@ def test_natural_unbiased_with_variance_one_eighth() -> None:
 
 
 @pytest.mark.parametrize("fmt", [9, 8])
+def test_natural_without_a_seed_draws_anew_and_stays_unbiased(fmt: int) -> None:
+    """``seed=None`` draws from torch's default generator: the compiled 9-bit CPU
+    pass used to draw only with a generator, so every 1.5 came back as 2 (its
+    scratch draws zero) and every call repeated the last draws."""
+    torch.manual_seed(0)
+    op = C.get("natural", seed=None, format=fmt)
+    x = torch.full((20000,), 1.5)
+    outs = [op.dequantize(op.quantize(x), torch.float32, x.device) for _ in range(3)]
+    for out in outs:
+        assert abs(float(out.mean()) - 1.5) < 0.02  # +-1.5 / sqrt(20000) * 0.5 * 4 sigma
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+
+
+@pytest.mark.parametrize("fmt", [9, 8])
 def test_natural_formats_values_and_sizes(fmt: int) -> None:
     n = 1001
     x = _x(n, 6)

@@ -148,7 +148,7 @@ class NaturalCompression(Quantizer):
             if compiled:  # one compiled call per chunk; the draws as exact_bernoulli's
                 bits = v[lo:hi].view(torch.int32)
                 rand = scratch("bernoulli", hi - lo, torch.int32, v.device)
-                if gen is not None:
+                if not self.deterministic:  # (no seed: torch's default generator)
                     rand.random_(generator=gen)
                 top, clipped = natural9_encode(
                     bits, rand, self.deterministic, exps[lo:hi], plane[lo // 8 : (hi + 7) // 8]
