@@ -554,6 +554,61 @@ def test_sync_gradients_rejects_models_that_differ_across_ranks() -> None:
     assert all(m is not None and "values differ across ranks: ranks [1, 2]" in m for m in msgs)
 
 
+@pytest.mark.parametrize("precision", ["float32", "gradient"])
+def test_a_16_bit_layer_rule_leaves_the_momentum_it_sends_whole(precision: str) -> None:
+    """bf16 gradients kept in their own dtype (``residual_precision="gradient"``): the
+    16-bit method's division by P used to run in place on the momentum buffer it was
+    handed, so the stored momentum came out divided by P every step."""
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        w = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+        b = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+        state = SparcmlState(
+            "topk", density=0.25, momentum=0.9, residual_precision=precision,
+            layers=[("param1", "bf16")], comm=comm,
+        )  # fmt: skip
+        w.grad = torch.ones(64, dtype=torch.bfloat16)
+        b.grad = torch.ones(8, dtype=torch.bfloat16)
+        st.sync_gradients([w, b], state)
+        u = state.children[0].momentum_correction.buffers["param1"]
+        return u.float(), b.grad.float()
+
+    for u, g in run_ranks(2, fn):
+        assert torch.equal(u, torch.ones(8)) and torch.equal(g, torch.ones(8))
+
+
+def test_broadcast_parameters_copies_frozen_parameters_and_buffers() -> None:
+    """As DDP at construction: frozen parameters and buffers (BatchNorm's running
+    statistics, its int64 count) come from root too, each in its own dtype; a rank
+    whose model has another layout is refused, naming the difference."""
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        torch.manual_seed(comm.rank)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        model[0].bias.requires_grad_(False)
+        model.half()[1].float()  # mixed dtypes
+        with torch.no_grad():
+            model[1].running_mean.fill_(comm.rank + 1.0)
+        model[1].num_batches_tracked.fill_(10 * comm.rank + 3)
+        state = SparcmlState("topk", comm=comm)
+        st.broadcast_parameters(model, state)
+        out = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+        other = torch.nn.Linear(4, 3) if comm.rank == 1 else model  # rank 1's differs
+        try:
+            st.broadcast_parameters(other, state)
+        except ValueError as e:
+            return out, str(e)
+        return out, None
+
+    res = run_ranks(3, fn)
+    for tensors, _ in res[1:]:
+        for a, b in zip(res[0][0], tensors, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert float(res[2][0][-3][0]) == 1.0 and int(res[2][0][-1]) == 3  # root's statistics
+    assert res[0][1] is None and res[2][1] is None
+    assert res[1][1] is not None and "differ from rank 1's in number, shape or dtype" in res[1][1]
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_optimizer_wrapper_trains_identically_on_every_rank(world: int) -> None:
     def fn(comm):  # type: ignore[no-untyped-def]

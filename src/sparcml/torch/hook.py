@@ -251,15 +251,17 @@ def check_sparse_gradients(state: SparcmlState, model: Any) -> list[str]:
 
 
 def named_parameters_of(
-    model: torch.nn.Module | Iterable[torch.Tensor],
+    model: torch.nn.Module | Iterable[torch.Tensor], trainable_only: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
     if isinstance(model, torch.nn.Module):
-        return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return [
+            (n, p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only
+        ]
     params = list(model)
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"parameter {i} is a {type(p).__name__}, not a tensor")
-    return [(f"param{i}", p) for i, p in enumerate(params) if p.requires_grad]
+    return [(f"param{i}", p) for i, p in enumerate(params) if p.requires_grad or not trainable_only]
 
 
 def register(

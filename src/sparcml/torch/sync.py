@@ -18,6 +18,7 @@ buckets' collectives run back to back.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import logging
 import math
@@ -26,8 +27,7 @@ from typing import Any
 
 import torch
 
-from ..stream import SparseStream
-from ..wire import decode, encode
+from ..reinterpret import as_bytes, bytes_as
 from .hook import (
     check_parameters,
     check_settings,
@@ -226,27 +226,45 @@ def _sparse_grad(p: torch.Tensor) -> torch.Tensor:
 def broadcast_parameters(
     model: torch.nn.Module | Iterable[torch.Tensor], state: SparcmlState, root: int = 0
 ) -> None:
-    """Copy ``root``'s parameter values to every rank (a collective; before training).
+    """Copy ``root``'s parameters and buffers to every rank (a collective; before
+    training), as DDP does at construction: every parameter of a module, frozen ones
+    included, and its buffers (BatchNorm's running statistics); of an iterable, every
+    tensor in it. Their bytes travel unchanged, whatever their dtypes.
 
     Uses the state's communicator, so it works on every transport (MPI included).
+
+    Raises:
+        ValueError: this rank's tensors do not have root's size in bytes.
     """
     comm = state.comm
-    named = named_parameters_of(model)
+    if isinstance(model, torch.nn.Module):
+        tensors = [*model.parameters(), *model.buffers()]
+    else:
+        tensors = [p for _, p in named_parameters_of(list(model), trainable_only=False)]
     if comm.world_size == 1:
         return
-    flat = torch.cat([p.detach().reshape(-1) for _, p in named]) if named else torch.zeros(0)
+    raw = [as_bytes(t.detach()) for t in tensors]
+    # the layout's fingerprint first: equal sizes of other shapes or dtypes are refused
+    layout = ";".join(f"{t.dtype}:{tuple(t.shape)}" for t in tensors).encode()
+    sign = torch.frombuffer(bytearray(hashlib.sha256(layout).digest()[:8]), dtype=torch.uint8)
+    flat = torch.cat([sign, *(b.cpu() for b in raw)])
     if comm.rank == root:
-        payload = encode(SparseStream.dense(flat.cpu().clone()))
-        sends = [comm.isend(payload, r) for r in range(comm.world_size) if r != root]
+        sends = [comm.isend(flat, r) for r in range(comm.world_size) if r != root]
         for h in sends:
             h.wait()
         return
-    got = decode(comm.recv(root), expect_size=flat.numel(), expect_dtype=flat.dtype).to_dense()
-    offset = 0
+    got = comm.recv(root).cpu()
+    if got.numel() != flat.numel() or not torch.equal(got[:8], sign):
+        raise ValueError(
+            f"broadcast_parameters: root {root}'s parameters and buffers differ from rank "
+            f"{comm.rank}'s in number, shape or dtype ({got.numel() - 8} bytes against "
+            f"{flat.numel() - 8})"
+        )
+    offset = 8
     with torch.no_grad():
-        for _, p in named:
-            n = p.numel()
-            p.copy_(got[offset : offset + n].view_as(p))
+        for t, b in zip(tensors, raw, strict=True):
+            n = b.numel()
+            t.copy_(bytes_as(got[offset : offset + n], t.dtype).view(t.shape))
             offset += n
 
 
@@ -273,7 +291,7 @@ def broadcast_optimizer_state(
             h.wait()
         return
     got = comm.recv(root)
-    loaded = torch.load(io.BytesIO(bytes(got.numpy())), weights_only=True)
+    loaded = torch.load(io.BytesIO(bytes(got.cpu().numpy())), weights_only=True)
     optimizer.load_state_dict(loaded)
 
 

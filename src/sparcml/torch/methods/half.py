@@ -44,7 +44,8 @@ class Bf16(MethodConfig):
 def _spec(name: str, dtype: torch.dtype, hook: str, config: type[MethodConfig]) -> MethodSpec:
     def run(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
         # Steps 1-3 (the pipeline casts the average back to the gradient's dtype)
-        low = acc.to(dtype).div_(group.comm.world_size)
+        # (a new tensor: acc may be the momentum buffer itself, kept after the call)
+        low = acc.to(dtype, copy=True).div_(group.comm.world_size)
         return MethodResult(None, group.comm.allreduce(low))
 
     return register_method(
