@@ -153,3 +153,15 @@ def test_stats_every_logs_under_the_ddp_hook_on_rank_0_by_default() -> None:
     fsdp = run_processes(2, train_workers.ddp_stats_logged, "first", 4, True, timeout=60)
     assert len(fsdp[0]) == 2 and fsdp[1] == [], fsdp
     assert "selected" in fsdp[0][0] and "compress 0.00 ms" not in fsdp[0][0], fsdp[0][0]
+
+
+def test_an_error_of_one_bucket_is_raised_at_the_end_of_backward_on_every_rank() -> None:
+    """A bucket's error every rank raises (NaN under ``nan_policy="raise"``) is raised
+    at the end of backward on every rank, the communicator still usable. The next
+    bucket's hook used to raise it before its own collective when the engine had
+    stored it already: on a rank that paused between buckets, inside DDP's reducer
+    (its next forward then failed DDP's assertion), while the other rank waited for
+    that bucket's collective until its timeout."""
+    out = run_processes(2, train_workers.ddp_error_between_buckets, 0, timeout=60)
+    want = [(0, "ok", 1), (1, "ok", 2), (2, "FloatingPointError", 3), (3, "ok", 4)]
+    assert out == [want, want]

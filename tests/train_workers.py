@@ -338,3 +338,36 @@ def momentum_sgd_runs(
             opt.step()
         out.append(flat_params(model))
     return out
+
+
+def ddp_error_between_buckets(comm: Any, slow_rank: int) -> list[tuple[int, str, int]]:
+    """Steps under the DDP hook whose third has NaN gradients (``nan_policy="raise"``),
+    ``slow_rank`` pausing in backward between two of its buckets: each step's outcome
+    and the state's step counter afterwards."""
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.004)  # several buckets
+    state = st.register(ddp, "topk", density=0.5, nan_policy="raise", timeout=20.0)
+    out = []
+    for step in range(4):
+        ddp.zero_grad()
+        x, _ = batch(comm.rank, step)
+        pause = None
+        if comm.rank == slow_rank:  # the engine stores this bucket's error meanwhile
+            pause = model[1].register_full_backward_hook(lambda *a: time.sleep(0.5))
+        y = ddp(x)
+        if step == 2:
+            y = y * float("nan")
+        try:
+            y.sum().backward()
+            what = "ok"
+        except Exception as e:
+            what = type(e).__name__
+        finally:
+            if pause is not None:
+                pause.remove()
+        out.append((step, what, state.step))
+    return out

@@ -74,7 +74,13 @@ def sparcml_hook(
             f"sparcml hook: bucket {index} holds {flat.numel()} gradient entries but its "
             f"parameters have {sum(sizes)}"
         )
-    state.check()  # an error that no backward has raised yet
+    if state.hook_error is not None and state.hook_error_step < state.step:
+        # an earlier backward's error that no backward has raised yet (its final
+        # callback did not run). One of this backward's is raised at its end, on
+        # every rank alike: raising it here, before this bucket's collective, would
+        # depend on whether the engine had stored it yet, and leave the other ranks
+        # waiting for this bucket
+        state.check()
     item = Bucket(names, sizes, flat, state.step)
     last = bucket.is_last()
     if last:
@@ -92,7 +98,7 @@ def sparcml_hook(
         except BaseException as e:
             state.comm.fail_call(e)
             if state.hook_error is None:
-                state.hook_error = e
+                state.hook_error, state.hook_error_step = e, item.step
             out = flat  # placeholder: backward raises the error before any step
         complete_future(fut, out, None)
         return out
@@ -445,7 +451,9 @@ def _comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
         if state.refused_checkpoint is not None:
             # (at the last bucket: an error stored earlier would be raised by the next
             # bucket's hook, before its collective, leaving the other ranks waiting)
-            inner.hook_error = inner.hook_error or state.refused_checkpoint
+            if inner.hook_error is None:
+                inner.hook_error = state.refused_checkpoint
+                inner.hook_error_step = inner.step - 1  # this backward's
             state.refused_checkpoint = None
     return fut
 

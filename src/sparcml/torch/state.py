@@ -182,6 +182,7 @@ class SparcmlState:
         self.sync_ids: list[int] | None = None  # sync_gradients' parameters
         self.sparse_ids: set[int] = set()  # parameters with sparse gradients
         self.hook_error: BaseException | None = None  # raised at the end of backward
+        self.hook_error_step = -1  # the step of the backward that stored it
         self.hook_armed = False
         self.hook_works: list[Any] = []
         # the DDP bucket keys of the last step (and of the step being reduced), and
