@@ -371,3 +371,33 @@ def ddp_error_between_buckets(comm: Any, slow_rank: int) -> list[tuple[int, str,
                 pause.remove()
         out.append((step, what, state.step))
     return out
+
+
+def ddp_raw_hook_against_register(comm: Any, steps: int) -> tuple[float, int, int]:
+    """``register_comm_hook(state, sparcml_hook)`` by hand against ``register()``:
+    the largest difference of the trained parameters, and how many residuals each
+    state keeps (one per parameter)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def train(raw: bool) -> tuple[torch.Tensor, int]:
+        g = torch.Generator().manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        ddp = DDP(model, bucket_cap_mb=0.0015)  # DDP rebuilds its buckets after step 0
+        if raw:
+            state = st.SparcmlState("topk", density=0.1)
+            ddp.register_comm_hook(state, sparcml_hook)
+        else:
+            state = st.register(ddp, "topk", density=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for t in range(steps):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * comm.rank + t))
+            opt.zero_grad()
+            ddp(x).tanh().sum().backward()
+            opt.step()
+        return flat_params(model), len(state.residuals)
+
+    (a, na), (b, nb) = train(False), train(True)
+    return float((a - b).abs().max()), na, nb

@@ -296,9 +296,19 @@ class SparcmlState:
 
     # ------------------------------------------------------------------ registration
     def name_of(self, param: torch.Tensor, position: int, bucket: int) -> str:
-        """The name a parameter's residual is kept under (stable across bucket rebuilds)."""
+        """The name a parameter's residual is kept under (stable across bucket rebuilds).
+
+        A parameter the state was not told of (``sparcml_hook`` registered by hand,
+        without :func:`~sparcml.torch.register`) is named ``param0``, ``param1``, ...
+        when a bucket first brings it, the same on every rank, as PyTorch's ``(state,
+        hook)`` pair does: a name by bucket position would hand its residual to
+        another parameter once DDP rebuilds its buckets after the first step.
+        """
         name = self.param_names.get(id(param))
-        return name if name is not None else f"bucket{bucket}.param{position}"
+        if name is None:
+            name = self.param_names[id(param)] = f"param{len(self.param_names)}"
+            self.param_shapes[name] = tuple(param.shape)
+        return name
 
     def set_parameters(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         """The parameters this state reduces (registration: the DDP hook,
