@@ -182,3 +182,19 @@ def test_error_feedback_on_non_contiguous_gradients(layout: str) -> None:
         assert torch.equal(sel.to_dense().reshape(acc.shape) + ef.residual("w"), acc)
     out = topk_sgd_step(grad, "w2", ErrorFeedback(), k=5, quantizer="natural")
     assert out.shape == grad.shape and int((out != 0).sum()) == 5
+
+
+def test_a_bucket_reads_residuals_of_another_dtype_as_their_values() -> None:
+    """A residual loaded in another dtype (or on another device: a checkpoint read with
+    ``map_location="cpu"``) is read as its values in the bucket's dtype, not replaced
+    by zeros; one of another size (another parameter) is."""
+    from sparcml.sgd.feedback import NamedBuffers
+
+    buf = NamedBuffers()
+    buf.load_state_dict(
+        {"residuals": {"a": torch.tensor([1.5, -2.0], dtype=torch.float64), "b": torch.ones(3)}}
+    )
+    like = torch.zeros(6, dtype=torch.float32)
+    flat = buf.gather(["a", "b"], [2, 4], like)
+    assert flat.dtype == torch.float32
+    assert flat.tolist() == [1.5, -2.0, 0.0, 0.0, 0.0, 0.0]

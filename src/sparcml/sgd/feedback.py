@@ -52,8 +52,8 @@ class NamedBuffers:
     def gather(
         self, names: Sequence[str], sizes: Sequence[int], like: torch.Tensor
     ) -> torch.Tensor:
-        """A bucket's flat view: the buffers of ``names`` concatenated, zeros where a
-        buffer is missing or does not match ``like``'s dtype and device or its size.
+        """A bucket's flat view: the buffers of ``names`` concatenated (moved to
+        ``like``'s device and dtype), zeros where a buffer is missing or of another size.
 
         Read-only: when the buffers are still the views the bucket's last
         :meth:`scatter` stored (every step of a training run after the first), this
@@ -72,8 +72,12 @@ class NamedBuffers:
         parts = []
         for name, n in zip(names, sizes, strict=True):
             t = self._residuals.get(name)
-            if t is None or t.numel() != n or t.dtype != like.dtype or t.device != like.device:
+            if t is None or t.numel() != n:
                 t = torch.zeros(n, dtype=like.dtype, device=like.device)
+            elif t.dtype != like.dtype or t.device != like.device:
+                # (a checkpoint loaded with map_location="cpu", another residual
+                # precision: the same values where they are needed, not zeros)
+                t = t.to(device=like.device, dtype=like.dtype)
             parts.append(t.reshape(-1))
         return torch.cat(parts) if parts else like.new_zeros(0)
 
