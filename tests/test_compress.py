@@ -670,3 +670,37 @@ def test_top_k_exact_falls_back_when_infinities_rank_below_the_sample() -> None:
     got_t, got = top_k_exact(x, k)
     assert got_t == t == torch.finfo(torch.float32).max
     assert torch.equal(got, top_k_positions(mag, t, k)) and got.numel() == k
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "scale"),
+    [
+        ("qsgd", {"bucket": 4, "bits": 4}, 1e-29),
+        ("qsgd", {"bucket": 4, "bits": 4}, 1e-31),
+        ("qsgd", {"bucket": 4, "bits": 4, "norm": "max"}, 1e-31),
+        ("qsgd", {"bucket": 4, "bits": 4}, 1e19),
+        ("dithering", {}, 1e-40),
+        ("dithering", {}, 1e38),
+        ("natural_dithering", {}, 1e38),
+    ],
+)
+def test_quantizers_stay_finite_and_unbiased_at_float32s_ends(
+    name: str, params: dict, scale: float
+) -> None:
+    """Norms computed in float32 underflowed (QSGD: a bucket of 1e-29 decoded as
+    zeros) or overflowed (QSGD near 1e19, dithering near 3e38: finite input decoded
+    as NaN), and an inverse norm overflowed (dithering near 1e-40)."""
+    op = C.get(name, seed=0, **params)
+    x = torch.tensor([1.0, -0.5, 0.0, 0.25]) * scale
+    draws = torch.stack(
+        [op.dequantize(op.quantize(x), torch.float32, x.device) for _ in range(2000)]
+    ).double()
+    assert bool(torch.isfinite(draws).all())
+    err = (draws.mean(0) - x.double()).abs().max() / (abs(scale) * 1.0)
+    assert float(err) < 0.05  # each entry's draws spread within +-scale: 4 sigma of 2000
+
+
+def test_qsgd_refuses_a_scale_its_levels_cannot_decode() -> None:
+    op = C.get("qsgd", bucket=4, bits=4, seed=0)
+    with pytest.raises(ValueError, match="exceeds float32's largest value"):
+        op.quantize(torch.tensor([3e38, -3e38, 1.0, 0.0]))

@@ -98,7 +98,10 @@ class _GeneralDithering(Quantizer):
         )
         if self.check_finite and not bool(torch.isfinite(norm64)):
             check_finite(x, self.name)
-        norm = norm64.float()  # the levels refer to the float32 norm that travels
+        # the levels refer to the float32 norm that travels; a norm beyond float32's
+        # range (finite values near its largest) is sent as that largest value: any
+        # scale at least max|x| keeps E[D(x)] = x (Def. 3 needs y = |x| / scale <= 1)
+        norm = norm64.clamp(max=_FLOAT32_MAX).float()
         gen = generator or self._generator(x.device)
         if self.compress_norm:
             # C_nat of the norm is unbiased and independent of the levels: E[D(x)] = x
@@ -108,10 +111,12 @@ class _GeneralDithering(Quantizer):
         else:
             norm_payload = norm.reshape(1).view(torch.uint8)
         inv = 1.0 / float(norm) if float(norm) > 0 else 0.0
+        # (a norm below 1 / FLT_MAX: its inverse is infinite in float32, divide instead)
+        divide = inv > _FLOAT32_MAX
         out = torch.empty(packed_nbytes(n, self.bits), dtype=torch.uint8, device=x.device)
         for lo, hi in chunks(n, x.device):
             chunk = x[lo:hi]
-            y = (chunk.abs() * inv).clamp_(max=1.0)
+            y = (chunk.abs() / norm if divide else chunk.abs() * inv).clamp_(max=1.0)
             level = self._levels_of(y, gen)
             sign = (chunk.view(torch.int32) >> 31) & (1 << self.level_bits)
             pack_bits_into(out, level | sign, n, lo, self.bits)
@@ -167,3 +172,6 @@ class NaturalDithering(_GeneralDithering):
 
     natural_levels = True
     _code = 5
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)

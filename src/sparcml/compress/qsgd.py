@@ -80,6 +80,10 @@ class QSGD(Quantizer):
             vb = chunk.view(-1, b)
             # Step 1: one scale per bucket
             scale = torch.linalg.vector_norm(vb, dim=1) if self.norm == "l2" else vb.abs().amax(1)
+            # (buckets of very large or small values: one device sync finds them)
+            rare = _out_of_range(vb, scale, self.norm == "l2")
+            if rare is not None:
+                scale = _wide_norms(vb, scale, rare, self.norm == "l2", s)
             scales[lo // b : lo // b + scale.numel()] = scale
             # Step 2: level = floor(s|v|/scale) + Bernoulli(fraction), unbiased
             # (s|v|/scale < 128, so s|v|/scale * 2^23 fits an int32: whole part and
@@ -89,6 +93,8 @@ class QSGD(Quantizer):
             mag = scratch("qsgd_mag", m, torch.float32, v.device).view(vb.shape)
             torch.abs(vb, out=mag)
             mag *= inv.unsqueeze(1)
+            if rare is not None:  # scale < s 2^23 / FLT_MAX: divide before scaling up
+                mag[rare] = (vb[rare].abs() / scale[rare].unsqueeze(1)) * (s * float(1 << 23))
             fixed = scratch("qsgd_fixed", m, torch.int32, v.device).view(vb.shape)
             fixed.copy_(mag)
             frac = scratch("qsgd_frac", m, torch.int32, v.device).view(vb.shape)
@@ -124,3 +130,43 @@ class QSGD(Quantizer):
         sign = 1.0 - 2.0 * ((codes >> (bits - 1)) & 1).float()
         per_value = scale.repeat_interleave(self.bucket)[:n]
         return (sign * level * per_value / self.levels).to(dtype)
+
+
+#: a bucket's float32 scale is exact, and ``s 2^23 / scale`` finite, between these:
+#: (1e-18)^2 and (1e18)^2 stay inside float32's normal range
+_NORM_RANGE = (1e-18, 1e18)
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _out_of_range(vb: torch.Tensor, scale: torch.Tensor, l2: bool) -> torch.Tensor | None:
+    """The rows whose scale lies outside :data:`_NORM_RANGE` (None: none)."""
+    lo, hi = _NORM_RANGE
+    off = (scale < lo) & (scale != 0) | ~(scale <= hi)  # (NaN counts: ~(NaN <= hi))
+    if l2:
+        off |= (scale == 0) & (vb != 0).any(1)  # squares below the subnormals
+    if not bool(off.any()):
+        return None
+    return off.nonzero().squeeze(1)
+
+
+def _wide_norms(
+    vb: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, l2: bool, s: int
+) -> torch.Tensor:
+    """``scale`` with the l2 norms of ``rows`` computed again in float64: a bucket of
+    values near 1e19 had an infinite float32 norm (decoded as NaN), one near 1e-23 a
+    zero norm (decoded as zeros). A scale above ``FLT_MAX / s`` is refused: the
+    decoded levels ``level * scale`` would overflow."""
+    scale = scale.clone()
+    if l2:
+        scale[rows] = torch.linalg.vector_norm(vb[rows], dim=1, dtype=torch.float64).to(
+            torch.float32
+        )
+    big = scale[rows]
+    if bool((torch.isfinite(big) & (big > _FLOAT32_MAX / s)).any()) or (
+        bool(torch.isinf(big).any()) and bool(torch.isfinite(vb[rows]).all())
+    ):
+        raise ValueError(
+            f"qsgd: a bucket's scale exceeds float32's largest value / {s} levels: "
+            "values this large cannot be quantized"
+        )
+    return scale
