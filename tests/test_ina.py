@@ -301,3 +301,61 @@ def test_a_result_dropped_for_room_is_refused_when_asked_again() -> None:
     assert refused.kind == REFUSED and refused.chunk == 0
     assert refused.payload.decode().startswith("evicted")  # (cut to the payload length)
     assert counters["slots"] == 0 and counters.get("rejected_evicted") == 1
+
+
+def test_a_lost_result_is_asked_again_before_it_is_dropped_for_room() -> None:
+    """A worker whose result of one chunk was lost (twice) kept sending later chunks
+    (its window counted outstanding chunks, not their span), so the other worker's
+    chunks completed until the aggregator, keeping ``slots`` results (here as many
+    as the window), dropped the lost one: the worker was refused 'evicted' and the
+    other timed out blaming it. With SwitchML's pool (chunk ``j`` only once ``j <``
+    oldest outstanding + window) ``slots >= window`` keeps it."""
+    from sparcml.ina.packet import RESULT
+
+    class Lossy(AggregatorServer):
+        dropped = 0
+
+        def _send(self, data, addr):  # type: ignore[no-untyped-def]
+            p = parse(data)
+            if (
+                p.kind == RESULT
+                and p.chunk & 0xFFFFFFFF == 5
+                and self.dropped < 2
+                and addr == self.sessions[p.session].addrs[0]
+            ):
+                self.dropped += 1  # worker 0's result of chunk 5, and its answer to a resend
+                return
+            super()._send(data, addr)
+
+    xs = [torch.ones(256 * 600), torch.ones(256 * 600)]
+    with Lossy(slots=64) as srv:
+        outs, errs, stats = _run(2, xs, srv.address, "fixed", window=64, timeout=10)
+        assert srv.dropped == 2
+    assert errs == [None, None]
+    assert all(torch.equal(o, torch.full((256 * 600,), 2.0)) for o in outs)
+    assert stats[0].retransmissions >= 2
+
+
+def test_workers_whose_sizes_differ_are_all_refused_at_once() -> None:
+    """A chunk whose members send different counts is refused to every one of them
+    (a REFUSED packet each), not left to their timeouts naming a healthy worker."""
+    import time
+
+    from sparcml.ina import AggregatorRefusedError
+
+    with AggregatorServer() as srv:
+        t0 = time.monotonic()
+        _, errs, _ = _run(2, [torch.ones(300), torch.ones(200)], srv.address, "fixed", timeout=30)
+        took = time.monotonic() - t0
+    assert all(isinstance(e, AggregatorRefusedError) for e in errs), errs
+    assert all("count_mismatch" in str(e) for e in errs) and took < 10
+
+
+def test_fixed_point_refuses_nan_instead_of_summing_zero() -> None:
+    """``float(NaN) > bound`` is False and NaN cast to an integer became 0: a NaN was
+    summed as zero. Refused before any packet, as the natural mode does."""
+    with pytest.raises(ValueError, match="non-finite"):
+        ina_allreduce(
+            torch.tensor([float("nan"), 1.0]), ("127.0.0.1", 9), InaSession(1), 0, 2, "fixed",
+            timeout=1,
+        )  # fmt: skip

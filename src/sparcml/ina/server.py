@@ -474,9 +474,13 @@ class AggregatorServer:
             self._advance(s, call)
         slot = s.slots.get(p.chunk)
         if slot is not None and slot.acc.size != p.count:
-            self._reject(
-                "count_mismatch", f"chunk {p.chunk}: {p.count} values, others {slot.acc.size}", addr
-            )
+            # the members disagree on the tensor's size: none of them gets a sum, and
+            # each is told at once (else every one retransmits until its timeout)
+            waiting = {w: s.addrs[w] for w in slot.seen if w in s.addrs and w != p.worker}
+            self._refuse(s, p, addr, "count_mismatch", f"chunk {p.chunk:#x}: worker "
+                         f"{p.worker} sent {p.count} values, workers {sorted(slot.seen)} "
+                         f"{slot.acc.size}: the workers' tensors differ in size",
+                         others=waiting)  # fmt: skip
             return
         if slot is not None and p.worker in slot.seen:  # Step 4: never count a member twice
             if slot.seen[p.worker] != p.epoch:  # the chunk again, from another call
@@ -492,8 +496,8 @@ class AggregatorServer:
             offset = c & 63
             bound = 62 - max(0, (s.workers - 1).bit_length())
             if int(offset.max()) > bound:
-                self._reject("overflow", f"exponent offset {int(offset.max())} > {bound} for "
-                             f"{s.workers} workers", addr)  # fmt: skip
+                self._refuse(s, p, addr, "overflow", f"exponent offset {int(offset.max())} > "
+                             f"{bound} for {s.workers} workers")  # fmt: skip
                 return
             vals = np.where((c >> 6) & 1, 0, np.int64(1) << offset)
             vals = np.where((c >> 7) & 1, -vals, vals)
@@ -542,15 +546,26 @@ class AggregatorServer:
             for w in range(s.workers):
                 self._send(out, s.addrs[w])
 
-    def _refuse(self, s: _Session, p: Packet, addr: Address, reason: str, detail: str) -> None:
+    def _refuse(
+        self,
+        s: _Session,
+        p: Packet,
+        addr: Address,
+        reason: str,
+        detail: str,
+        others: dict[int, Address] | None = None,
+    ) -> None:
         """Reject ``p`` and tell its sender why (a ``REFUSED`` packet, tagged in a keyed
-        session), so that the worker raises at once instead of retransmitting."""
+        session), so that the worker raises at once instead of retransmitting; a
+        refusal of the whole chunk goes to the members in ``others`` too (worker ->
+        address: those waiting for that chunk's result)."""
         self._reject(reason, f"session {p.session:#x}: {detail}", addr)
         # never longer than the refused packet's payload (but the reason's name):
         # no amplification towards a forged source
         text = f"{reason}: {detail}".encode()[: max(len(p.payload), len(reason))]
-        self._send(build(Packet(REFUSED, p.session, self.epoch, p.worker, s.workers, p.chunk,
-                                p.mode, len(text), text), s.key), addr)  # fmt: skip
+        for worker, to in [(p.worker, addr), *(others or {}).items()]:
+            self._send(build(Packet(REFUSED, p.session, self.epoch, worker, s.workers, p.chunk,
+                                    p.mode, len(text), text), s.key), to)  # fmt: skip
 
     # ------------------------------------------------------------------ stats
     def _stats(self, p: Packet, buf: bytes, addr: Address) -> None:

@@ -44,6 +44,7 @@ import torch
 from ..compress.base import make_header
 from ..compress.natural import NaturalCompression
 from ..errors import CommError, CommTimeoutError
+from ..finite import all_finite
 from .packet import (
     DATA,
     FLAG_MAC,
@@ -165,6 +166,8 @@ def ina_allreduce(
         values, clipped = encode_natural(flat, e_min, world, worker_seed(seed, job, rank, call))
         st.clipped += clipped
     else:
+        if not all_finite(flat):  # (NaN passes the range check and casts to 0)
+            raise ValueError(f"fixed point: a non-finite value among the {n} values")
         scaled = torch.round(flat.double() * 2.0**fixed_bits)
         if n and float(scaled.abs().max()) > 2**31 - 1:
             raise ValueError(f"fixed point: values reach {float(flat.abs().max()):g}, beyond "
@@ -204,7 +207,13 @@ def ina_allreduce(
         last_progress = time.monotonic()
         while len(results) < nchunks:
             now = time.monotonic()
-            while nxt < nchunks and len(outstanding) < window:
+            # SwitchML's pool: chunk j only once j < oldest outstanding + window, so at
+            # most window - 1 chunks complete after any this worker still waits for, and
+            # an aggregator keeping ``slots >= window`` results still holds its result
+            # when it asks again (a window of outstanding chunks let a worker missing
+            # one result run ahead until that result was dropped for room)
+            oldest = next(iter(outstanding), nxt)  # (sent in order: the first key)
+            while nxt < nchunks and nxt < oldest + window:
                 sock.sendto(packets[nxt], server)
                 st.packets_sent += 1
                 st.bytes_sent += len(packets[nxt])
