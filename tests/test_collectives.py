@@ -350,3 +350,31 @@ def test_auto_names_an_absent_rank_when_carrying_the_headers() -> None:
     for world in (4, 5):
         named = run_ranks(world, _named_when_absent(3, settle=True, cost_model=model), timeout=0.3)
         assert named == [3, 3, 3, None, 3][:world]
+
+
+def test_auto_never_carries_a_dense_result_over_to_another_size() -> None:
+    """``auto`` runs the one algorithm every earlier call settled on without exchanging
+    headers first; when that algorithm returns N dense values (DSAR, chosen for a
+    small dense-ish class), a later call of a huge, nearly empty vector got N dense
+    values back (memory unchecked). It exchanges headers and chooses for that call."""
+    from sparcml import CostModel
+    from sparcml.collectives.autotune import choose
+
+    model = CostModel(alpha=1e-9, beta=1e-9, gamma=1e-4)
+    small, huge = 4000, 10**7
+    assert choose(model, 4, small, [2000] * 4, 4) == "dsar_split_allgather"
+    assert choose(model, 4, huge, [1] * 4, 4) != "dsar_split_allgather"
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(comm.rank)
+        for _ in range(2):
+            idx = torch.randperm(small, generator=g)[:2000]
+            out = sparse_allreduce(
+                SparseStream(idx, torch.randn(2000, generator=g), small), comm, cost_model=model
+            )
+            assert out.is_dense
+        big = SparseStream(torch.tensor([comm.rank]), torch.ones(1), huge)
+        out = sparse_allreduce(big, comm, cost_model=model)
+        return out.is_dense, out.nnz
+
+    assert run_ranks(4, fn) == [(False, 4)] * 4

@@ -381,3 +381,28 @@ def test_global_kth_is_exact_and_counts_every_rank(dtype: torch.dtype) -> None:
             assert counts == [o[3] for o in out]
     few = run_ranks(2, fn, 10_000)  # fewer than k in all
     assert all(t == 0.0 and counts is None for _, t, counts, _ in few)
+
+
+def test_region_boundaries_of_2_25_selected_entries_stay_in_range() -> None:
+    """The boundary samples' positions came from a float32 linspace, which rounds
+    past ``n - 1`` from ``n = 2^25`` selected entries on (an IndexError at k of about
+    33M); integer positions now, the samples evenly spread."""
+    from sparcml.collectives.oktopk import _balanced_boundaries
+
+    n = 2**25 + 4
+    selected = torch.arange(n, dtype=torch.int64)
+    (bounds,) = run_ranks(1, lambda c: _balanced_boundaries(selected, n + 10, c, 16))
+    assert bounds[0] == 0 and bounds[-1] == n + 10
+
+
+def test_an_empty_vector_reduces_to_an_empty_result() -> None:
+    """N = 0 with k = 1 (the check allows k up to max(N, 1)) raised a RuntimeError from
+    the k-th magnitude; it is an empty result on every rank, as for the other
+    algorithms."""
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = OkTopkState()
+        out = oktopk_allreduce(torch.zeros(0), 1, comm, state)
+        return out.stream.size, out.stream.nnz, out.local_indices.numel(), state.calls
+
+    assert run_ranks(3, fn) == [(0, 0, 0, 1)] * 3

@@ -550,8 +550,9 @@ def carrying_choice(comm: Communicator, key: tuple[int, int, bool]) -> str | Non
     differ between ranks (the error must be the same everywhere, never a hang):
 
     * every ``auto`` call on ``comm`` so far settled on one algorithm that carries
-      headers (:func:`~.autotune.common_choice`): chosen from the shared history
-      alone, so the same on every rank whatever its arguments;
+      headers (:func:`~.autotune.common_choice`) and returns a sparse result: chosen
+      from the shared history alone, so the same on every rank whatever its
+      arguments;
     * else the previous call of this ``key`` settled on recursive doubling
       (``header_in_rounds``): a rank whose key says otherwise exchanges first,
       which sends the same messages as recursive doubling, and its header's
@@ -561,7 +562,9 @@ def carrying_choice(comm: Communicator, key: tuple[int, int, bool]) -> str | Non
     common = common_choice(comm)
     if common is not None:
         info = algorithm_info(common)
-        if info.header_in_first_round or info.header_in_rounds:
+        # (not one whose result is dense: chosen for another N, it would hand a huge
+        # sparse vector back as N dense values, its memory unchecked)
+        if (info.header_in_first_round or info.header_in_rounds) and not info.dense_result:
             return common
     settled = previous_choice(comm, key)
     if settled is not None and comm.agrees_on_failures and algorithm_info(settled).header_in_rounds:

@@ -123,7 +123,9 @@ def _balanced_boundaries(
     p = comm.world_size
     n = selected.numel()
     if n:
-        pos = torch.linspace(0, n - 1, q, device=selected.device).round().long()
+        # (integer positions: float32 linspace rounds past n - 1 from n = 2^25 on)
+        i, d = torch.arange(q, device=selected.device), max(q - 1, 1)
+        pos = (2 * i * (n - 1) + d) // (2 * d)  # i (n - 1) / (q - 1), rounded
         sample = selected[pos].to(torch.int64).cpu()
     else:
         sample = torch.full((q,), -1, dtype=torch.int64)
@@ -260,6 +262,11 @@ def _oktopk(
     n = x.numel()
     if not 1 <= k <= max(n, 1):
         raise ValueError(f"oktopk: k must lie in [1, {n}], got {k}")
+    if n == 0:  # (every rank: k was agreed, N is in the header)
+        state.calls += 1
+        return OkTopkResult(
+            SparseStream.empty(0, x.dtype, x.device), x.new_zeros(0, dtype=torch.int64)
+        )
     p, me = comm.world_size, comm.rank
     refresh = state.calls % state.tau_prime == 0 or state.local_threshold is None
     # Step 1: local top-k by a (reused) threshold
