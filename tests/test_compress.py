@@ -704,3 +704,24 @@ def test_qsgd_refuses_a_scale_its_levels_cannot_decode() -> None:
     op = C.get("qsgd", bucket=4, bits=4, seed=0)
     with pytest.raises(ValueError, match="exceeds float32's largest value"):
         op.quantize(torch.tensor([3e38, -3e38, 1.0, 0.0]))
+
+
+@pytest.mark.parametrize(
+    ("x", "k", "want"),
+    [
+        (torch.ones(1), 1, 1),  # k = n: d = 1 gives t = 0, and |x - mu| > 0 kept nothing
+        (torch.ones(1000), 10, 10),  # constant: no entry beyond the mean
+        (torch.tensor([0.5, -0.5] * 500), 10, 10),  # two values: the fit kept none
+        (torch.zeros(1000), 10, 0),  # nothing to send
+    ],
+)
+def test_gaussiank_sends_from_a_vector_its_fit_does_not_describe(
+    x: torch.Tensor, k: int, want: int
+) -> None:
+    """Gaussian-k selected 0 of k entries where the values do not look Gaussian: a
+    non-zero accumulator under error feedback never sent. Now the k largest
+    magnitudes (exact, ties by position) when the fit keeps fewer than k/2."""
+    out = C.get("gaussiank", k=k).select(x)
+    assert out.nnz == want
+    if want:
+        assert torch.equal(out.values, x[out.indices]) and bool((out.values != 0).all())

@@ -10,6 +10,14 @@ Steps:
 4. Select ``|x - mu| > t`` (NaN entries always).
 
 Cheap (two reductions and a few counts), approximate: about ``k`` entries.
+
+Beyond the paper: ``k >= n`` keeps every entry (``d = 1`` gives ``t = 0``, and a
+constant vector has no ``|x - mu| > 0``), and a selection of fewer than ``k/2``
+entries after the corrections (a constant or strongly skewed vector, whose
+values the Gaussian does not fit) is replaced by the exact ``k`` farthest from the
+mean (still a threshold set on ``|x - mu|``), or, where every entry is at the mean
+(a constant vector), the ``k`` largest magnitudes: a non-zero accumulator under
+error feedback always sends.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch
 from ..stream import SparseStream
 from .base import Selector, check_input, register
 from .selection import KSpec, count_above, select_above
+from .topk import TopK
 
 __all__ = ["GaussianK"]
 
@@ -43,6 +52,9 @@ class GaussianK(Selector):
         k = self.spec.of(n)
         if k == 0:
             return SparseStream.empty(n, x.dtype, x.device)
+        if k >= n:
+            idx = torch.arange(n, device=x.device)
+            return SparseStream.from_sorted(idx, x[idx], n)
         # Step 1: fit N(mu, sigma^2) (float64 accumulation, no float64 copy of x)
         sigma_t, mu_t = torch.std_mean(x, correction=1 if n > 1 else 0)
         mu, sigma = float(mu_t), float(sigma_t)
@@ -66,4 +78,8 @@ class GaussianK(Selector):
                 break
         # Step 4: select (NaN always)
         idx = select_above(centred, t)
+        if idx.numel() < 0.5 * k:  # the fit failed: the k farthest from the mean
+            idx = TopK(k=k).select(centred).indices
+            if idx.numel() == 0:  # every entry at the mean (a constant): the k largest
+                idx = TopK(k=k).select(x).indices
         return SparseStream.from_sorted(idx, x[idx], n)
