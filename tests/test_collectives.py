@@ -378,3 +378,29 @@ def test_auto_never_carries_a_dense_result_over_to_another_size() -> None:
         return out.is_dense, out.nnz
 
     assert run_ranks(4, fn) == [(False, 4)] * 4
+
+
+def test_auto_with_different_cost_models_is_refused_naming_them() -> None:
+    """``auto`` decides by the cost model where one is given or calibrated: ranks with
+    different models (a calibration file on some hosts only) chose different
+    algorithms in one call and failed on each other's messages (a wire-format error
+    or a peer failure). The model's fingerprint is in the call's header: refused on
+    every rank, naming the cause."""
+    from sparcml import CostModel
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        model = CostModel(alpha=1e-2) if comm.rank == 0 else CostModel(gamma=1e-3)
+        s = SparseStream(torch.tensor([comm.rank]), torch.ones(1), 4000)
+        try:
+            sparse_allreduce(s, comm, cost_model=model)
+        except RankMismatchError as e:
+            return str(e)
+        return None
+
+    msgs = run_ranks(4, fn)
+    assert all(m is not None and "their cost models differ" in m for m in msgs), msgs
+    # the same model everywhere (given, or none: measured) runs as before
+    same = run_ranks(3, lambda c: sparse_allreduce(
+        SparseStream(torch.tensor([c.rank]), torch.ones(1), 40), c, cost_model=CostModel()
+    ).nnz)  # fmt: skip
+    assert same == [3, 3, 3]

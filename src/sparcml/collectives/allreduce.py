@@ -40,7 +40,7 @@ from ..compress.base import Quantizer
 from ..costmodel import CostModel
 from ..errors import RankMismatchError
 from ..stream import SparseStream
-from .autotune import carrying_choice, observe, plan, remember, run_auto
+from .autotune import auto_policy, carrying_choice, observe, plan, remember, run_auto
 from .codec import FirstRound, StreamCodec
 from .headers import (
     CallSettings,
@@ -255,6 +255,8 @@ def sparse_allreduce(
             settings = _with_topology(given, comm)
             try:
                 codec = _checked_codec(algorithm, quantizer, quantize, index_coding, options)
+                if algorithm == "auto" and comm.world_size > 1:
+                    settings = dataclasses.replace(settings, auto_policy=auto_policy(cost_model))
             except (ValueError, TypeError) as e:
                 # Compare the settings first, this rank's marked refused. A setting
                 # that differs between ranks is refused alike on every rank

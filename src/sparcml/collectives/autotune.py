@@ -67,6 +67,7 @@ import math
 import os
 import statistics
 import weakref
+import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -89,6 +90,7 @@ __all__ = [
     "AutoClass",
     "auto_choices",
     "auto_mode",
+    "auto_policy",
     "carrying_choice",
     "choose",
     "choose_algorithm",
@@ -135,6 +137,28 @@ def auto_mode(cost_model: CostModel | None) -> str:
     if env == "model" or calibration_path().exists():
         return "model"
     return "measure"
+
+
+def auto_policy(cost_model: CostModel | None) -> str:
+    """What ``auto``'s choices depend on beyond a call's agreed numbers, compared
+    across ranks in the consistency header (beyond the papers): "" when it measures
+    (the default model, the same everywhere), ``model:<fingerprint>`` of the model's
+    constants when a model decides (``cost_model=``, a calibration file,
+    ``SPARCML_AUTO=model``). Ranks with different models would run different
+    algorithms in one call.
+
+    Raises:
+        ValueError: an invalid ``SPARCML_AUTO`` or calibration file.
+    """
+    if auto_mode(cost_model) == "measure":
+        return ""
+    return "model:" + _model_print(cost_model if cost_model is not None else CostModel.load())
+
+
+@functools.lru_cache(maxsize=64)
+def _model_print(model: CostModel) -> str:
+    constants = dataclasses.replace(model, source="")  # (the file's path may differ)
+    return f"{zlib.crc32(repr(constants).encode()):08x}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,6 +139,10 @@ class CallSettings:
     #: algorithm ignores nodes): ranks that disagree on their nodes would pair the
     #: wrong ranks and sum the wrong pieces, silently (:func:`topology_fingerprint`)
     topology: int = 0
+    #: with ``algorithm="auto"``: what its choices depend on beyond the call's agreed
+    #: numbers (:func:`~sparcml.collectives.autotune.auto_policy`; "" when it measures
+    #: them): ranks whose cost models differ would choose different algorithms
+    auto_policy: str = ""
 
     @classmethod
     def of(
@@ -173,6 +177,8 @@ class CallSettings:
         if self.quantizer is None:
             mode = coding = 0
         algorithm = self.algorithm if self.inner is None else f"{self.algorithm}:{self.inner}"
+        if self.auto_policy:
+            algorithm = f"{algorithm}[{self.auto_policy}]"
         w3 = (HEADER_MAGIC << 48) | (_name_id(algorithm) << 32) | (q << 16)
         w3 |= ((self.topology & 0x7F) << 9) | (int(self.refused) << 8) | (mode << 4) | coding
         qp = zlib.crc32(self.quantizer_params.encode()) & 0xFFFF if self.quantizer else 0
@@ -246,8 +252,15 @@ def _setting_names(what: str, ids: list[int]) -> list[str]:
     """Readable values of one header setting column (only when a setting differs:
     the tables are built then, not on every call)."""
     if what == "algorithm":
+        from .autotune import auto_policy  # (only when a setting differs)
+
         names = algorithms()
-        return _names(ids, ["auto", *names, *(f"{a}:{b}" for a in names for b in names)])
+        try:
+            mine = [f"auto[{auto_policy(None)}]"]
+        except ValueError:  # (an invalid calibration file: its own error names it)
+            mine = []
+        known = ["auto", *mine, *names, *(f"{a}:{b}" for a in names for b in names)]
+        return _names(ids, known)
     if what == "quantizer":
         from ..compress import available
 
@@ -322,8 +335,17 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
     for col, what in _SETTING_COLUMNS:
         if _differ(rows, col):
             values = _setting_names(what, [r[col] for r in rows])
+            hint = ""
+            if what == "algorithm" and any("auto" in v or "unknown" in v for v in values):
+                hint = (
+                    "; with algorithm='auto' on every rank their cost models differ (a "
+                    "calibration file, $SPARCML_CALIBRATION or "
+                    "~/.config/sparcml/calibration.json, on some hosts only; SPARCML_AUTO; "
+                    "cost_model=), and they would choose different algorithms: give "
+                    "every rank the same"
+                )
             refuse(f"ranks passed different {what} settings to the same call "
-                   f"({each(values)})")  # fmt: skip
+                   f"({each(values)}){hint}")  # fmt: skip
     if len({r[13] for r in rows if r[13]}) > 1:  # (0: the algorithm ignores nodes)
         prints = each([f"{r[13]:#04x}" if r[13] else "none" for r in rows])
         refuse(
