@@ -359,3 +359,38 @@ def test_fixed_point_refuses_nan_instead_of_summing_zero() -> None:
             torch.tensor([float("nan"), 1.0]), ("127.0.0.1", 9), InaSession(1), 0, 2, "fixed",
             timeout=1,
         )  # fmt: skip
+
+
+def test_a_clipped_value_is_counted_once_and_bad_timing_arguments_refused() -> None:
+    """A value beyond the 8-bit format's top (2^13 at e_min = -50) was counted twice
+    (the format's clip and the offset bound for the session's size); a retransmission
+    interval or timeout of 0 made the socket non-blocking instead of an error."""
+    _, clipped = encode_natural(torch.tensor([1e5, 3.0, 5000.0]), -50, 8, 0)
+    assert clipped == 2  # 1e5 beyond the format, 5000 beyond 2^(12 - 3) for 8 workers
+    for bad in ({"retransmit": 0}, {"timeout": 0}, {"retransmit": -1.0}):
+        with pytest.raises(ValueError, match="must be positive"):
+            ina_allreduce(torch.ones(3), ("127.0.0.1", 9), InaSession(1), 0, 2, "fixed", **bad)
+
+
+def test_a_serving_thread_survives_a_packet_that_raises() -> None:
+    """A bug in one packet's handling ended the serving thread, and ``sparcml
+    ina-server`` kept printing counters of a dead aggregator; the packet is now
+    counted and logged, and the service goes on."""
+
+    class Flaky(AggregatorServer):
+        raised = False
+
+        def handle(self, buf, addr):  # type: ignore[no-untyped-def]
+            if not self.raised:
+                self.raised = True
+                raise RuntimeError("a handler bug")
+            return super().handle(buf, addr)
+
+    with Flaky() as srv:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.sendto(b"x", srv.address)
+        s.close()
+        xs = _inputs(2, 300)
+        _, errs, _ = _run(2, xs, srv.address, "fixed", timeout=10)
+        assert srv.serving and errs == [None, None]
+        assert srv.snapshot().get("handler_errors") == 1

@@ -141,6 +141,8 @@ def pack_bools(flags: torch.Tensor) -> torch.Tensor:
     pad = (-n) % 8
     if pad:
         f = torch.cat([f, torch.zeros(pad, dtype=torch.uint8, device=f.device)])
+    elif f.storage_offset() % 8 or f.stride(0) != 1:
+        f = f.contiguous().clone()  # (an unaligned view of uint8 flags cannot be words)
     words = f.view(torch.int64)
     return ((words * BOOL_SPREAD) >> 56).to(torch.uint8)  # the low byte, sign extension dropped
 

@@ -268,6 +268,12 @@ class AggregatorServer:
         return self.max_slots * MAX_COUNT * 8 + self.max_sessions * self.slots * shadow
 
     # ------------------------------------------------------------------ service
+    @property
+    def serving(self) -> bool:
+        """Whether the serving thread runs (False before :meth:`start`, after
+        :meth:`stop`, or when its socket failed)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> AggregatorServer:
         self._thread = threading.Thread(target=self.serve_forever, name="sparcml-ina", daemon=True)
         self._thread.start()
@@ -294,8 +300,14 @@ class AggregatorServer:
                     self._maybe_sweep(self.clock())
                 continue
             except OSError:
+                if not self._stop.is_set():
+                    log.error("ina aggregator: its socket failed, serving stopped", exc_info=True)
                 return
-            self.handle(buf, addr)
+            try:
+                self.handle(buf, addr)
+            except Exception:  # one packet's bug must not stop the service for every job
+                self.counters["handler_errors"] += 1
+                log.exception("ina aggregator: a packet from %s raised; service goes on", addr)
 
     def snapshot(self) -> dict[str, int]:
         """The counters (packets, bytes, results, duplicates, retransmissions, rejects by

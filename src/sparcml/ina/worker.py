@@ -156,6 +156,8 @@ def ina_allreduce(
         raise ValueError(f"call must be in [0, 2^31), got {call}")
     if not 1 <= chunk <= 1024 or window < 1:
         raise ValueError(f"chunk must be in [1, 1024] and window >= 1, got {chunk}, {window}")
+    if not (retransmit > 0 and timeout > 0):  # (0 would make the socket non-blocking)
+        raise ValueError(f"retransmit and timeout must be positive, got {retransmit}, {timeout}")
     st = stats if stats is not None else InaStats()
     flat = tensor.detach().reshape(-1).to("cpu", torch.float32)  # the transport boundary
     n = flat.numel()
@@ -300,7 +302,8 @@ def encode_natural(flat: torch.Tensor, e_min: int, world: int, seed: int) -> tup
     body = q.quantize(flat).numpy()[16:].astype(np.int64)
     bound = 62 - max(0, (world - 1).bit_length())
     offset = body & 63
-    clipped = int((offset > bound).sum()) + q.clipped
+    # (a value beyond the format's top has offset 63 > bound: counted here once)
+    clipped = int((offset > bound).sum())
     return ((body & 0xC0) | np.minimum(offset, bound)).astype(np.uint8), clipped
 
 
@@ -352,12 +355,18 @@ def _missing(
         deadline = time.monotonic() + 1.0
         while True:
             buf = sock.recv(65535)
-            p = parse(buf)
-            if p.kind == STATS_REPLY:
+            try:
+                p = parse(buf)
+            except PacketError:  # a stray or late datagram: not the answer
+                p = None
+            if p is not None and p.kind == STATS_REPLY:
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError
-        reply = json.loads(p.payload)
+        try:
+            reply = json.loads(p.payload)
+        except ValueError:  # (empty, or cut to the request's length)
+            return f"{text}: the aggregator runs but sent no detail of its state"
         rejects = {
             k[9:]: v for k, v in reply.get("counters", {}).items() if k.startswith("rejected_")
         }

@@ -49,6 +49,9 @@ def ina_server(args: argparse.Namespace) -> int:
             time.sleep(args.stats_every)
             print("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(srv.snapshot().items())),
                   flush=True)  # fmt: skip
+            if not srv.serving:  # (its log says why)
+                print("sparcml ina-server: the serving thread stopped", file=sys.stderr)
+                return 1
     except KeyboardInterrupt:
         pass
     finally:

@@ -9,11 +9,14 @@ process group: a collective, in the same order on every rank like every bucket.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .base import GroupView, MethodConfig, MethodResult, MethodSpec, register_method
+
+log = logging.getLogger("sparcml")
 
 if TYPE_CHECKING:
     from ..bucket import Bucket
@@ -67,6 +70,8 @@ class InaRuntime:
 
     session: Any = None
     calls: int = 0
+    clipped: int = 0  # values clipped to the format's top so far (this process)
+    warned: bool = False
 
     def checkpoint_fields(self) -> dict[str, Any]:
         """What a checkpoint keeps: the call counter, not the session. The aggregator
@@ -92,6 +97,17 @@ def run(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
         job=cfg.job, seed=group.settings.seed, call=call, timeout=comm.timeout, stats=stats,
     )  # fmt: skip
     comm.stats.bytes_sent += stats.bytes_sent  # counted like every method's traffic
+    if stats.clipped:
+        # |g| beyond the 8-bit format's top for this many workers (2^(12 - log2 P) at
+        # e_min = -50) is sent as that top: biased; said, not hidden
+        rt.clipped += stats.clipped
+        if not rt.warned:
+            rt.warned = True
+            log.warning(
+                "natural_ina: %d gradient values of bucket %s beyond the 8-bit format's "
+                "range for %d workers were clipped (biased); scale the loss down or use "
+                "'natural'", stats.clipped, ",".join(bucket.names[:3]), comm.world_size,
+            )  # fmt: skip
     return MethodResult(None, total)
 
 
