@@ -725,3 +725,11 @@ def test_gaussiank_sends_from_a_vector_its_fit_does_not_describe(
     assert out.nnz == want
     if want:
         assert torch.equal(out.values, x[out.indices]) and bool((out.values != 0).all())
+
+
+def test_one_bit_packing_takes_an_unaligned_view_of_uint8_flags() -> None:
+    """uint8 flags are not copied by ``.to(uint8)``: a view at an odd byte offset with
+    a whole number of words failed to be read as int64 words."""
+    flags = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1] * 3, dtype=torch.uint8)
+    view = torch.cat([torch.zeros(1, dtype=torch.uint8), flags])[1:]  # offset 1
+    assert torch.equal(unpack_bits(pack_bits(view, 1), 24, 1), flags.to(torch.int32))
