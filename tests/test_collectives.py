@@ -404,3 +404,23 @@ def test_auto_with_different_cost_models_is_refused_naming_them() -> None:
         SparseStream(torch.tensor([c.rank]), torch.ones(1), 40), c, cost_model=CostModel()
     ).nnz)  # fmt: skip
     assert same == [3, 3, 3]
+
+
+def test_a_quantizer_by_name_equals_the_same_quantizer_as_an_object() -> None:
+    """``quantizer="qsgd"`` on one rank and ``get("qsgd")`` on another are the same
+    settings (a name stands for its defaults): they were refused as different
+    quantizer parameters. Other parameters still are."""
+    from sparcml.compress import get
+
+    def fn(comm, other):  # type: ignore[no-untyped-def]
+        s = SparseStream(torch.tensor([comm.rank]), torch.ones(1), 10)
+        q = "qsgd" if comm.rank == 0 else other
+        try:
+            out = sparse_allreduce(s, comm, algorithm="ssar_split_allgather", quantizer=q)
+        except RankMismatchError as e:
+            return str(e)
+        return out.nnz
+
+    assert run_ranks(2, lambda c: fn(c, get("qsgd"))) == [2, 2]
+    msgs = run_ranks(2, lambda c: fn(c, get("qsgd", bits=8)))
+    assert all("different quantizer parameters" in str(m) for m in msgs)

@@ -161,10 +161,17 @@ class CallSettings:
         if quantizer is None:
             return cls(str(algorithm), k=k, inner=inner)
         if isinstance(quantizer, str):
-            name, params = quantizer, ""
-        else:
-            name = getattr(quantizer, "name", type(quantizer).__name__)
-            params = repr({k: v for k, v in quantizer.params().items() if k != "seed"})
+            # a name stands for the quantizer with its defaults, which a rank may pass
+            # as an object instead (an unknown name is refused after the comparison)
+            from ..compress import get
+
+            try:
+                quantizer = get(quantizer)
+            except (ValueError, TypeError, KeyError):
+                return cls(str(algorithm), quantizer, "", str(quantize), str(index_coding), k,
+                           inner)  # fmt: skip
+        name = getattr(quantizer, "name", type(quantizer).__name__)
+        params = repr({k: v for k, v in quantizer.params().items() if k != "seed"})
         return cls(str(algorithm), name, params, str(quantize), str(index_coding), k, inner)
 
     def words(self) -> tuple[int, int]:
