@@ -406,3 +406,24 @@ def test_an_empty_vector_reduces_to_an_empty_result() -> None:
         return out.stream.size, out.stream.nnz, out.local_indices.numel(), state.calls
 
     assert run_ranks(3, fn) == [(0, 0, 0, 1)] * 3
+
+
+def test_ranks_whose_states_differ_are_refused_naming_the_cause() -> None:
+    """tau, tau_prime, quantiles, two_level and the call count decide Ok-Topk's
+    messages; they were not compared, so a rank with another state (resumed on some
+    ranks only, other settings) failed on the others' messages with a wire-format
+    error naming nothing. Now refused alike on every rank."""
+    from sparcml.errors import RankMismatchError
+
+    def fn(comm, **mine):  # type: ignore[no-untyped-def]
+        state = OkTopkState(**(mine if comm.rank == 0 else {}))
+        x = torch.randn(400, generator=torch.Generator().manual_seed(comm.rank))
+        try:
+            oktopk_allreduce(x, 20, comm, state)
+        except RankMismatchError as e:
+            return str(e)
+        return None
+
+    for mine in ({"tau_prime": 1}, {"tau": 1}, {"calls": 3}):
+        msgs = run_ranks(3, lambda c, m=mine: fn(c, **m))
+        assert all(m is not None and "Ok-Topk, their states differ" in m for m in msgs), mine

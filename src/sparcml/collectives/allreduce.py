@@ -256,7 +256,7 @@ def sparse_allreduce(
             try:
                 codec = _checked_codec(algorithm, quantizer, quantize, index_coding, options)
                 if algorithm == "auto" and comm.world_size > 1:
-                    settings = dataclasses.replace(settings, auto_policy=auto_policy(cost_model))
+                    settings = dataclasses.replace(settings, variant=auto_policy(cost_model))
             except (ValueError, TypeError) as e:
                 # Compare the settings first, this rank's marked refused. A setting
                 # that differs between ranks is refused alike on every rank

@@ -41,6 +41,7 @@ __all__ = [
     "check_headers",
     "consistency_header",
     "gather_headers",
+    "state_variant",
 ]
 
 _MASK32 = (1 << 32) - 1
@@ -110,6 +111,16 @@ def _name_id(name: str) -> int:
     return (zlib.crc32(name.encode()) & 0xFFFF) or 1
 
 
+def state_variant(state: Any) -> str:
+    """An Ok-Topk state's settings and call count, which decide its messages (tau:
+    boundary refreshes, tau_prime: threshold refreshes, quantiles: the boundary
+    samples, two_level), as compared across ranks; "" for no state."""
+    if state is None or not hasattr(state, "tau_prime"):
+        return ""
+    return (f"tau={state.tau},tau'={state.tau_prime},q={state.quantiles},"
+            f"2l={int(bool(state.two_level))},call={state.calls}")  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class CallSettings:
     """What the ranks of one call must pass alike beyond size and dtype: the
@@ -139,10 +150,11 @@ class CallSettings:
     #: algorithm ignores nodes): ranks that disagree on their nodes would pair the
     #: wrong ranks and sum the wrong pieces, silently (:func:`topology_fingerprint`)
     topology: int = 0
-    #: with ``algorithm="auto"``: what its choices depend on beyond the call's agreed
-    #: numbers (:func:`~sparcml.collectives.autotune.auto_policy`; "" when it measures
-    #: them): ranks whose cost models differ would choose different algorithms
-    auto_policy: str = ""
+    #: what else decides the call's messages, compared as part of the algorithm:
+    #: with ``"auto"`` its cost model (:func:`~sparcml.collectives.autotune.auto_policy`,
+    #: "" when it measures), with Ok-Topk its state's settings and call count (ranks
+    #: whose models or states differ would run different messages)
+    variant: str = ""
 
     @classmethod
     def of(
@@ -158,8 +170,9 @@ class CallSettings:
         k = options.get("k")
         k = int(k) if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else None
         inner = str(options["inner"]) if "inner" in options else None
+        variant = state_variant(options.get("state"))
         if quantizer is None:
-            return cls(str(algorithm), k=k, inner=inner)
+            return cls(str(algorithm), k=k, inner=inner, variant=variant)
         if isinstance(quantizer, str):
             # a name stands for the quantizer with its defaults, which a rank may pass
             # as an object instead (an unknown name is refused after the comparison)
@@ -169,10 +182,11 @@ class CallSettings:
                 quantizer = get(quantizer)
             except (ValueError, TypeError, KeyError):
                 return cls(str(algorithm), quantizer, "", str(quantize), str(index_coding), k,
-                           inner)  # fmt: skip
+                           inner, variant=variant)  # fmt: skip
         name = getattr(quantizer, "name", type(quantizer).__name__)
         params = repr({k: v for k, v in quantizer.params().items() if k != "seed"})
-        return cls(str(algorithm), name, params, str(quantize), str(index_coding), k, inner)
+        return cls(str(algorithm), name, params, str(quantize), str(index_coding), k, inner,
+                   variant=variant)  # fmt: skip
 
     def words(self) -> tuple[int, int]:
         """The header's settings words: (magic, algorithm, quantizer, topology, refused,
@@ -184,13 +198,14 @@ class CallSettings:
         if self.quantizer is None:
             mode = coding = 0
         algorithm = self.algorithm if self.inner is None else f"{self.algorithm}:{self.inner}"
-        if self.auto_policy:
-            algorithm = f"{algorithm}[{self.auto_policy}]"
         w3 = (HEADER_MAGIC << 48) | (_name_id(algorithm) << 32) | (q << 16)
         w3 |= ((self.topology & 0x7F) << 9) | (int(self.refused) << 8) | (mode << 4) | coding
         qp = zlib.crc32(self.quantizer_params.encode()) & 0xFFFF if self.quantizer else 0
-        kk = 0 if self.k is None else (self.k + 1) & ((1 << 48) - 1)
-        w4 = (qp << 48) | kk
+        # k + 1 in 40 bits (from 2^40 - 2 on, one value: k that large never differ in
+        # practice), the variant's 8-bit fingerprint above it (0: none)
+        kk = 0 if self.k is None else min(self.k + 1, _K_TOP)
+        var = zlib.crc32(self.variant.encode()) % 255 + 1 if self.variant else 0
+        w4 = (qp << 48) | (var << 40) | kk
         return _signed(w3), _signed(w4)
 
 
@@ -259,15 +274,10 @@ def _setting_names(what: str, ids: list[int]) -> list[str]:
     """Readable values of one header setting column (only when a setting differs:
     the tables are built then, not on every call)."""
     if what == "algorithm":
-        from .autotune import auto_policy  # (only when a setting differs)
-
         names = algorithms()
-        try:
-            mine = [f"auto[{auto_policy(None)}]"]
-        except ValueError:  # (an invalid calibration file: its own error names it)
-            mine = []
-        known = ["auto", *mine, *names, *(f"{a}:{b}" for a in names for b in names)]
-        return _names(ids, known)
+        return _names(ids, ["auto", *names, *(f"{a}:{b}" for a in names for b in names)])
+    if what == "cost model or Ok-Topk state":
+        return ["none (auto measuring)" if i == 0 else f"fingerprint {i:#04x}" for i in ids]
     if what == "quantizer":
         from ..compress import available
 
@@ -283,7 +293,11 @@ def _setting_names(what: str, ids: list[int]) -> list[str]:
 
 #: (row column, setting) of the header's settings, in the order they are reported
 _SETTING_COLUMNS = [(6, "algorithm"), (7, "quantizer"), (8, "quantizer parameters"),
-                    (9, "quantize mode"), (10, "index coding"), (11, "k")]  # fmt: skip
+                    (9, "quantize mode"), (10, "index coding"), (11, "k"),
+                    (14, "cost model or Ok-Topk state")]  # fmt: skip
+
+#: the largest k + 1 the header holds
+_K_TOP = (1 << 40) - 1
 
 
 def check_headers(got: list[torch.Tensor]) -> list[int]:
@@ -313,8 +327,8 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
         cid = (calls >> 32) & _MASK32
         rows.append([size, code, nnz, calls & _MASK32, -1 if cid == _MASK32 else cid, flag,
                      (w3 >> 32) & 0xFFFF, (w3 >> 16) & 0xFFFF, (w4 >> 48) & 0xFFFF,
-                     (w3 >> 4) & 0xF, w3 & 0xF, w4 & ((1 << 48) - 1),
-                     (w3 >> 8) & 1, (w3 >> 9) & 0x7F])  # fmt: skip
+                     (w3 >> 4) & 0xF, w3 & 0xF, w4 & _K_TOP,
+                     (w3 >> 8) & 1, (w3 >> 9) & 0x7F, (w4 >> 40) & 0xFF])  # fmt: skip
     # headers in the split phase on some ranks only: different message patterns, and
     # some ranks may never hold these headers (the separate exchange and recursive
     # doubling's rounds send the same messages)
@@ -343,13 +357,15 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
         if _differ(rows, col):
             values = _setting_names(what, [r[col] for r in rows])
             hint = ""
-            if what == "algorithm" and any("auto" in v or "unknown" in v for v in values):
+            if what == "cost model or Ok-Topk state":
                 hint = (
                     "; with algorithm='auto' on every rank their cost models differ (a "
                     "calibration file, $SPARCML_CALIBRATION or "
                     "~/.config/sparcml/calibration.json, on some hosts only; SPARCML_AUTO; "
                     "cost_model=), and they would choose different algorithms: give "
-                    "every rank the same"
+                    "every rank the same; with Ok-Topk, their states differ (tau, "
+                    "tau_prime, quantiles, two_level or the call count: a state resumed "
+                    "or made on some ranks only)"
                 )
             refuse(f"ranks passed different {what} settings to the same call "
                    f"({each(values)}){hint}")  # fmt: skip

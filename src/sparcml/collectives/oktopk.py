@@ -249,9 +249,15 @@ def oktopk_allreduce(
         return _oktopk(x, k, comm, state, codec)
     number = comm.next_sequence()
     with comm.in_call(number):
-        # k in the header: a k that differs between ranks is refused on every rank
-        settings = CallSettings("oktopk", k=k if isinstance(k, int) and k >= 0 else None)
-        check_consistent(SparseStream.dense(x), comm, sequence=number, settings=settings)
+        # k, the codec and the state's settings in the header: a difference between
+        # ranks is refused on every rank, naming it
+        settings = CallSettings.of(
+            "oktopk", codec.quantizer, codec.quantize if codec.quantizer else "dense",
+            codec.index_coding, {"k": k, "state": state},
+        )  # fmt: skip
+        check_consistent(
+            SparseStream.dense(x), comm, sequence=number, lossy=codec.lossy, settings=settings
+        )
         return _oktopk(x, k, comm, state, codec)
 
 
