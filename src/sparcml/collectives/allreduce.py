@@ -1,14 +1,17 @@
 """``sparse_allreduce``: the front door of the sparse allreduce algorithms.
 
 Every call first gathers a few integers per rank (size, dtype, nnz, the call
-number, the caller's ``call_id``, a NaN/Inf flag when quantizing) on every rank:
-a recursive-doubling exchange of 24-byte headers, ``log2 P`` messages per rank
-(``P-1`` direct messages on a backend without failure agreement, MPI). That
-check makes mismatched calls fail with the same clear error on every rank
+number, the caller's ``call_id``, a NaN/Inf flag when quantizing, the call's
+settings: :class:`~sparcml.collectives.headers.CallSettings`) on every rank: a
+recursive-doubling exchange of 48-byte headers, ``log2 P`` messages per rank
+(``P-1`` direct messages on a backend without failure agreement, MPI), or the
+same headers inside the algorithm's own first messages once ``auto`` has settled.
+That check makes mismatched calls fail with the same clear error on every rank
 instead of hanging or corrupting data, and gives ``algorithm="auto"`` the
 observed nnz of every rank for the cost model
 (:mod:`sparcml.costmodel`). The choice is computed from the same gathered numbers
-on every rank, so all ranks pick the same algorithm.
+and the same cost model (its fingerprint is in the header) on every rank, so all
+ranks pick the same algorithm.
 
 An explicit ``algorithm=`` whose first round is a message to every peer (the
 split phase: registered with ``header_in_first_round``) carries the header in
