@@ -713,6 +713,7 @@ def test_qsgd_refuses_a_scale_its_levels_cannot_decode() -> None:
         (torch.ones(1000), 10, 10),  # constant: no entry beyond the mean
         (torch.tensor([0.5, -0.5] * 500), 10, 10),  # two values: the fit kept none
         (torch.zeros(1000), 10, 0),  # nothing to send
+        (torch.tensor([0.5] * 3 + [1.5] + [0.5] * 3 + [-0.5] + [0.5] * 992), 100, 100),
     ],
 )
 def test_gaussiank_sends_from_a_vector_its_fit_does_not_describe(

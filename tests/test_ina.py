@@ -394,3 +394,28 @@ def test_a_serving_thread_survives_a_packet_that_raises() -> None:
         _, errs, _ = _run(2, xs, srv.address, "fixed", timeout=10)
         assert srv.serving and errs == [None, None]
         assert srv.snapshot().get("handler_errors") == 1
+
+
+def test_a_chunk_refused_as_a_whole_is_refused_to_every_member() -> None:
+    """Counts 10, 12, 10 from three members: the first two were refused, but the
+    third matched the slot kept for the first, was summed, and waited for a result
+    that never came. The chunk is now refused as a whole: every member that sent it
+    and every member that sends it later is told."""
+    from sparcml.ina.packet import REFUSED
+
+    with AggregatorServer() as srv:
+        a = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        a.settimeout(5)
+
+        def data(worker: int, count: int) -> bytes:
+            return build(Packet(DATA, 9, 77, worker, 3, 0, FIXED, count, b"\x00" * 4 * count))
+
+        for worker, count in ((0, 10), (1, 12), (2, 10)):
+            a.sendto(data(worker, count), srv.address)
+        got = [parse(a.recv(65535)) for _ in range(3)]
+        a.close()
+        counters = srv.snapshot()
+    assert all(p.kind == REFUSED for p in got)
+    assert sorted(p.worker for p in got) == [0, 1, 2]
+    assert all(p.payload.decode().startswith("count_mismatch") for p in got)
+    assert counters["slots"] == 0

@@ -43,13 +43,22 @@ from ..compress.base import Quantizer
 from ..costmodel import CostModel
 from ..errors import RankMismatchError
 from ..stream import SparseStream
-from .autotune import auto_policy, carrying_choice, observe, plan, remember, run_auto
+from .autotune import (
+    auto_model,
+    auto_policy,
+    carrying_choice,
+    observe,
+    plan,
+    remember,
+    run_auto,
+)
 from .codec import FirstRound, StreamCodec
 from .headers import (
     CallSettings,
     check_consistent,
     check_headers,
     consistency_header,
+    state_variant,
     topology_fingerprint,
 )
 from .registry import algorithm_info, algorithms, check_options, get_algorithm
@@ -256,10 +265,17 @@ def sparse_allreduce(
                     "SparseStream(indices, values, N)"
                 )
             settings = _with_topology(given, comm)
+            model = cost_model
             try:
-                codec = _checked_codec(algorithm, quantizer, quantize, index_coding, options)
+                # what else decides the messages, read when the call runs (an Ok-Topk
+                # state's call count moves as earlier calls on the engine finish)
+                variant = state_variant(options.get("state"))
                 if algorithm == "auto" and comm.world_size > 1:
-                    settings = dataclasses.replace(settings, variant=auto_policy(cost_model))
+                    # (the model auto decides with, loaded once for the call)
+                    model = auto_model(cost_model)
+                    variant = auto_policy(model)
+                settings = dataclasses.replace(settings, variant=variant)
+                codec = _checked_codec(algorithm, quantizer, quantize, index_coding, options)
             except (ValueError, TypeError) as e:
                 # Compare the settings first, this rank's marked refused. A setting
                 # that differs between ranks is refused alike on every rank
@@ -282,9 +298,7 @@ def sparse_allreduce(
                 raise mark_uniform(e, True) from None
             if algorithm != "auto" and _returns_dense(algorithm, options):
                 check_dense_result(stream, algorithm, inner=options.get("inner"))
-            return _run(
-                stream, comm, number, settings, cost_model, codec, options, call_id, nonfinite
-            )
+            return _run(stream, comm, number, settings, model, codec, options, call_id, nonfinite)
 
     return comm.run_ordered(call, async_op)
 

@@ -90,6 +90,7 @@ __all__ = [
     "AutoClass",
     "auto_choices",
     "auto_mode",
+    "auto_model",
     "auto_policy",
     "carrying_choice",
     "choose",
@@ -139,20 +140,27 @@ def auto_mode(cost_model: CostModel | None) -> str:
     return "measure"
 
 
-def auto_policy(cost_model: CostModel | None) -> str:
-    """What ``auto``'s choices depend on beyond a call's agreed numbers, compared
-    across ranks in the consistency header (beyond the papers): "" when it measures
-    (the default model, the same everywhere), ``model:<fingerprint>`` of the model's
-    constants when a model decides (``cost_model=``, a calibration file,
-    ``SPARCML_AUTO=model``). Ranks with different models would run different
-    algorithms in one call.
+def auto_model(cost_model: CostModel | None) -> CostModel | None:
+    """The model ``auto`` decides a call with: ``cost_model``, else the stored
+    calibration where ``auto`` decides by the model (:func:`auto_mode`), else None
+    (it measures). Loaded once per call and passed on.
 
     Raises:
         ValueError: an invalid ``SPARCML_AUTO`` or calibration file.
     """
-    if auto_mode(cost_model) == "measure":
-        return ""
-    return "model:" + _model_print(cost_model if cost_model is not None else CostModel.load())
+    if cost_model is not None or auto_mode(None) == "measure":
+        return cost_model
+    return CostModel.load()
+
+
+def auto_policy(model: CostModel | None) -> str:
+    """What ``auto``'s choices depend on beyond a call's agreed numbers, compared
+    across ranks in the consistency header (beyond the papers): "" when it measures
+    (``model`` None: the default model, the same everywhere), ``model:<fingerprint>``
+    of the constants of the ``model`` that decides (:func:`auto_model`: given, or a
+    calibration file). Ranks with different models would run different algorithms
+    in one call."""
+    return "" if model is None else "model:" + _model_print(model)
 
 
 @functools.lru_cache(maxsize=64)

@@ -111,6 +111,18 @@ def _name_id(name: str) -> int:
     return (zlib.crc32(name.encode()) & 0xFFFF) or 1
 
 
+@functools.lru_cache(maxsize=64)
+def _named_quantizer(name: str) -> tuple[str, str]:
+    """A quantizer name's (name, parameters but the seed) with its defaults."""
+    from ..compress import get
+
+    try:
+        q = get(name)
+    except (ValueError, TypeError, KeyError):
+        return name, ""
+    return getattr(q, "name", name), repr({k: v for k, v in q.params().items() if k != "seed"})
+
+
 def state_variant(state: Any) -> str:
     """An Ok-Topk state's settings and call count, which decide its messages (tau:
     boundary refreshes, tau_prime: threshold refreshes, quantiles: the boundary
@@ -170,21 +182,17 @@ class CallSettings:
         k = options.get("k")
         k = int(k) if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else None
         inner = str(options["inner"]) if "inner" in options else None
-        variant = state_variant(options.get("state"))
+        # (an Ok-Topk state's variant is read when the call runs: state_variant)
+        variant = ""
         if quantizer is None:
             return cls(str(algorithm), k=k, inner=inner, variant=variant)
         if isinstance(quantizer, str):
             # a name stands for the quantizer with its defaults, which a rank may pass
             # as an object instead (an unknown name is refused after the comparison)
-            from ..compress import get
-
-            try:
-                quantizer = get(quantizer)
-            except (ValueError, TypeError, KeyError):
-                return cls(str(algorithm), quantizer, "", str(quantize), str(index_coding), k,
-                           inner, variant=variant)  # fmt: skip
-        name = getattr(quantizer, "name", type(quantizer).__name__)
-        params = repr({k: v for k, v in quantizer.params().items() if k != "seed"})
+            name, params = _named_quantizer(quantizer)
+        else:
+            name = getattr(quantizer, "name", type(quantizer).__name__)
+            params = repr({k: v for k, v in quantizer.params().items() if k != "seed"})
         return cls(str(algorithm), name, params, str(quantize), str(index_coding), k, inner,
                    variant=variant)  # fmt: skip
 
@@ -293,8 +301,10 @@ def _setting_names(what: str, ids: list[int]) -> list[str]:
 
 #: (row column, setting) of the header's settings, in the order they are reported
 _SETTING_COLUMNS = [(6, "algorithm"), (7, "quantizer"), (8, "quantizer parameters"),
-                    (9, "quantize mode"), (10, "index coding"), (11, "k"),
-                    (14, "cost model or Ok-Topk state")]  # fmt: skip
+                    (9, "quantize mode"), (10, "index coding"), (11, "k")]  # fmt: skip
+#: compared after the refusals: a rank that refused its settings may not have
+#: found its model or read its state
+_VARIANT_COLUMN = (14, "cost model or Ok-Topk state")
 
 #: the largest k + 1 the header holds
 _K_TOP = (1 << 40) - 1
@@ -356,19 +366,8 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
     for col, what in _SETTING_COLUMNS:
         if _differ(rows, col):
             values = _setting_names(what, [r[col] for r in rows])
-            hint = ""
-            if what == "cost model or Ok-Topk state":
-                hint = (
-                    "; with algorithm='auto' on every rank their cost models differ (a "
-                    "calibration file, $SPARCML_CALIBRATION or "
-                    "~/.config/sparcml/calibration.json, on some hosts only; SPARCML_AUTO; "
-                    "cost_model=), and they would choose different algorithms: give "
-                    "every rank the same; with Ok-Topk, their states differ (tau, "
-                    "tau_prime, quantiles, two_level or the call count: a state resumed "
-                    "or made on some ranks only)"
-                )
             refuse(f"ranks passed different {what} settings to the same call "
-                   f"({each(values)}){hint}")  # fmt: skip
+                   f"({each(values)})")  # fmt: skip
     if len({r[13] for r in rows if r[13]}) > 1:  # (0: the algorithm ignores nodes)
         prints = each([f"{r[13]:#04x}" if r[13] else "none" for r in rows])
         refuse(
@@ -385,6 +384,18 @@ def check_headers(got: list[torch.Tensor]) -> list[int]:
         )
         err.refused = refused  # type: ignore[attr-defined]  # (the refusing ranks raise their own)
         raise mark_uniform(err, uniform)
+    col, what = _VARIANT_COLUMN
+    if _differ(rows, col):
+        values = _setting_names(what, [r[col] for r in rows])
+        refuse(
+            f"ranks passed different {what} settings to the same call ({each(values)}): "
+            "with algorithm='auto' on every rank their cost models differ (a calibration "
+            "file, $SPARCML_CALIBRATION or ~/.config/sparcml/calibration.json, on some "
+            "hosts only; SPARCML_AUTO; cost_model=), and they would choose different "
+            "algorithms: give every rank the same; with Ok-Topk, their states differ (tau, "
+            "tau_prime, quantiles, two_level or the call count: a state resumed or made "
+            "on some ranks only)"
+        )
     carried = [r[5] >> 1 for r in rows]
     if len(set(carried)) > 1:
         how = {0: "exchanged first", 1: "in recursive doubling's rounds", 3: "in the split phase"}

@@ -57,7 +57,7 @@ from ..reinterpret import as_bytes, bytes_as, index_low_bytes, indices_from_low_
 from ..stream import SparseStream, index_bytes
 from ._common import log2_ceil, split_and_reduce
 from .codec import EXACT, StreamCodec
-from .headers import CallSettings, check_consistent
+from .headers import CallSettings, check_consistent, state_variant
 from .reduce_scatter import reduce_scatter
 from .registry import register
 from .sparse_allgather import allgather_buffers, allgather_buffers_on_nodes
@@ -253,8 +253,9 @@ def oktopk_allreduce(
         # ranks is refused on every rank, naming it
         settings = CallSettings.of(
             "oktopk", codec.quantizer, codec.quantize if codec.quantizer else "dense",
-            codec.index_coding, {"k": k, "state": state},
+            codec.index_coding, {"k": k},
         )  # fmt: skip
+        settings = dataclasses.replace(settings, variant=state_variant(state))
         check_consistent(
             SparseStream.dense(x), comm, sequence=number, lossy=codec.lossy, settings=settings
         )

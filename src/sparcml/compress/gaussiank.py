@@ -15,9 +15,10 @@ Beyond the paper: ``k >= n`` keeps every entry (``d = 1`` gives ``t = 0``, and a
 constant vector has no ``|x - mu| > 0``), and a selection of fewer than ``k/2``
 entries after the corrections (a constant or strongly skewed vector, whose
 values the Gaussian does not fit) is replaced by the exact ``k`` farthest from the
-mean (still a threshold set on ``|x - mu|``), or, where every entry is at the mean
-(a constant vector), the ``k`` largest magnitudes: a non-zero accumulator under
-error feedback always sends.
+mean (still a threshold set on ``|x - mu|``), or, where fewer than ``k/2`` entries
+differ from the mean (a constant vector, a few outliers), the ``k`` largest
+magnitudes: a non-zero accumulator under error feedback always sends at least
+``min(k/2, its non-zeros)`` entries.
 """
 
 from __future__ import annotations
@@ -80,6 +81,6 @@ class GaussianK(Selector):
         idx = select_above(centred, t)
         if idx.numel() < 0.5 * k:  # the fit failed: the k farthest from the mean
             idx = TopK(k=k).select(centred).indices
-            if idx.numel() == 0:  # every entry at the mean (a constant): the k largest
+            if idx.numel() < 0.5 * k:  # most entries at the mean: the k largest
                 idx = TopK(k=k).select(x).indices
         return SparseStream.from_sorted(idx, x[idx], n)

@@ -141,12 +141,19 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 def _out_of_range(vb: torch.Tensor, scale: torch.Tensor, l2: bool) -> torch.Tensor | None:
     """The rows whose scale lies outside :data:`_NORM_RANGE` (None: none)."""
     lo, hi = _NORM_RANGE
-    off = (scale < lo) & (scale != 0) | ~(scale <= hi)  # (NaN counts: ~(NaN <= hi))
-    if l2:
-        off |= (scale == 0) & (vb != 0).any(1)  # squares below the subnormals
+    # (on the nb scales alone: a zero scale is one more candidate, its values read
+    # only where there are such buckets; one device sync)
+    off = ~((scale >= lo) & (scale <= hi))  # zero, tiny, huge or NaN
     if not bool(off.any()):
         return None
-    return off.nonzero().squeeze(1)
+    rows = off.nonzero().squeeze(1)
+    if l2:  # a zero l2 scale is wrong only where its squares fell below the subnormals
+        zero = scale[rows] == 0
+        keep = ~zero | (vb[rows] != 0).any(1)
+        rows = rows[keep]
+    else:
+        rows = rows[scale[rows] != 0]  # (a zero max is exact: all zeros)
+    return rows if rows.numel() else None
 
 
 def _wide_norms(

@@ -186,6 +186,9 @@ class _Session:
     evicted: collections.OrderedDict[int, dict[int, int]] = field(
         default_factory=collections.OrderedDict
     )
+    #: chunks refused as a whole (members' counts differ, an overflow): the reason,
+    #: for every member that sends them later (the last 1,024)
+    doomed: collections.OrderedDict[int, str] = field(default_factory=collections.OrderedDict)
 
     @property
     def proven(self) -> bool:
@@ -342,6 +345,19 @@ class AggregatorServer:
                     self._drop_slot(s, chunk)
                     self.counters["slots_expired"] += 1
 
+    def _doom(self, s: _Session, p: Packet, addr: Address, reason: str, detail: str) -> None:
+        """Refuse ``p``'s chunk as a whole: its sender, the members that sent it already
+        (its slot dropped) and every member that sends it later are told why."""
+        slot = s.slots.get(p.chunk)
+        waiting = {}
+        if slot is not None:
+            waiting = {w: s.addrs[w] for w in slot.seen if w in s.addrs and w != p.worker}
+            self._drop_slot(s, p.chunk)
+        s.doomed[p.chunk] = f"{reason}: {detail}"
+        while len(s.doomed) > 1024:
+            s.doomed.popitem(last=False)
+        self._refuse(s, p, addr, reason, detail, others=waiting)
+
     def _drop_slot(self, s: _Session, chunk: int) -> None:
         slot = s.slots.pop(chunk)
         self._nslots -= 1
@@ -459,6 +475,11 @@ class AggregatorServer:
         # Step 3: a complete chunk answers a retransmission (the same call nonce) from
         # its shadow copy; the same chunk from another call (a call number used twice)
         # and a chunk of an earlier call are refused, never answered with an old sum.
+        doomed = s.doomed.get(p.chunk)
+        if doomed is not None:  # refused as a whole: every member is told
+            reason, _, detail = doomed.partition(": ")
+            self._refuse(s, p, addr, reason, detail)
+            return
         shadow = s.shadows.get(p.chunk)
         call = p.chunk >> 32
         # (a shadow dropped for room keeps its nonces: its chunk is complete too)
@@ -488,11 +509,10 @@ class AggregatorServer:
         if slot is not None and slot.acc.size != p.count:
             # the members disagree on the tensor's size: none of them gets a sum, and
             # each is told at once (else every one retransmits until its timeout)
-            waiting = {w: s.addrs[w] for w in slot.seen if w in s.addrs and w != p.worker}
-            self._refuse(s, p, addr, "count_mismatch", f"chunk {p.chunk:#x}: worker "
-                         f"{p.worker} sent {p.count} values, workers {sorted(slot.seen)} "
-                         f"{slot.acc.size}: the workers' tensors differ in size",
-                         others=waiting)  # fmt: skip
+            detail = (f"chunk {p.chunk:#x}: worker {p.worker} sent {p.count} values, workers "
+                      f"{sorted(slot.seen)} {slot.acc.size}: the workers' tensors differ in "
+                      "size")  # fmt: skip
+            self._doom(s, p, addr, "count_mismatch", detail)
             return
         if slot is not None and p.worker in slot.seen:  # Step 4: never count a member twice
             if slot.seen[p.worker] != p.epoch:  # the chunk again, from another call
@@ -508,8 +528,8 @@ class AggregatorServer:
             offset = c & 63
             bound = 62 - max(0, (s.workers - 1).bit_length())
             if int(offset.max()) > bound:
-                self._refuse(s, p, addr, "overflow", f"exponent offset {int(offset.max())} > "
-                             f"{bound} for {s.workers} workers")  # fmt: skip
+                self._doom(s, p, addr, "overflow", f"chunk {p.chunk:#x}: exponent offset "
+                           f"{int(offset.max())} > {bound} for {s.workers} workers")  # fmt: skip
                 return
             vals = np.where((c >> 6) & 1, 0, np.int64(1) << offset)
             vals = np.where((c >> 7) & 1, -vals, vals)

@@ -431,6 +431,7 @@ def _comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
         if id(p) not in names:
             names[id(p)] = name = f"param{len(names)}"
             inner.param_shapes[name] = tuple(p.shape)
+            names.in_bucket_order = True
             if expected is not None and tuple(expected.get(name, ())) != tuple(p.shape):
                 saved = tuple(expected[name]) if name in expected else "not there"
                 state.refused_checkpoint = ValueError(

@@ -24,7 +24,16 @@ from .rules import check_density
 from .settings import PipelineSettings
 from .stats import GroupStats
 
-__all__ = ["Group"]
+__all__ = ["Group", "ParamNames"]
+
+
+class ParamNames(dict[int, str]):
+    """Parameter names by ``id``, shared by a state's groups. ``in_bucket_order``:
+    the DDP hook named them as buckets first brought them (``param0``, ... in
+    reverse registration order: the hook never sees the model), so the names say
+    nothing of which layer is the model's last (RedSync's ``output_layer="auto"``)."""
+
+    in_bucket_order = False
 
 
 class Group:

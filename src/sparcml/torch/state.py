@@ -35,7 +35,7 @@ from .config import resolved_or_noted
 from .construction import checked_in_group, noting_refusal
 from .methods import MethodConfig, config_of, method_spec, methods
 from .rules import Density, LayerRule, describe_schedule, rules_from
-from .runtime import Group
+from .runtime import Group, ParamNames
 from .settings import PipelineSettings
 from .stats import GroupStats, residual_norm
 
@@ -169,7 +169,7 @@ class SparcmlState:
             warm_kernels()
         self.rules = rules
         #: parameter names by id (registration), shared by every group
-        self.param_names: dict[int, str] = {}
+        self.param_names = ParamNames()
         self.groups = _groups(configs, settings, rules, comm, self.param_names)
         # ------------------------------------------------------------- counters
         self.step = 0
@@ -306,8 +306,12 @@ class SparcmlState:
         """
         name = self.param_names.get(id(param))
         if name is None:
-            name = self.param_names[id(param)] = f"param{len(self.param_names)}"
+            i = len(self.param_names)
+            while f"param{i}" in self.param_shapes:  # (names given before may have gaps)
+                i += 1
+            name = self.param_names[id(param)] = f"param{i}"
             self.param_shapes[name] = tuple(param.shape)
+            self.param_names.in_bucket_order = True
         return name
 
     def set_parameters(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -320,6 +324,7 @@ class SparcmlState:
         """
         self.param_names.clear()
         self.param_names.update({id(p): n for n, p in named})
+        self.param_names.in_bucket_order = False
         self.param_shapes = {n: tuple(p.shape) for n, p in named}
         self.check_checkpoint_parameters()
 

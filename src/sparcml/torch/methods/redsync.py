@@ -34,6 +34,7 @@ with ASQ ``(P-1) M D c beta``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +49,9 @@ from .base import GroupView, MethodConfig, MethodResult, MethodSpec, register_me
 
 if TYPE_CHECKING:
     from ..bucket import Bucket
+
+log = logging.getLogger("sparcml")
+_WARNED: list[bool] = []  # (output_layer="auto" unknown: said once)
 
 __all__ = ["REDSYNC", "RedSync", "redsync_allgather", "redsync_selector"]
 
@@ -93,6 +97,18 @@ def is_output_layer(group: GroupView, name: str) -> bool:
     """Whether ``name`` belongs to the layer RedSync leaves unquantized."""
     prefix = group.config.output_layer
     if prefix == "auto":
+        if getattr(group.param_names, "in_bucket_order", False):
+            # named by the hook as buckets came (reverse registration order): the
+            # output layer is not known; none is exempted (register() knows it, or
+            # pass output_layer="paramN")
+            if not _WARNED:
+                _WARNED.append(True)
+                log.warning(
+                    "redsync: output_layer='auto' needs the model's parameter names "
+                    "(sparcml.torch.register); under a hand-registered hook or "
+                    "comm_hook() no layer is left unquantized"
+                )
+            return False
         names = list(group.param_names.values())  # in registration order
         if not names:
             return False
