@@ -734,3 +734,29 @@ def test_one_bit_packing_takes_an_unaligned_view_of_uint8_flags() -> None:
     flags = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1] * 3, dtype=torch.uint8)
     view = torch.cat([torch.zeros(1, dtype=torch.uint8), flags])[1:]  # offset 1
     assert torch.equal(unpack_bits(pack_bits(view, 1), 24, 1), flags.to(torch.int32))
+
+
+def test_randomk_draws_a_uniform_subset_without_a_permutation_of_n() -> None:
+    """Random-k drew ``randperm(n)`` every call (O(n) time and memory for k entries);
+    its positions now come from draws with replacement, deduplicated, then k of the
+    distinct ones: still every k-subset equally likely (each position with
+    frequency k/n, each pair k(k-1)/(n(n-1)))."""
+    from sparcml.compress.randomk import uniform_subset
+
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((0, 0), (1, 0), (1, 1), (7, 7), (7, 3), (1 << 20, 1000)):
+        s = uniform_subset(n, k, g)
+        assert s.numel() == k and s.unique().numel() == k
+        assert k == 0 or (int(s.min()) >= 0 and int(s.max()) < n)
+    trials, n, k = 20000, 10, 3
+    single = torch.zeros(n)
+    pair = torch.zeros(n, n)
+    for _ in range(trials):
+        s = uniform_subset(n, k, g)
+        single[s] += 1
+        pair[s[:, None], s[None, :]] += 1
+    p = k / n  # 0.3 each: binomial sd sqrt(p(1-p)/trials) = 0.0032
+    assert float((single / trials - p).abs().max()) < 5 * math.sqrt(p * (1 - p) / trials)
+    q = k * (k - 1) / (n * (n - 1))
+    off = pair[~torch.eye(n, dtype=torch.bool)] / trials
+    assert float((off - q).abs().max()) < 5 * math.sqrt(q * (1 - q) / trials)
