@@ -202,3 +202,25 @@ def test_work_futures_complete_whether_asked_for_before_or_after_the_result() ->
     late._finish(None, KeyError("boom"))
     with pytest.raises(KeyError, match="boom"):
         late.get_future().wait()
+
+
+def test_the_generic_ring_refuses_a_chunk_of_another_size() -> None:
+    """The generic ring allreduce (MPI, in-process, simulated ranks) reduced whatever
+    chunk came: a rank with a longer tensor had its extra values broadcast into its
+    neighbour's sum without a word. The receiving ranks now raise
+    ``RankMismatchError``; a rank whose neighbours both sent the right sizes fails
+    by its timeout (the error is not agreed in this raw collective)."""
+    from sparcml.errors import CommError, RankMismatchError
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        try:
+            comm.allreduce(torch.ones(12 if comm.rank == 1 else 10))
+        except RankMismatchError as e:
+            return "mismatch: " + str(e)
+        except CommError as e:
+            return type(e).__name__
+        return "ok"
+
+    out = run_ranks(3, fn, timeout=2.0)
+    assert out[1].startswith("mismatch") and out[2].startswith("mismatch")
+    assert "differ in size or dtype" in out[1] and out[0] != "ok"

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CommError
+from ..errors import CommError, RankMismatchError
 from ..reinterpret import as_bytes, bytes_as, dense_1d
 from .abort import AbortNote, is_uniform
 
@@ -503,18 +503,29 @@ class Communicator(abc.ABC):
         bounds = [i * n // p for i in range(p + 1)]
         chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(p)]
         right, left = (me + 1) % p, (me - 1) % p
+
+        def received(idx: int) -> torch.Tensor:
+            raw = self.recv(left, tag).to(flat.device)
+            if raw.numel() != chunks[idx].numel() * flat.element_size():
+                # (a reducer would broadcast a wrong-sized chunk without a word)
+                raise RankMismatchError(
+                    f"allreduce: rank {left} sent {raw.numel()} bytes for chunk {idx}, rank "
+                    f"{me} expected {chunks[idx].numel() * flat.element_size()} ({n} "
+                    f"{flat.dtype} values here): the ranks' tensors differ in size or dtype"
+                )
+            return bytes_as(raw, flat.dtype)
+
         # Reduce-scatter: after P-1 steps, rank r holds the full sum of chunk (r+1) % P.
         for s in range(p - 1):
             send_idx, recv_idx = (me - s) % p, (me - s - 1) % p
             h = self.isend(as_bytes(chunks[send_idx]), right, tag)
-            got = bytes_as(self.recv(left, tag).to(flat.device), flat.dtype)
-            chunks[recv_idx] = reducer(got, chunks[recv_idx])
+            chunks[recv_idx] = reducer(received(recv_idx), chunks[recv_idx])
             h.wait()
         # Allgather of the reduced chunks.
         for s in range(p - 1):
             send_idx, recv_idx = (me + 1 - s) % p, (me - s) % p
             h = self.isend(as_bytes(chunks[send_idx]), right, tag)
-            chunks[recv_idx] = bytes_as(self.recv(left, tag).to(flat.device), flat.dtype)
+            chunks[recv_idx] = received(recv_idx)
             h.wait()
         return torch.cat(chunks).reshape(tensor.shape)
 
