@@ -419,3 +419,31 @@ def test_a_chunk_refused_as_a_whole_is_refused_to_every_member() -> None:
     assert sorted(p.worker for p in got) == [0, 1, 2]
     assert all(p.payload.decode().startswith("count_mismatch") for p in got)
     assert counters["slots"] == 0
+
+
+def test_a_refusal_from_a_restarted_aggregator_names_the_restart() -> None:
+    """A restarted aggregator refuses an earlier call's chunks as 'stale' (a call
+    number used twice, it says): a worker that had results of that call from the old
+    incarnation now raises ``AggregatorRestartedError`` (the epochs differ), not a
+    refusal with the wrong diagnosis."""
+
+    class Restarted(AggregatorServer):
+        restarted = False
+
+        def _send(self, data: bytes, addr: tuple[str, int]) -> None:
+            super()._send(data, addr)
+            if self.counters["results"] == 3 and not self.restarted:
+                self.restarted = True
+                self.epoch ^= 2
+
+        def _data(self, p, buf, addr, now):  # type: ignore[no-untyped-def]
+            s = self.sessions.get(p.session)
+            if self.restarted and s is not None:  # the new incarnation's answer
+                self._refuse(s, p, addr, "stale", "calls of a session only go forward")
+                return None
+            return super()._data(p, buf, addr, now)
+
+    with Restarted() as srv:
+        _, errs, _ = _run(2, _inputs(2, 5000), srv.address, "fixed", chunk=64, window=4,
+                          timeout=5)  # fmt: skip
+    assert all(isinstance(e, AggregatorRestartedError) for e in errs), errs

@@ -232,6 +232,13 @@ def ina_allreduce(
                 if p is None:
                     st.rejected += 1
                 elif p.kind == REFUSED:
+                    if p.worker == rank and st.epoch is not None and p.epoch != st.epoch:
+                        # (an aggregator restarted since this call's first result
+                        # refuses its chunks as stale: say what happened)
+                        raise AggregatorRestartedError(
+                            f"worker {rank}: the aggregator restarted during {session} "
+                            f"(epoch {st.epoch} -> {p.epoch}); its partial sums are lost"
+                        )
                     if p.worker == rank and p.chunk - base in outstanding:
                         reason = p.payload.decode("utf-8", "replace")
                         raise AggregatorRefusedError(
