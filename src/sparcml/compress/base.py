@@ -53,6 +53,7 @@ __all__ = [
     "operator_class",
     "register",
     "split_composition",
+    "to_saturating",
 ]
 
 _MAGIC = b"SpQ"
@@ -117,6 +118,24 @@ def check_input(tensor: torch.Tensor, what: str) -> torch.Tensor:
             f"{what} compresses float32, float16, bfloat16 or float64 tensors, got {tensor.dtype}"
         )
     return dense_1d(tensor.detach())
+
+
+def to_saturating(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (float32 or float64, finite) in ``dtype``, magnitudes beyond its
+    largest finite value kept at that value instead of becoming Inf.
+
+    For natural compression: it rounds float16 values above 2^15 to 2^16 (Inf in
+    float16) with the probability that keeps them unbiased; saturating at 65504
+    biases those entries by at most 32 (0.05% of 60,000) where Inf would poison the
+    sum. (Not for QSGD or dithering: their levels are multiples of a norm that may
+    lie far beyond the dtype's range, and saturating would bias them heavily; their
+    Inf stays a visible failure.)"""
+    if dtype == values.dtype or not dtype.is_floating_point:
+        return values.to(dtype)
+    top = torch.finfo(dtype).max
+    if top >= torch.finfo(values.dtype).max:
+        return values.to(dtype)
+    return values.clamp(-top, top).to(dtype)
 
 
 def check_finite(values: torch.Tensor, what: str) -> None:

@@ -55,7 +55,7 @@ from ..errors import WireFormatError
 from ..kernels import compiled
 from ..reinterpret import dense_1d
 from ._kernels import chunks, exact_bernoulli, scratch
-from .base import Quantizer, check_finite, make_header, read_header, register
+from .base import Quantizer, check_finite, make_header, read_header, register, to_saturating
 from .packing import pack_bools_into, unpack_bits
 
 __all__ = ["NaturalCompression", "natural9_decode", "natural9_encode", "natural_round"]
@@ -201,11 +201,11 @@ class NaturalCompression(Quantizer):
             if torch.device(device).type == "cpu":
                 bits = torch.empty(n, dtype=torch.int32)
                 natural9_decode(body[:n], body[n:], bits)
-                return bits.view(torch.float32).to(dtype)
+                return to_saturating(bits.view(torch.float32), dtype)
             exp = body[:n].to(torch.int32)
             sign = unpack_bits(body[n:], n, 1)
             bits = (sign << 31) | (exp << 23)
-            return bits.view(torch.float32).to(dtype)
+            return to_saturating(bits.view(torch.float32), dtype)
         if body.numel() != n:
             raise WireFormatError(f"natural: payload of {body.numel()} bytes for {n} values")
         c = body.to(torch.int32)
@@ -213,7 +213,7 @@ class NaturalCompression(Quantizer):
         out = torch.ldexp(torch.ones(n, device=device), e.float())
         out = torch.where(((c >> 6) & 1).bool(), torch.zeros_like(out), out)
         out = torch.where(((c >> 7) & 1).bool(), -out, out)
-        return out.to(dtype)
+        return to_saturating(out, dtype)
 
     def to_integers(self, payload: torch.Tensor) -> torch.Tensor:
         """An 8-bit payload's values as int64 multiples of ``2^e_min`` (for integer sums).
