@@ -447,3 +447,27 @@ def test_a_refusal_from_a_restarted_aggregator_names_the_restart() -> None:
         _, errs, _ = _run(2, _inputs(2, 5000), srv.address, "fixed", chunk=64, window=4,
                           timeout=5)  # fmt: skip
     assert all(isinstance(e, AggregatorRestartedError) for e in errs), errs
+
+
+def test_the_lossy_relay_closes_idle_upstream_sockets() -> None:
+    """A worker opens a new UDP port for every call, and the relay kept one upstream
+    socket for each until it stopped (out of descriptors in a long run, which ended
+    its thread). Idle ones are closed now."""
+    import time
+
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sink.bind(("127.0.0.1", 0))
+    with LossyRelay(sink.getsockname(), idle=0.3) as relay:
+        clients = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(5)]
+        for c in clients:
+            c.sendto(b"x", relay.address)
+        deadline = time.monotonic() + 5
+        while len(relay.upstream) < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(relay.upstream) == 5
+        while relay.upstream and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not relay.upstream and relay.counts["forwarded"] == 5
+        for c in clients:
+            c.close()
+    sink.close()

@@ -4,7 +4,8 @@ Workers send to the relay instead of the aggregator; for each worker address the
 relay opens its own upstream socket, so the aggregator's answers find their way
 back. Every datagram, both directions, is dropped with probability ``loss``,
 duplicated with probability ``dup``, and with probability ``reorder`` held back
-and sent after the next one. Seeded: a run is reproducible.
+and sent after the next one. Seeded: a run is reproducible. An upstream socket
+idle for ``idle`` seconds is closed (a worker opens a new port for every call).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import random
 import selectors
 import socket
 import threading
+import time
 
 __all__ = ["LossyRelay"]
 
@@ -21,7 +23,7 @@ class LossyRelay:
     """Forward datagrams to ``target`` and back, with injected loss, duplication, reordering."""
 
     def __init__(self, target: tuple[str, int], loss: float = 0.0, dup: float = 0.0,
-                 reorder: float = 0.0, seed: int = 0) -> None:  # fmt: skip
+                 reorder: float = 0.0, seed: int = 0, idle: float = 30.0) -> None:  # fmt: skip
         for name, v in (("loss", loss), ("dup", dup), ("reorder", reorder)):
             if not 0.0 <= v < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {v}")
@@ -32,6 +34,8 @@ class LossyRelay:
         self.address = self.sock.getsockname()
         self.upstream: dict[tuple[str, int], socket.socket] = {}
         self.client_of: dict[socket.socket, tuple[str, int]] = {}
+        self.idle = idle
+        self.last_used: dict[tuple[str, int], float] = {}
         self.held: dict[object, tuple[socket.socket, bytes, tuple[str, int]] | None] = {}
         self.counts = {"forwarded": 0, "dropped": 0, "duplicated": 0, "reordered": 0}
         self.sel = selectors.DefaultSelector()
@@ -48,6 +52,18 @@ class LossyRelay:
         self._thread.join(5)
         for s in [self.sock, *self.upstream.values()]:
             s.close()
+        self.sel.close()
+
+    def _expire(self, now: float) -> None:
+        """Close the upstream sockets of clients idle for ``idle`` seconds."""
+        for addr, used in list(self.last_used.items()):
+            if now - used > self.idle:
+                up = self.upstream.pop(addr)
+                del self.last_used[addr], self.client_of[up]
+                self.sel.unregister(up)
+                up.close()
+                for direction in (("up", addr), ("down", addr)):
+                    self.held.pop(direction, None)
 
     def _emit(
         self, direction: object, out: socket.socket, data: bytes, to: tuple[str, int]
@@ -82,15 +98,24 @@ class LossyRelay:
                 if s is self.sock:
                     up = self.upstream.get(addr)
                     if up is None:
-                        up = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                        up.bind(("127.0.0.1", 0))
+                        try:
+                            up = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                            up.bind(("127.0.0.1", 0))
+                        except OSError:  # (out of descriptors: this datagram is lost)
+                            self.counts["dropped"] += 1
+                            continue
                         self.upstream[addr] = up
                         self.client_of[up] = addr
                         self.sel.register(up, selectors.EVENT_READ)
+                    self.last_used[addr] = time.monotonic()
                     self._emit(("up", addr), up, data, self.target)
                 else:
-                    client = self.client_of[s]  # type: ignore[index]
+                    client = self.client_of.get(s)  # type: ignore[call-overload]
+                    if client is None:  # (closed as idle meanwhile)
+                        continue
+                    self.last_used[client] = time.monotonic()
                     self._emit(("down", client), self.sock, data, client)
+            self._expire(time.monotonic())
             # release packets held too long (no next datagram came)
             for direction, late in list(self.held.items()):
                 if late is not None and self.rng.random() < 0.5:
