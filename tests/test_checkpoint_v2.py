@@ -112,3 +112,30 @@ def test_a_refused_load_leaves_the_state_as_it_was() -> None:
     with pytest.raises(ValueError, match="1 layer rule groups, this state has 0"):
         plain.load_state_dict(saved, strict=False)
     assert plain.step == 0 and plain.comm.sequence == 0
+
+
+def test_a_checkpoint_of_other_settings_loaded_leniently_runs_this_states_method() -> None:
+    """``load_state_dict(sd, strict=False)`` is for a deliberate change of settings:
+    the saved operators were restored too, and only rebuilt on another density, so
+    a ``qsgd`` state kept the checkpoint's natural compression and ``topk+natural``
+    a bare top-k (nothing quantized). Residuals and momenta are kept; the operators
+    and the method's runtime state start afresh."""
+    from sparcml.compress.natural import NaturalCompression
+    from sparcml.compress.qsgd import QSGD
+
+    key = ("fsdp", "layer")
+    a = SparcmlState("natural")
+    a.groups[0].operator(key)
+    a.groups[0].feedback.buffers = {"layer": torch.ones(3)}
+    b = SparcmlState("qsgd")
+    b.load_state_dict(a.state_dict(), strict=False)
+    assert isinstance(b.groups[0].operator(key), QSGD)
+    assert torch.equal(b.groups[0].feedback.buffers["layer"], torch.ones(3))
+    c = SparcmlState("natural")  # the same settings: operators restored as saved
+    c.load_state_dict(a.state_dict())
+    assert isinstance(c.groups[0].operator(key), NaturalCompression)
+    t = SparcmlState("topk", density=0.01)
+    t.groups[0].operator(key)
+    tn = SparcmlState("topk+natural", density=0.01)
+    tn.load_state_dict(t.state_dict(), strict=False)
+    assert type(tn.groups[0].operator(key)).__name__ == "Composed"

@@ -439,13 +439,13 @@ class SparcmlState:
                 "method": self.method,
                 "density": describe_schedule(getattr(self.config, "density", None)),
             }
-            _check_settings(old, now, strict)
+            differ = _check_settings(old, now, strict)
             log.warning("sparcml checkpoint of version %s carries no settings: only its "
                         "method and density could be checked", sd.get("version"))  # fmt: skip
         else:
             if version < 3:
                 saved = _v2_settings(saved)
-            _check_settings(saved, self._checkpoint_settings(), strict)
+            differ = _check_settings(saved, self._checkpoint_settings(), strict)
         groups = sd.get("groups", [])
         if len(groups) != len(self.groups) - 1:  # (checked before anything is assigned)
             raise ValueError(
@@ -465,7 +465,9 @@ class SparcmlState:
         self.layout = [tuple(k) for k in sd["layout"]]
         self.replay_layout = list(self.layout) or None
         for group, group_sd in zip(self.groups, [sd, *groups], strict=True):
-            _load_group(group, group_sd)
+            # (other settings: the saved operators, another method's or options', are
+            # not this state's: a loaded natural operator under qsgd stayed natural)
+            _load_group(group, group_sd, methods=not differ)
 
     def __repr__(self) -> str:
         return (
@@ -576,11 +578,17 @@ def _group_dict(group: Group) -> dict[str, Any]:
     }
 
 
-def _load_group(group: Group, sd: dict[str, Any]) -> None:
+def _load_group(group: Group, sd: dict[str, Any], methods: bool = True) -> None:
+    """A group's residuals and momenta; its operators and method state too where
+    ``methods`` (the checkpoint's settings are this state's)."""
     from . import checkpoint as ck
 
     group.feedback.buffers = ck.tensors(sd["residuals"])
     group.momentum_correction.buffers = ck.tensors(sd["momenta"])
+    if not methods:
+        group.operators = {}
+        group.method_state = group.spec.runtime() if group.spec.runtime else None
+        return
     group.operators = ck.unkeyed(sd["operators"])
     if "method_state" in sd:
         state = ck.from_plain(sd["method_state"])
@@ -633,9 +641,9 @@ def _in_effect(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_settings(saved: dict[str, Any], now: dict[str, Any], strict: bool) -> None:
+def _check_settings(saved: dict[str, Any], now: dict[str, Any], strict: bool) -> bool:
     """Refuse (``strict``) or log a checkpoint made with other settings (those in
-    effect: :func:`_in_effect`)."""
+    effect: :func:`_in_effect`); whether they differ."""
     saved, now = _in_effect(saved), _in_effect(now)
     diffs = [
         f"{k} (checkpoint: {saved.get(k)!r}, this state: {now.get(k)!r})"
@@ -643,14 +651,19 @@ def _check_settings(saved: dict[str, Any], now: dict[str, Any], strict: bool) ->
         if saved.get(k) != now.get(k)
     ]
     if not diffs:
-        return
+        return False
     text = "sparcml checkpoint made with other settings: " + "; ".join(diffs)
     if strict:
         raise ValueError(
             text + ". Build the state with the checkpoint's settings, or pass "
             "load_state_dict(..., strict=False) to load it anyway"
         )
-    log.warning("%s (loaded anyway: strict=False)", text)
+    log.warning(
+        "%s (loaded anyway: strict=False; residuals and momenta kept, the methods' "
+        "operators and runtime state start afresh under this state's settings)",
+        text,
+    )
+    return True
 
 
 def _check_parameters(saved: dict[str, tuple[int, ...]], now: dict[str, tuple[int, ...]]) -> None:
