@@ -153,3 +153,20 @@ def fsdp_register_on_each_rank(
     # check-in (under torchrun the agent holds it)
     time.sleep(2)
     return out
+
+
+def fsdp_grouped_modules(comm: Any, steps: int) -> tuple[list[int], list[float]]:
+    """``fully_shard([a, b])`` (two modules, one parameter group), then the root: the
+    state's step after each training step, and the first parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    fully_shard([model[0], model[2]])
+    fully_shard(model)
+    state = st.register_fsdp(model, "dense")
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    after = []
+    for t in range(steps):
+        _train(model, opt, comm.rank, t, t + 1)
+        after.append(state.step)
+    return after, _full(model).tolist()[:4]

@@ -123,3 +123,14 @@ def test_a_rank_registering_fsdp_otherwise_fails_every_rank_at_once(
         assert out[r]["type"] == "RankMismatchError" and expect in out[r]["message"], out[r]
         assert out[r]["seconds"] < 10, out[r]
     assert out[1]["type"] in ("ValueError", "RankMismatchError"), out[1]
+
+
+def test_one_fully_shard_over_several_modules_closes_each_step() -> None:
+    """``fully_shard([a, b])`` gives two modules one FSDP state: each was counted as a
+    reduce-scatter of its own, so the step counter waited for one that never came and
+    closed a step only at the next one's first reduce-scatter (a checkpoint recorded
+    step N-1 after N steps). One reduce-scatter per parameter group now."""
+    out = run_processes(2, fsdp_workers.fsdp_grouped_modules, 3, timeout=120)
+    for after, _ in out:
+        assert after == [1, 2, 3]
+    assert out[0][1] == out[1][1]

@@ -251,7 +251,14 @@ def register_fsdp(
     if state.registered is not None:
         raise ValueError(f"this state is already registered with {state.registered}")
     cls = type("SparcmlFsdpReduceScatter", (SparcmlReduceScatter, _base_class()), {})
-    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    # one reduce-scatter per parameter group: fully_shard([a, b]) gives two modules
+    # one FSDP state (counted twice, the step counter never closed a step, and the
+    # second hook replaced the first)
+    groups: dict[int, tuple[str, Any]] = {}
+    for n, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            groups.setdefault(id(m._get_fsdp_state()), (n, m))
+    modules = list(groups.values())
     expected = sum(1 for _, m in modules if _has_grads(m))
     steps = StepCounter(state, max(1, expected))
     for name, module in modules:
