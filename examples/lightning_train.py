@@ -70,6 +70,9 @@ def main() -> None:
         help="sparcml.torch.comm_hook() in DDPStrategy(ddp_comm_state=, ddp_comm_hook=) "
         "instead of the callback",
     )
+    parser.add_argument(
+        "--fits", type=int, default=1, help="fit this many times (a Trainer per fit, one callback)"
+    )
     args = parser.parse_args()
 
     g = torch.Generator().manual_seed(1)
@@ -89,14 +92,19 @@ def main() -> None:
     else:
         callback = SparcmlCallback(args.method, density=args.density, **hyper)  # (2)
         strategy, callbacks = "ddp", [callback]
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy,
-        max_steps=args.steps, callbacks=callbacks,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )  # fmt: skip
     model = Regression(momentum=0.0 if correct else 0.9)
-    trainer.fit(model, data)
+    sent_per_fit = []
+    for _ in range(args.fits):  # (the callback's state, and its residuals, carry over)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=devices, strategy=strategy,
+            max_steps=args.steps, callbacks=callbacks,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )  # fmt: skip
+        before = callback.state.bytes_sent if not args.strategy_hook and callback.state else 0
+        trainer.fit(model, data)
+        if not args.strategy_hook and callback.state is not None:
+            sent_per_fit.append(callback.state.bytes_sent - before)
 
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.zeros_like(params) for _ in range(dist.get_world_size())]
@@ -108,6 +116,8 @@ def main() -> None:
         assert state is not None, "the hook never ran: DDP reduced without it"
         print(f"{args.method}: final loss {loss:.4f}; sent {state.bytes_sent:,} bytes; "
               f"models identical on every rank: {same}", flush=True)  # fmt: skip
+        if args.fits > 1:
+            print(f"bytes sent per fit: {sent_per_fit}", flush=True)
     # PyTorch's documented shutdown: without it gloo's worker threads can outlive the
     # interpreter and abort the process at exit (pytorch/pytorch#190489); Lightning's own
     # atexit hook does the same later, when it is too late for some of them

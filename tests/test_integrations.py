@@ -74,3 +74,14 @@ def test_accelerate_prepared_model_takes_the_hook(method: str) -> None:
     assert f"{method}: final loss" in out and "models identical on every rank: True" in out
     sent = int(out.split("sent ")[1].split(" bytes")[0].replace(",", ""))
     assert sent > 0
+
+
+@pytest.mark.spawn
+def test_lightning_callback_compresses_every_fit() -> None:
+    """Lightning wraps the module in a new DDP at each ``fit``: the callback registered
+    only at the first, and a second fit ran plain dense DDP without a word. Its state
+    is now registered on each new wrapper (bytes counted in both fits)."""
+    pytest.importorskip("lightning")
+    out = _torchrun("lightning_train.py", "topk", "--fits", "2")
+    per_fit = out.split("bytes sent per fit: [")[1].split("]")[0].split(",")
+    assert len(per_fit) == 2 and all(int(b) > 0 for b in per_fit), out

@@ -51,6 +51,7 @@ class SparcmlCallback(pl.Callback):
         self.method = method
         self.hyper = hyper
         self.state: SparcmlState | None = None
+        self._ddp: DistributedDataParallel | None = None  # the wrapper registered on
 
     @staticmethod
     def needs_momentum_correction(method: str) -> bool:
@@ -65,3 +66,10 @@ class SparcmlCallback(pl.Callback):
             )
         if self.state is None:
             self.state = register(model, self.method, **self.hyper)
+        elif model is not self._ddp:
+            # a later fit (Lightning wraps the module in a new DDP each time): the same
+            # state, its residuals kept by parameter name, registered on the new wrapper
+            # (it used to go on with plain dense DDP, silently)
+            self.state.registered = None
+            register(model, state=self.state)
+        self._ddp = model
