@@ -265,25 +265,7 @@ def measured_candidates(
 
     Of an algorithm's variants (``twolevel_shard`` and ``twolevel_shard+...``, its
     inner algorithm between nodes) only the one the model ranks best is measured."""
-    # (the registered facts in the key: a name registered again is costed again)
-    infos = tuple(algorithm_info(a) for a in names)
-    keep, best = _measured_candidates(model, p, n, tuple(ks), isize, infos)
-    return list(keep), best
-
-
-@functools.lru_cache(maxsize=256)
-def _measured_candidates(
-    model: CostModel,
-    p: int,
-    n: int,
-    ks: tuple[int, ...],
-    isize: int,
-    infos: tuple[AlgorithmInfo, ...],
-) -> tuple[tuple[str, ...], float]:
-    # a pure function of its arguments, asked on every call of a class that runs the
-    # model's choice without measuring: the predictions are made once
-    names = [i.name for i in infos]
-    pred = {a: predict(model, a, p, n, ks, isize) for a in names}
+    pred = _predicted(model, p, n, ks, isize, names)
     best = min(pred.values())
     pick: dict[str, str] = {}
     for a in names:  # ties keep the earlier name (the base before its variants)
@@ -293,7 +275,29 @@ def _measured_candidates(
     keep = [
         a for a in names if pick[algorithm_info(a).base] == a and pred[a] <= PRUNE_FACTOR * best
     ]
-    return tuple(sorted(keep, key=lambda a: pred[a])), best
+    return sorted(keep, key=lambda a: pred[a]), best
+
+
+def _predicted(
+    model: CostModel, p: int, n: int, ks: Sequence[int], isize: int, names: Sequence[str]
+) -> dict[str, float]:
+    """``predict`` of each name, kept per (model, sizes, registered facts): ``auto``
+    asks it on every call of a class the model decides, and a name registered again
+    (its facts in the key) is costed again."""
+    infos = tuple(algorithm_info(a) for a in names)
+    return dict(zip(names, _predictions(model, p, n, tuple(ks), isize, infos), strict=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _predictions(
+    model: CostModel,
+    p: int,
+    n: int,
+    ks: tuple[int, ...],
+    isize: int,
+    infos: tuple[AlgorithmInfo, ...],
+) -> tuple[float, ...]:
+    return tuple(predict(model, i.name, p, n, ks, isize) for i in infos)
 
 
 def plan(
@@ -532,22 +536,9 @@ def choose(
             for a in algorithms(auto=True)
             if model.ranks_per_node > 1 or not algorithm_info(a).two_level
         ]
-    infos = tuple(algorithm_info(a) for a in names)
-    return _choose(model, world_size, size, tuple(ks), isize, infos)
-
-
-@functools.lru_cache(maxsize=256)
-def _choose(
-    model: CostModel,
-    world_size: int,
-    size: int,
-    ks: tuple[int, ...],
-    isize: int,
-    infos: tuple[AlgorithmInfo, ...],
-) -> str:
-    # (a pure function of its arguments, asked on every call with a calibration file)
-    names = [i.name for i in sorted(infos, key=lambda i: i.auto_priority)]
-    return min(names, key=lambda a: predict(model, a, world_size, size, ks, isize))
+    names.sort(key=lambda a: algorithm_info(a).auto_priority)
+    pred = _predicted(model, world_size, size, ks, isize, names)
+    return min(names, key=pred.__getitem__)
 
 
 def choose_algorithm(
