@@ -41,6 +41,7 @@ from ..wire import check_indices
 from .packing import decode_index_deltas, encode_index_deltas
 
 __all__ = [
+    "FLOAT32_MAX",
     "Composed",
     "Compressor",
     "Context",
@@ -118,6 +119,10 @@ def check_input(tensor: torch.Tensor, what: str) -> torch.Tensor:
             f"{what} compresses float32, float16, bfloat16 or float64 tensors, got {tensor.dtype}"
         )
     return dense_1d(tensor.detach())
+
+
+#: float32's largest finite value (the quantizers' scales travel as float32)
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def to_saturating(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import WireFormatError
 from ._kernels import chunks, exact_bernoulli
-from .base import Quantizer, check_finite, make_header, read_header, register
+from .base import FLOAT32_MAX, Quantizer, check_finite, make_header, read_header, register
 from .natural import NaturalCompression
 from .packing import pack_bits_into, packed_nbytes, unpack_bits
 
@@ -101,7 +101,7 @@ class _GeneralDithering(Quantizer):
         # the levels refer to the float32 norm that travels; a norm beyond float32's
         # range (finite values near its largest) is sent as that largest value: any
         # scale at least max|x| keeps E[D(x)] = x (Def. 3 needs y = |x| / scale <= 1)
-        norm = norm64.clamp(max=_FLOAT32_MAX).float()
+        norm = norm64.clamp(max=FLOAT32_MAX).float()
         gen = generator or self._generator(x.device)
         if self.compress_norm:
             # C_nat of the norm is unbiased and independent of the levels: E[D(x)] = x
@@ -112,7 +112,7 @@ class _GeneralDithering(Quantizer):
             norm_payload = norm.reshape(1).view(torch.uint8)
         inv = 1.0 / float(norm) if float(norm) > 0 else 0.0
         # (a norm below 1 / FLT_MAX: its inverse is infinite in float32, divide instead)
-        divide = inv > _FLOAT32_MAX
+        divide = inv > FLOAT32_MAX
         out = torch.empty(packed_nbytes(n, self.bits), dtype=torch.uint8, device=x.device)
         for lo, hi in chunks(n, x.device):
             chunk = x[lo:hi]
@@ -172,6 +172,3 @@ class NaturalDithering(_GeneralDithering):
 
     natural_levels = True
     _code = 5
-
-
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)

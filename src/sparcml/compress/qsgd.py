@@ -23,7 +23,7 @@ import torch
 from ..errors import WireFormatError
 from ..finite import all_finite
 from ._kernels import chunks, exact_bernoulli, scratch
-from .base import Quantizer, check_finite, make_header, read_header, register
+from .base import FLOAT32_MAX, Quantizer, check_finite, make_header, read_header, register
 from .packing import pack_bits_into, packed_nbytes, unpack_bits
 
 __all__ = ["QSGD"]
@@ -135,7 +135,6 @@ class QSGD(Quantizer):
 #: a bucket's float32 scale is exact, and ``s 2^23 / scale`` finite, between these:
 #: (1e-18)^2 and (1e18)^2 stay inside float32's normal range
 _NORM_RANGE = (1e-18, 1e18)
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _out_of_range(vb: torch.Tensor, scale: torch.Tensor, l2: bool) -> torch.Tensor | None:
@@ -169,7 +168,7 @@ def _wide_norms(
             torch.float32
         )
     big = scale[rows]
-    if bool((torch.isfinite(big) & (big > _FLOAT32_MAX / s)).any()) or (
+    if bool((torch.isfinite(big) & (big > FLOAT32_MAX / s)).any()) or (
         bool(torch.isinf(big).any()) and bool(torch.isfinite(vb[rows]).all())
     ):
         raise ValueError(

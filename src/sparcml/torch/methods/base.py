@@ -109,6 +109,9 @@ class GroupView(Protocol):
     def cached_operator(self, key: tuple[str, ...], build: Callable[[], Any]) -> Any: ...
 
 
+#: step 5 of the pipeline: ``run(group, bucket, acc)``. ``acc`` is read-only: it may
+#: be the group's momentum buffer itself (momentum correction without error
+#: feedback), which the pipeline keeps after the call
 RunFn = Callable[[GroupView, "Bucket", torch.Tensor], MethodResult]
 ScatterFn = Callable[[GroupView, "Bucket", torch.Tensor, list[int]], MethodResult]
 
