@@ -16,11 +16,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
-if ! command -v tc >/dev/null || ! command -v ip >/dev/null; then
-    for f in .debs/*.deb; do dpkg -x "$f" /tmp/iproute2; done
-    export PATH="/tmp/iproute2/usr/sbin:/tmp/iproute2/usr/bin:/tmp/iproute2/sbin:/tmp/iproute2/bin:$PATH"
-    export LD_LIBRARY_PATH="/tmp/iproute2/usr/lib/x86_64-linux-gnu:/tmp/iproute2/lib/x86_64-linux-gnu"
-fi
+source benchmarks/iproute2.sh
 sp=("$py" -m sparcml.tools.cli)
 commit=$(git log -1 --format=%h 2>/dev/null || echo unknown)
 

@@ -414,3 +414,30 @@ def test_fsdp2_reduce_scatter_over_one_rank_process_group() -> None:
     for label in ("topk 0.05", "natural"):
         moved = float((out[label]["params"] - init).norm())
         assert 0.2 * float((plain - init).norm()) <= moved, label
+
+
+@pytest_spawn
+def test_the_training_harness_on_the_device(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``sparcml train --device``: PyTorch's hooks and a sparcml method train a small
+    word-level LSTM on two spawned gloo ranks with the model on the device."""
+    import json
+
+    from test_recipes import _plays
+
+    from sparcml.tools.cli import main
+
+    monkeypatch.setenv("SPARCML_DATA", str(tmp_path))
+    _plays(tmp_path, " ".join(f"w{'q' * (i % 11)} a b" for i in range(6000)))
+    out = tmp_path / "out"
+    args = ["train", "wordlm", "-P", "2", "-q", "--device", DEVICE, "--probe-steps", "2",
+            "--limit", "400", "--recipe-option", "vocab=20", "--recipe-option", "width=8",
+            "--methods", "ddp,powersgd,topk", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    for method, run in rows.items():
+        assert torch.device(run["device"]).type == torch.device(DEVICE).type, method
+        assert len(run["losses"]) == 10, method  # 400 sequences / (2 ranks x 20)
+        assert all(torch.isfinite(torch.tensor(run["losses"]))), method
+        assert run["evals"][-1]["perplexity"] < 20, method  # a 20-word vocabulary
+        assert run["compute_s"] > 0, method
+    assert rows["topk"]["step_bytes"][-1] < rows["ddp"]["step_bytes"][-1]

@@ -249,3 +249,46 @@ def test_a_run_stops_once_it_held_the_target(tmp_path: Path, monkeypatch) -> Non
     assert main([*args, "--target", "1e9", "--methods", "topk"]) == 0
     run = json.loads((easy / "results.json").read_text())["rows"]["topk"]
     assert run["stopped_at_target"] and len(run["losses"]) == 2
+
+
+def test_a_device_the_machine_lacks_is_refused_before_any_rank_starts(capsys) -> None:  # type: ignore[no-untyped-def]
+    from sparcml.tools.recipes.train import check_device
+
+    assert check_device("cpu") == torch.device("cpu")
+    args = ["train", "wordlm", "--methods", "topk", "-q"]
+    assert main([*args, "--device", "tpu0"]) == 2
+    assert "--device 'tpu0': not a device" in capsys.readouterr().err
+    assert main([*args, "--device", "meta"]) == 2
+    assert "--device 'meta': the harness trains on cpu or cuda" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main([*args, "--device", "cuda"]) == 2
+        assert "--device 'cuda': this machine's PyTorch sees no CUDA device" in (
+            capsys.readouterr().err
+        )
+    else:
+        assert main([*args, "--device", "cuda:99"]) == 2
+        assert "CUDA device(s)" in capsys.readouterr().err
+
+
+def test_a_recipe_moves_its_batches_and_test_slices_to_its_device(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from sparcml.tools.recipes.wordlm import WordLM
+
+    monkeypatch.setenv("SPARCML_DATA", str(tmp_path))
+    _plays(tmp_path, " ".join(f"w{'q' * (i % 37)} x" for i in range(4000)))
+    r = WordLM(0, 2, vocab=20, width=8)
+    r.device = torch.device("meta")  # a device of its own: where every tensor must land
+    x, y = r.on_device(next(iter(r.batches(0))))
+    assert x.device.type == "meta" and y.device.type == "meta"
+    bags = r.on_device((torch.zeros(2), [torch.ones(1)], 3))
+    assert bags[0].device.type == "meta" and bags[1][0].device.type == "meta" and bags[2] == 3
+    assert isinstance(bags[1], list)
+
+
+def test_every_rank_of_a_cluster_job_gets_the_device() -> None:
+    from sparcml.tools.cli import build_parser
+    from sparcml.tools.cli.train import _child_args
+
+    args = build_parser().parse_args(["train", "wordlm", "--cluster", "2", "--device", "cuda"])
+    child = _child_args(args)
+    assert child[child.index("--device") + 1] == "cuda"
+    assert "--device" not in _child_args(build_parser().parse_args(["train", "wordlm"]))

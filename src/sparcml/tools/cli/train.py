@@ -17,7 +17,7 @@ def train(args: argparse.Namespace) -> int:
     from ...torch.peers import is_peer
     from ..recipes import RECIPES
     from ..recipes.data import DataMissingError
-    from ..recipes.train import CONFIG_PREFIX, format_table, run_recipe, write_report
+    from ..recipes.train import CONFIG_PREFIX, check_device, format_table, run_recipe, write_report
 
     recipe = RECIPES[args.recipe]
     if args.config:
@@ -36,6 +36,15 @@ def train(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    try:
+        check_device(args.device)
+    except ValueError as e:
+        print(f"sparcml train: {e}", file=sys.stderr)
+        return 2
+    if args.fsdp and args.device != "cpu":
+        print("sparcml train: the harness runs FSDP2 on the CPU only: drop --device or --fsdp",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.layers:
         try:
             _layer_rules(args.layers)
@@ -83,6 +92,8 @@ def train(args: argparse.Namespace) -> int:
         options["eval_every"] = -1
     if args.probe_steps:
         options["probe_steps"] = args.probe_steps
+    if args.device != "cpu":
+        options["device"] = args.device
     options.update(_stop_options(args))
     if args.seeds:
         print("sparcml train: --seeds runs with --cluster; use --seed on local ranks",
@@ -241,6 +252,8 @@ def _hyper(args: argparse.Namespace) -> dict:
 def _child_args(args: argparse.Namespace) -> list[str]:
     """The options every rank of a cluster job gets (all but the methods and outputs)."""
     out = ["-d", str(args.density), "--seed", str(args.seed), "--index-coding", args.index_coding]
+    if args.device != "cpu":
+        out += ["--device", args.device]
     for flag, value in (
         ("--epochs", args.epochs), ("--limit", args.limit), ("--warmup-steps", args.warmup_steps),
         ("--momentum-correction", args.momentum_correction),
@@ -393,6 +406,8 @@ def train_tta(args: argparse.Namespace, chosen: list[str]) -> int:
     options["eval_every"] = args.eval_every or -1  # -1: about 15 evaluations per run
     options["probe_steps"] = args.probe_steps
     options["line_progress"] = True
+    if args.device != "cpu":
+        options["device"] = args.device
     if args.density_warmup:
         options["density_warmup"] = args.density_warmup
     options.update(_stop_options(args))
@@ -609,6 +624,13 @@ def add_parsers(sub: Any) -> None:
         "directory, ignored by git; the committed tables live in docs/results/train)",
     )
     tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    tr.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda (cuda:N): the model, its gradients and the method's "
+        "codec on a GPU, each rank on GPU LOCAL_RANK (or its rank) modulo the GPUs; the "
+        "collectives still go over gloo, through host memory",
+    )
     add_env_arg(tr)
     tr.add_argument(
         "--cluster",

@@ -31,6 +31,17 @@ class Recipe(abc.ABC):
     def __init__(self, rank: int, world: int, seed: int = 0, **options: Any) -> None:
         self.rank, self.world, self.seed = rank, world, seed
         self.options = options
+        #: where the model runs (the harness sets it; ``sparcml train --device``): the
+        #: data stays in host memory and every batch is moved there by :meth:`on_device`
+        self.device = torch.device("cpu")
+
+    def on_device(self, data: Any) -> Any:
+        """``data`` (a tensor, or a tuple or list of them) on :attr:`device`."""
+        if isinstance(data, torch.Tensor):
+            return data.to(self.device, non_blocking=True)
+        if isinstance(data, (tuple, list)):
+            return type(data)(self.on_device(x) for x in data)
+        return data
 
     @classmethod
     def check_data(cls) -> None:

@@ -66,7 +66,7 @@ class FashionMNIST(Recipe):
     @torch.no_grad()
     def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> dict[str, float]:
         cut = self.test_slice(self.data["test_x"].shape[0], part, parts)
-        x, y = self.data["test_x"][cut], self.data["test_y"][cut]
+        x, y = self.on_device((self.data["test_x"][cut], self.data["test_y"][cut]))
         correct, total_loss = 0, 0.0
         for lo in range(0, x.shape[0], 1000):
             out = model(x[lo : lo + 1000])

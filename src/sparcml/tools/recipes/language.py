@@ -87,7 +87,7 @@ class LanguageRecipe(Recipe):
         xs, ys = self.test_x[cut], self.test_y[cut]
         total, count = 0.0, 0
         for lo in range(0, xs.shape[0], self.eval_batch):
-            x, y = xs[lo : lo + self.eval_batch], ys[lo : lo + self.eval_batch]
+            x, y = self.on_device((xs[lo : lo + self.eval_batch], ys[lo : lo + self.eval_batch]))
             out = model(x)
             total += float(
                 F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")

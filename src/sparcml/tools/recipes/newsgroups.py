@@ -124,8 +124,8 @@ class Newsgroups(Recipe):
     def evaluate_part(self, model: torch.nn.Module, part: int, parts: int) -> dict[str, float]:
         cut = self.test_slice(self.test_y.numel(), part, parts)
         rows = torch.arange(self.test_y.numel())[cut]
-        y = self.test_y[rows]
-        logits = model(self.test.take(rows))
+        y = self.on_device(self.test_y[rows])
+        logits = model(self.on_device(self.test.take(rows)))
         loss = float(F.binary_cross_entropy_with_logits(logits, y, reduction="sum"))
         correct = float(((logits > 0).float() == y).sum())
         return {"correct": correct, "loss": loss, "count": float(rows.numel())}

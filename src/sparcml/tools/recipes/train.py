@@ -21,7 +21,7 @@ import torch
 from ...comm.launch import run_processes
 from ..bench.harness import write_json
 
-__all__ = ["run_recipe", "train_worker", "write_report"]
+__all__ = ["check_device", "run_recipe", "train_worker", "write_report"]
 
 log = logging.getLogger("sparcml.train")
 
@@ -67,7 +67,11 @@ def train_worker(
     ``density_warmup`` (DGC's density warm-up over that many epochs), ``target`` and
     ``stop_after`` (stop once that many evaluations in a row reached the test figure
     ``target``: the run has shown its time to it; the stop is decided on rank 0 and
-    shared, so every rank leaves at the same step).
+    shared, so every rank leaves at the same step), ``device`` (``"cpu"``, the
+    default, or ``"cuda"``: the model, its gradients and the method's codec on this
+    rank's GPU, ``cuda:(LOCAL_RANK or rank) % GPUs``; the collectives still go over
+    the job's gloo process group, which moves CUDA tensors through host memory;
+    step times are taken after a device synchronisation).
     A method from :mod:`.peers` (``ddp``, ``fp16``, ``bf16``, ``powersgd[R]``) runs
     PyTorch's own hook instead of sparcml's.
     """
@@ -84,7 +88,9 @@ def train_worker(
     density_warmup = int(options.pop("density_warmup", 0) or 0)
     stop_target = options.pop("target", None)
     stop_after = int(options.pop("stop_after", 0) or 0)
+    device = training_device(str(options.pop("device", None) or "cpu"), comm.rank)
     recipe = RECIPES[recipe_name](comm.rank, comm.world_size, seed, **options)
+    recipe.device = device
     if stop_after and not eval_every:
         raise ValueError("stop_after needs evaluations during training (eval_every)")
     if stop_target is None:
@@ -96,6 +102,12 @@ def train_worker(
             f"use --limit >= {comm.world_size * getattr(recipe, 'batch', 1)} (it counts samples)"
         )
     fsdp = bool(options.get("fsdp"))
+    if fsdp and device.type != "cpu":
+        raise ValueError(
+            "the harness runs FSDP2 on the CPU only (--device cuda with --fsdp: not supported; "
+            "sparcml.torch.register_fsdp itself takes CUDA models)"
+        )
+    ddp_devices = [device] if device.type == "cuda" else None
     if density_warmup and not is_peer(method) and "config" not in hyper:
         # DGC's warm-up: 25% falling to the density
         hyper = {
@@ -128,11 +140,12 @@ def train_worker(
         # 1.4 MB gradient DDP splits at its 1 MB first bucket). An explicit bucket_cap_mb
         # also sets DDP's first bucket to 25 MB: one bucket for the models here.
         psgd = method.startswith("powersgd")
-        model = DDP(recipe.model(), bucket_cap_mb=25) if psgd else DDP(recipe.model())
+        net = recipe.model().to(device)
+        model = DDP(net, ddp_devices, bucket_cap_mb=25) if psgd else DDP(net, ddp_devices)
         state = register_peer(model, method, start_iter=int(hyper.get("start_iter", 0)))
         inner = model.module
     else:
-        model = DDP(recipe.model())
+        model = DDP(recipe.model().to(device), ddp_devices)
         state = st.register(model, registered, **hyper)
         inner = model.module
     # DGC momentum correction moves the momentum from the optimizer into the state
@@ -199,8 +212,9 @@ def train_worker(
             break
         model.train()
         resumed = time.perf_counter()
-        for inputs, target in recipe.batches(epoch):
+        for batch in recipe.batches(epoch):
             t0 = time.perf_counter()
+            inputs, target = recipe.on_device(batch)
             loss = recipe.loss(model, inputs, target)
             opt.zero_grad()
             loss.backward()  # the hook synchronises here
@@ -209,6 +223,7 @@ def train_worker(
             recipe.clip(model)
             t1 = time.perf_counter()
             opt.step()
+            _synchronize(device)
             t2 = time.perf_counter()
             step_times.append(t2 - t0)
             opt_times.append(t2 - t1)
@@ -254,6 +269,7 @@ def train_worker(
         "evals": evals,
         "stopped_at_target": stopped,
         "params": sum(p.numel() for p in model.parameters()),
+        "device": str(device),
     }
     if compute:
         # the compute part of a step: median over the probe, mean over the ranks
@@ -271,6 +287,46 @@ def train_worker(
     return out
 
 
+def check_device(name: str) -> torch.device:
+    """The device ``sparcml train --device NAME`` names: ``cpu``, ``cuda`` or
+    ``cuda:N``. Raises ``ValueError`` naming what this machine lacks."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r}: not a device ({e})") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(f"--device {name!r}: the harness trains on cpu or cuda")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r}: this machine's PyTorch sees no CUDA device")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device {name!r}: this machine has {count} CUDA device(s)")
+    return device
+
+
+def training_device(name: str, rank: int) -> torch.device:
+    """This rank's device for ``--device NAME`` (:func:`check_device`), made current:
+    ``cuda`` is GPU ``LOCAL_RANK`` (else the rank) modulo the machine's GPUs."""
+    import os
+
+    device = check_device(name)
+    if device.type == "cuda":
+        index = device.index
+        if index is None:
+            index = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+    return device
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a clock read after it counts it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _probe(model: Any, recipe: Any, n: int, comm: Any) -> list[float]:
     """``n`` forward + backward passes without gradient synchronisation (DDP's
     ``no_sync``), all ranks at once as in training; their wall times. The model is
@@ -286,8 +342,10 @@ def _probe(model: Any, recipe: Any, n: int, comm: Any) -> list[float]:
                 batches = iter(recipe.batches(0))
                 inputs, target = next(batches)
             t0 = time.perf_counter()
+            inputs, target = recipe.on_device((inputs, target))
             loss = recipe.loss(model, inputs, target)
             loss.backward()
+            _synchronize(recipe.device)
             times.append(time.perf_counter() - t0)
     for p in model.parameters():
         p.grad = None
