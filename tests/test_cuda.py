@@ -422,9 +422,8 @@ def test_the_training_harness_on_the_device(tmp_path, monkeypatch) -> None:  # t
     word-level LSTM on two spawned gloo ranks with the model on the device."""
     import json
 
-    from test_recipes import _plays
-
     from sparcml.tools.cli import main
+    from test_recipes import _plays
 
     monkeypatch.setenv("SPARCML_DATA", str(tmp_path))
     _plays(tmp_path, " ".join(f"w{'q' * (i % 11)} a b" for i in range(6000)))

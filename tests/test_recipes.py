@@ -270,7 +270,9 @@ def test_a_device_the_machine_lacks_is_refused_before_any_rank_starts(capsys) ->
         assert "CUDA device(s)" in capsys.readouterr().err
 
 
-def test_a_recipe_moves_its_batches_and_test_slices_to_its_device(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_recipe_moves_its_batches_and_test_slices_to_its_device(
+    tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     from sparcml.tools.recipes.wordlm import WordLM
 
     monkeypatch.setenv("SPARCML_DATA", str(tmp_path))
