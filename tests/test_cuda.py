@@ -119,6 +119,35 @@ def test_strided_and_one_element_inputs() -> None:
 # --- collectives on in-process ranks ----------------------------------------------
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="counts CUDA synchronisations")
+@pytest.mark.parametrize("algorithm", ["ssar_recursive_double", "ssar_split_allgather"])
+def test_a_gpu_stream_on_a_host_transport_costs_one_copy_each_way(algorithm: str) -> None:
+    """In-process ranks move bytes through host memory: the call runs on a host copy
+    (``staged_on_host``), so each rank synchronises with its GPU for the copies of
+    the stream's indices and values to the host and of the result's back: 4 each. On
+    the GPU, the encoding, the checks and the merges cost about 10 a rank."""
+    import warnings
+
+    def fn(comm, device):  # type: ignore[no-untyped-def]
+        s = make_stream("random", comm.rank, comm.world_size, 100_003).to(device)
+        return sparse_allreduce(s, comm, algorithm=algorithm)
+
+    cpu = run_ranks(2, fn, "cpu")
+    run_ranks(2, fn, DEVICE)  # warm: kernels, caches
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            dev = run_ranks(2, fn, DEVICE)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 2 * 4, [str(w.message)[:80] for w in syncs]
+    for c, d in zip(cpu, dev, strict=True):
+        _on_device(d)
+        assert d.to("cpu").equal(c)
+
+
 @pytest.mark.parametrize("world", [1, 3, 4])
 @pytest.mark.parametrize("algorithm", [*algorithms(exact=True, variants=False), "auto"])
 def test_exact_collectives_match_cpu(world: int, algorithm: str) -> None:

@@ -63,7 +63,7 @@ from .headers import (
 )
 from .registry import algorithm_info, algorithms, check_options, get_algorithm
 
-__all__ = ["check_dense_result", "sparse_allreduce"]
+__all__ = ["check_dense_result", "sparse_allreduce", "staged_on_host"]
 
 log = logging.getLogger("sparcml")
 
@@ -298,9 +298,31 @@ def sparse_allreduce(
                 raise mark_uniform(e, True) from None
             if algorithm != "auto" and _returns_dense(algorithm, options):
                 check_dense_result(stream, algorithm, inner=options.get("inner"))
-            return _run(stream, comm, number, settings, model, codec, options, call_id, nonfinite)
+            staged = staged_on_host(stream, comm)
+            out = _run(staged, comm, number, settings, model, codec, options, call_id, nonfinite)
+            return out if staged is stream else out.to(stream.device)
 
     return comm.run_ordered(call, async_op)
+
+
+def staged_on_host(stream: SparseStream, comm: Communicator) -> SparseStream:
+    """The stream a call runs on: a host copy of a GPU stream where the communicator
+    moves its bytes through host memory (gloo, MPI, in-process and simulated ranks:
+    ``comm.device`` is the CPU), else ``stream`` itself.
+
+    Every message of such a call is copied to the host to be sent and arrives in
+    host memory. Encoding, checking, merging and decoding on the GPU then cost a
+    device synchronisation each time a size or a check comes back to the host
+    (about ten a recursive-doubling call), and dozens of small kernel launches; on
+    the host the compiled CPU kernels do the same work on the bytes where they are,
+    and the call costs one copy each way (``benchmarks/gpu_syncs.py``; docs/benchmarks.md,
+    "On a GPU"). Beyond the papers, which leave the device to the transport (NCCL's
+    communicator, on the GPU, runs on the GPU). The results are the same on every
+    rank either way: each rank's copy is exact; quantizers then draw from generators
+    on the host."""
+    if comm.world_size > 1 and comm.device.type == "cpu" and stream.device.type != "cpu":
+        return stream.to("cpu")
+    return stream
 
 
 def _with_topology(settings: CallSettings, comm: Communicator) -> CallSettings:

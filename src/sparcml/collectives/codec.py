@@ -36,9 +36,12 @@ Index coding (``index_coding``, lossless whatever it is; :data:`INDEX_CODINGS`):
   Elias--Fano coded where that is smaller than the ``c``-byte fields
   (:mod:`sparcml.indexcode`, chosen per message); on other devices, whose fields
   would take a dozen kernel launches a message that fast device links rarely
-  repay, the fixed fields; quantized messages the fixed fields; and the
-  two-level algorithms' exact messages inside a node (no quantizer set) the
-  fixed fields too, where bytes are cheap (:meth:`StreamCodec.inside_node`);
+  repay, the fixed fields (a GPU stream on a communicator that moves bytes through
+  host memory, gloo's or MPI's, is a CPU stream in the call:
+  :func:`~sparcml.collectives.allreduce.staged_on_host`); quantized messages the
+  fixed fields; and the two-level algorithms' exact messages inside a node (no
+  quantizer set) the fixed fields too, where bytes are cheap
+  (:meth:`StreamCodec.inside_node`);
 * ``"fixed"``: sec. 5.1's ``c``-byte fields in every message (the wire of
   version 2, no coding work);
 * ``"elias-fano"``: as ``"auto"``, on every device;
