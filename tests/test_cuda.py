@@ -141,7 +141,7 @@ def test_a_gpu_stream_on_a_host_transport_costs_one_copy_each_way(algorithm: str
             dev = run_ranks(2, fn, DEVICE)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    syncs = [w for w in seen if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) <= 2 * 4, [str(w.message)[:80] for w in syncs]
     for c, d in zip(cpu, dev, strict=True):
         _on_device(d)
