@@ -296,9 +296,11 @@ def sparse_allreduce(
                             raise
                         raise mark_uniform(e, is_uniform(mismatch)) from None
                 raise mark_uniform(e, True) from None
+            staged = stream if "state" in options else staged_on_host(stream, comm)
             if algorithm != "auto" and _returns_dense(algorithm, options):
-                check_dense_result(stream, algorithm, inner=options.get("inner"))
-            staged = staged_on_host(stream, comm)
+                for held in {id(s): s for s in (stream, staged)}.values():
+                    # (a staged call builds the result in host memory first)
+                    check_dense_result(held, algorithm, inner=options.get("inner"))
             out = _run(staged, comm, number, settings, model, codec, options, call_id, nonfinite)
             return out if staged is stream else out.to(stream.device)
 
@@ -319,7 +321,12 @@ def staged_on_host(stream: SparseStream, comm: Communicator) -> SparseStream:
     "On a GPU"). Beyond the papers, which leave the device to the transport (NCCL's
     communicator, on the GPU, runs on the GPU). The results are the same on every
     rank either way: each rank's copy is exact; quantizers then draw from generators
-    on the host."""
+    on the host.
+
+    Only ``sparse_allreduce`` stages, and not a call with a ``state=`` (Ok-Topk's,
+    whose state keeps indices on the caller's device); ``oktopk_allreduce``,
+    ``reduce_scatter``, ``sparse_allgather`` and RedSync's packed allgather run on
+    the stream's device."""
     if comm.world_size > 1 and comm.device.type == "cpu" and stream.device.type != "cpu":
         return stream.to("cpu")
     return stream

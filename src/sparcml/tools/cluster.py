@@ -178,8 +178,11 @@ class Cluster:
         _ip("-n", sw, "link", "add", "name", "br0", "type", "bridge")
         _ip("-n", sw, "link", "set", "br0", "up")
         # 256 KB: large transfers reach the rate (64 KB throttles 1 Gbit/s here), small
-        # enough that bursts barely distort the timing of MB-sized messages
-        burst = "256kb"
+        # enough that bursts barely distort the timing of MB-sized messages; but a
+        # link that idled sends that much at once: 21 ms of a 100 Mbit/s link
+        # (docs/cluster.md, "The token bucket's burst"). $SPARCML_CLUSTER_BURST (tc's
+        # syntax) sets another, for experiments.
+        burst = os.environ.get("SPARCML_CLUSTER_BURST", "256kb")
         for i in range(self.hosts):
             h = self.host(i)
             _ip("netns", "add", h)

@@ -221,6 +221,7 @@ def train_worker(
             if peer:
                 state.after_backward()
             recipe.clip(model)
+            _synchronize(device)  # (what backward and clipping queued on a GPU)
             t1 = time.perf_counter()
             opt.step()
             _synchronize(device)
@@ -308,14 +309,19 @@ def check_device(name: str) -> torch.device:
 
 def training_device(name: str, rank: int) -> torch.device:
     """This rank's device for ``--device NAME`` (:func:`check_device`), made current:
-    ``cuda`` is GPU ``LOCAL_RANK`` (else the rank) modulo the machine's GPUs."""
+    ``cuda`` is GPU ``LOCAL_RANK`` (else, and on ``sparcml cluster``'s emulated hosts,
+    the rank) modulo the machine's GPUs."""
     import os
 
     device = check_device(name)
     if device.type == "cuda":
         index = device.index
         if index is None:
-            index = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+            # an emulated cluster's hosts all run here: each has LOCAL_RANK 0, so spread
+            # its ranks by their rank
+            emulated = "SPARCML_CLUSTER_RATE" in os.environ
+            local = rank if emulated else int(os.environ.get("LOCAL_RANK", rank))
+            index = local % torch.cuda.device_count()
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     return device
