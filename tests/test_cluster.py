@@ -185,3 +185,36 @@ def test_link_counters_parse_tc_and_the_tcp_tables() -> None:
     # counters of other tables (IpExt) with the same names are not TCP's
     assert (c.retransmitted, c.timeouts, c.dsacks) == (308, 4, 24)
     assert "dropped 7; TCP retransmitted 308 segments (4 timeouts, 24 DSACKs" in c.summary()
+
+
+def test_slow_links_drain_their_bucket_at_the_rate() -> None:
+    from sparcml.tools.cluster import tbf_options
+
+    # 256 KB are 2 ms of 1 Gbit/s: the plain bucket
+    assert tbf_options("1gbit") == ["rate", "1gbit", "burst", "256kb", "latency", "100ms"]
+    # and 21 ms of 100 Mbit/s: paced through a 64 KB second bucket at 1% over the rate
+    assert tbf_options("100mbit")[6:] == ["peakrate", "101000000bit", "mtu", "64kb"]
+    assert len(tbf_options("100mbit", "16kb")) == 6  # (1.3 ms: no pacing)
+    with pytest.raises(ValueError, match="not a burst in bytes: '2 ms'"):
+        tbf_options("100mbit", "2 ms")
+    with pytest.raises(ValueError, match="not a link rate: '100mbps'"):
+        tbf_options("100mbps")
+
+
+@pytest.mark.spawn
+@needs_namespaces
+def test_a_slow_link_is_paced(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import subprocess\n"
+        "print(subprocess.run(['tc', 'qdisc', 'show', 'dev', 'eth0'], capture_output=True,"
+        " text=True).stdout)\n"
+    )
+    assert main(["cluster", "-P", "1", "--rate", "100mbit", "--timeout", "60", "--",
+                 sys.executable, str(script)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "rate 100Mbit" in out and "peakrate 101Mbit" in out, out
+    assert main(["cluster", "-P", "1", "--rate", "1gbit", "--timeout", "60", "--",
+                 sys.executable, str(script)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "rate 1Gbit" in out and "peakrate" not in out, out

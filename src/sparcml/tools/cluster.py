@@ -52,9 +52,68 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["Cluster", "ClusterError", "LinkCounters", "cleanup", "run_on_cluster"]
+__all__ = [
+    "Cluster",
+    "ClusterError",
+    "LinkCounters",
+    "cleanup",
+    "parse_rate",
+    "run_on_cluster",
+    "tbf_options",
+]
 
 SUBNET = "10.213.0"
+
+_RATE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(bit|kbit|mbit|gbit|tbit)$")
+_UNIT = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+
+#: The token bucket: 256 KB, so that large transfers reach the rate (64 KB throttled
+#: 1 Gbit/s here). ``$SPARCML_CLUSTER_BURST`` (tc's syntax) sets another.
+BURST = "256kb"
+#: A link on which the bucket holds more than this much of its time is paced:
+#: ``tbf`` sends a full bucket at once where a real link serialises every byte, and
+#: 256 KB are 21 ms of a 100 Mbit/s link, which a step's messages crossed in 0.47 ms
+#: after the link idled (docs/cluster.md, "The token bucket's burst"). Paced, the
+#: bucket drains at 1% over the rate through a second bucket of one 64 KB
+#: segmentation-offload packet (tbf's ``peakrate`` and ``mtu``). At 1 Gbit/s (2 ms)
+#: pacing lost throughput on this machine, so faster links keep the plain bucket.
+PACE_ABOVE_S = 0.004
+
+
+def parse_rate(text: str) -> float:
+    """A link rate in tc's syntax (``100mbit``, ``1gbit``, ``2.5gbit``) in bits per second.
+
+    Raises:
+        ValueError: anything else (tc's ``bps`` means bytes per second: not accepted,
+            to avoid an 8x mistake).
+    """
+    m = _RATE.match(text.strip().lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"not a link rate: {text!r} (a positive number and bit, kbit, mbit, gbit or tbit, "
+            "e.g. 100mbit, 1gbit)"
+        )
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+def tbf_options(rate: str, burst: str = BURST) -> list[str]:
+    """The ``tc qdisc add ... tbf`` options of a link of ``rate`` (:data:`PACE_ABOVE_S`).
+
+    Example:
+        >>> tbf_options("1gbit")
+        ['rate', '1gbit', 'burst', '256kb', 'latency', '100ms']
+        >>> tbf_options("100mbit")[6:]
+        ['peakrate', '101000000bit', 'mtu', '64kb']
+    """
+    out = ["rate", rate, "burst", burst, "latency", "100ms"]
+    bps = parse_rate(rate)
+    m = re.match(r"^([0-9]+)(b|kb|mb)?$", burst.strip().lower())
+    if not m:
+        raise ValueError(f"not a burst in bytes: {burst!r} (e.g. 256kb, 65536b)")
+    held = int(m.group(1)) * {None: 1, "b": 1, "kb": 1024, "mb": 1 << 20}[m.group(2)]
+    if held * 8 / bps > PACE_ABOVE_S:
+        out += ["peakrate", f"{round(bps * 1.01)}bit", "mtu", "64kb"]
+    return out
 
 
 class ClusterError(RuntimeError):
@@ -150,6 +209,7 @@ class Cluster:
             raise ClusterError("sparcml cluster needs root (network namespaces and tc)")
         self.hosts = hosts
         self.rate = rate
+        self.tbf = tbf_options(rate, os.environ.get("SPARCML_CLUSTER_BURST", BURST))
         self.prefix = prefix or f"spcl{os.getpid() % 100000}"
         self.created: list[str] = []
 
@@ -177,12 +237,6 @@ class Cluster:
         self.created.append(sw)
         _ip("-n", sw, "link", "add", "name", "br0", "type", "bridge")
         _ip("-n", sw, "link", "set", "br0", "up")
-        # 256 KB: large transfers reach the rate (64 KB throttles 1 Gbit/s here), small
-        # enough that bursts barely distort the timing of MB-sized messages; but a
-        # link that idled sends that much at once: 21 ms of a 100 Mbit/s link
-        # (docs/cluster.md, "The token bucket's burst"). $SPARCML_CLUSTER_BURST (tc's
-        # syntax) sets another, for experiments.
-        burst = os.environ.get("SPARCML_CLUSTER_BURST", "256kb")
         for i in range(self.hosts):
             h = self.host(i)
             _ip("netns", "add", h)
@@ -208,8 +262,7 @@ class Cluster:
             _ip("-n", sw, "link", "set", f"p{i}", "master", "br0")
             _ip("-n", sw, "link", "set", f"p{i}", "up")
             for ns, dev in ((h, "eth0"), (sw, f"p{i}")):
-                _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                    "burst", burst, "latency", "100ms")  # fmt: skip
+                _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", *self.tbf)
 
     def link_counters(self) -> LinkCounters:
         """The counters of every shaped link and every host's TCP stack so far (a

@@ -91,7 +91,7 @@ def cluster(args: argparse.Namespace) -> int:
             hosts, argv, rate=args.rate, port=args.port, timeout=args.timeout,
             log_dir=args.log_dir, ranks_per_node=per,
         )  # fmt: skip
-    except ClusterError as e:
+    except (ClusterError, ValueError) as e:  # (ValueError: a rate or burst tc would not take)
         print(f"sparcml cluster: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

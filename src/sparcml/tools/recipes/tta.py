@@ -23,12 +23,13 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ..cluster import parse_rate
 
 __all__ = [
     "baseline_method",
@@ -48,24 +49,6 @@ __all__ = [
 log = logging.getLogger("sparcml.train")
 
 HOOKS = ("fp16", "bf16")
-_RATE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(bit|kbit|mbit|gbit|tbit)$")
-_UNIT = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
-
-
-def parse_rate(text: str) -> float:
-    """A link rate in tc's syntax (``100mbit``, ``1gbit``, ``2.5gbit``) in bits per second.
-
-    Raises:
-        ValueError: anything else (tc's ``bps`` means bytes per second: not accepted,
-            to avoid an 8x mistake).
-    """
-    m = _RATE.match(text.strip().lower())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(
-            f"not a link rate: {text!r} (a positive number and bit, kbit, mbit, gbit or tbit, "
-            "e.g. 100mbit, 1gbit)"
-        )
-    return float(m.group(1)) * _UNIT[m.group(2)]
 
 
 def is_hook(method: str) -> bool:
