@@ -96,8 +96,9 @@ def parse_rate(text: str) -> float:
     return float(m.group(1)) * _UNIT[m.group(2)]
 
 
-def tbf_options(rate: str, burst: str = BURST) -> list[str]:
-    """The ``tc qdisc add ... tbf`` options of a link of ``rate`` (:data:`PACE_ABOVE_S`).
+def tbf_options(rate: str, burst: str = BURST, pace: bool = True) -> list[str]:
+    """The ``tc qdisc add ... tbf`` options of a link of ``rate`` (:data:`PACE_ABOVE_S`;
+    ``pace=False``: the plain bucket at any rate, as before this version).
 
     Example:
         >>> tbf_options("1gbit")
@@ -111,7 +112,7 @@ def tbf_options(rate: str, burst: str = BURST) -> list[str]:
     if not m:
         raise ValueError(f"not a burst in bytes: {burst!r} (e.g. 256kb, 65536b)")
     held = int(m.group(1)) * {None: 1, "b": 1, "kb": 1024, "mb": 1 << 20}[m.group(2)]
-    if held * 8 / bps > PACE_ABOVE_S:
+    if pace and held * 8 / bps > PACE_ABOVE_S:
         out += ["peakrate", f"{round(bps * 1.01)}bit", "mtu", "64kb"]
     return out
 
@@ -209,7 +210,13 @@ class Cluster:
             raise ClusterError("sparcml cluster needs root (network namespaces and tc)")
         self.hosts = hosts
         self.rate = rate
-        self.tbf = tbf_options(rate, os.environ.get("SPARCML_CLUSTER_BURST", BURST))
+        # (experiments: $SPARCML_CLUSTER_BURST sets the bucket, SPARCML_CLUSTER_PACE=0
+        # leaves it unpaced, as the results measured before pacing were)
+        self.tbf = tbf_options(
+            rate,
+            os.environ.get("SPARCML_CLUSTER_BURST", BURST),
+            os.environ.get("SPARCML_CLUSTER_PACE", "1") != "0",
+        )
         self.prefix = prefix or f"spcl{os.getpid() % 100000}"
         self.created: list[str] = []
 
