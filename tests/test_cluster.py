@@ -187,14 +187,16 @@ def test_link_counters_parse_tc_and_the_tcp_tables() -> None:
     assert "dropped 7; TCP retransmitted 308 segments (4 timeouts, 24 DSACKs" in c.summary()
 
 
-def test_slow_links_drain_their_bucket_at_the_rate() -> None:
+def test_slow_links_drain_their_bucket_at_the_rate_when_paced() -> None:
     from sparcml.tools.cluster import tbf_options
 
-    # 256 KB are 2 ms of 1 Gbit/s: the plain bucket
-    assert tbf_options("1gbit") == ["rate", "1gbit", "burst", "256kb", "latency", "100ms"]
+    plain = ["rate", "100mbit", "burst", "256kb", "latency", "100ms"]
+    assert tbf_options("100mbit") == plain  # the default: the plain bucket
+    # 256 KB are 2 ms of 1 Gbit/s: never paced
+    assert tbf_options("1gbit", pace=True) == ["rate", "1gbit", *plain[2:]]
     # and 21 ms of 100 Mbit/s: paced through a 64 KB second bucket at 1% over the rate
-    assert tbf_options("100mbit")[6:] == ["peakrate", "101000000bit", "mtu", "64kb"]
-    assert len(tbf_options("100mbit", "16kb")) == 6  # (1.3 ms: no pacing)
+    assert tbf_options("100mbit", pace=True) == [*plain, "peakrate", "101000000bit", "mtu", "64kb"]
+    assert len(tbf_options("100mbit", "16kb", pace=True)) == 6  # (1.3 ms: no pacing)
     with pytest.raises(ValueError, match="not a burst in bytes: '2 ms'"):
         tbf_options("100mbit", "2 ms")
     with pytest.raises(ValueError, match="not a link rate: '100mbps'"):
@@ -203,18 +205,22 @@ def test_slow_links_drain_their_bucket_at_the_rate() -> None:
 
 @pytest.mark.spawn
 @needs_namespaces
-def test_a_slow_link_is_paced(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_a_slow_link_is_paced_on_request(tmp_path: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     script = tmp_path / "show.py"
     script.write_text(
         "import subprocess\n"
         "print(subprocess.run(['tc', 'qdisc', 'show', 'dev', 'eth0'], capture_output=True,"
         " text=True).stdout)\n"
     )
-    assert main(["cluster", "-P", "1", "--rate", "100mbit", "--timeout", "60", "--",
-                 sys.executable, str(script)]) == 0  # fmt: skip
+    job = ["--timeout", "60", "--", sys.executable, str(script)]
+    assert main(["cluster", "-P", "1", "--rate", "100mbit", *job]) == 0
+    out = capsys.readouterr().out
+    assert "rate 100Mbit" in out and "peakrate" not in out, out
+    monkeypatch.setenv("SPARCML_CLUSTER_PACE", "1")
+    assert main(["cluster", "-P", "1", "--rate", "100mbit", *job]) == 0
     out = capsys.readouterr().out
     assert "rate 100Mbit" in out and "peakrate 101Mbit" in out, out
-    assert main(["cluster", "-P", "1", "--rate", "1gbit", "--timeout", "60", "--",
-                 sys.executable, str(script)]) == 0  # fmt: skip
+    monkeypatch.setenv("SPARCML_CLUSTER_BURST", "32kb")  # 2.6 ms of the link: not paced
+    assert main(["cluster", "-P", "1", "--rate", "100mbit", *job]) == 0
     out = capsys.readouterr().out
-    assert "rate 1Gbit" in out and "peakrate" not in out, out
+    assert "burst 32Kb" in out and "peakrate" not in out, out

@@ -70,13 +70,16 @@ _UNIT = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 #: The token bucket: 256 KB, so that large transfers reach the rate (64 KB throttled
 #: 1 Gbit/s here). ``$SPARCML_CLUSTER_BURST`` (tc's syntax) sets another.
 BURST = "256kb"
-#: A link on which the bucket holds more than this much of its time is paced:
-#: ``tbf`` sends a full bucket at once where a real link serialises every byte, and
-#: 256 KB are 21 ms of a 100 Mbit/s link, which a step's messages crossed in 0.47 ms
-#: after the link idled (docs/cluster.md, "The token bucket's burst"). Paced, the
-#: bucket drains at 1% over the rate through a second bucket of one 64 KB
-#: segmentation-offload packet (tbf's ``peakrate`` and ``mtu``). At 1 Gbit/s (2 ms)
-#: pacing lost throughput on this machine, so faster links keep the plain bucket.
+#: With ``pace`` (``SPARCML_CLUSTER_PACE=1``; off by default), a link on which the
+#: bucket holds more than this much of its time is paced: ``tbf`` sends a full bucket
+#: at once where a real link serialises every byte, and 256 KB are 21 ms of a 100
+#: Mbit/s link, which a step's messages crossed in 0.47 ms after the link idled.
+#: Paced, the bucket drains at 1% over the rate through a second bucket of one 64 KB
+#: segmentation-offload packet (tbf's ``peakrate`` and ``mtu``): 93 KB after idle
+#: then took 3.4-6.1 ms (7.4 at the rate), but 4 MB transfers varied more (p50s
+#: 353-563 ms against 337-516 unpaced, 336 at the rate), so it is not the default
+#: (docs/cluster.md, "The token bucket's burst"). At 1 Gbit/s (2 ms) pacing lost
+#: throughput on this machine, so faster links are never paced.
 PACE_ABOVE_S = 0.004
 
 
@@ -96,14 +99,14 @@ def parse_rate(text: str) -> float:
     return float(m.group(1)) * _UNIT[m.group(2)]
 
 
-def tbf_options(rate: str, burst: str = BURST, pace: bool = True) -> list[str]:
-    """The ``tc qdisc add ... tbf`` options of a link of ``rate`` (:data:`PACE_ABOVE_S`;
-    ``pace=False``: the plain bucket at any rate, as before this version).
+def tbf_options(rate: str, burst: str = BURST, pace: bool = False) -> list[str]:
+    """The ``tc qdisc add ... tbf`` options of a link of ``rate``; with ``pace``, slow
+    links drain their bucket at the rate (:data:`PACE_ABOVE_S`).
 
     Example:
-        >>> tbf_options("1gbit")
+        >>> tbf_options("1gbit", pace=True)
         ['rate', '1gbit', 'burst', '256kb', 'latency', '100ms']
-        >>> tbf_options("100mbit")[6:]
+        >>> tbf_options("100mbit", pace=True)[6:]
         ['peakrate', '101000000bit', 'mtu', '64kb']
     """
     out = ["rate", rate, "burst", burst, "latency", "100ms"]
@@ -210,12 +213,12 @@ class Cluster:
             raise ClusterError("sparcml cluster needs root (network namespaces and tc)")
         self.hosts = hosts
         self.rate = rate
-        # (experiments: $SPARCML_CLUSTER_BURST sets the bucket, SPARCML_CLUSTER_PACE=0
-        # leaves it unpaced, as the results measured before pacing were)
+        # (experiments: $SPARCML_CLUSTER_BURST sets the bucket, SPARCML_CLUSTER_PACE=1
+        # paces slow links)
         self.tbf = tbf_options(
             rate,
             os.environ.get("SPARCML_CLUSTER_BURST", BURST),
-            os.environ.get("SPARCML_CLUSTER_PACE", "1") != "0",
+            os.environ.get("SPARCML_CLUSTER_PACE", "0") == "1",
         )
         self.prefix = prefix or f"spcl{os.getpid() % 100000}"
         self.created: list[str] = []
