@@ -294,3 +294,13 @@ def test_every_rank_of_a_cluster_job_gets_the_device() -> None:
     child = _child_args(args)
     assert child[child.index("--device") + 1] == "cuda"
     assert "--device" not in _child_args(build_parser().parse_args(["train", "wordlm"]))
+
+
+@pytest.mark.spawn
+def test_a_device_one_rank_lacks_is_refused_on_every_rank() -> None:
+    import train_workers
+    from sparcml.comm.launch import run_processes
+
+    out = run_processes(3, train_workers.device_refused_on_rank_1, timeout=60)
+    assert out[1] == "--device 'cpu': this machine's PyTorch sees no CUDA device"
+    assert out[0] == out[2] == "--device 'cpu': not available on rank(s) [1]"

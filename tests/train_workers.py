@@ -401,3 +401,20 @@ def ddp_raw_hook_against_register(comm: Any, steps: int) -> tuple[float, int, in
 
     (a, na), (b, nb) = train(False), train(True)
     return float((a - b).abs().max()), na, nb
+
+
+def device_refused_on_rank_1(comm: Any) -> str:
+    """``agreed_device`` where rank 1 cannot use the device: the error each rank raises."""
+    import sparcml.tools.recipes.train as train
+
+    if comm.rank == 1:
+
+        def missing(name: str, rank: int) -> torch.device:
+            raise ValueError(f"--device {name!r}: this machine's PyTorch sees no CUDA device")
+
+        train.training_device = missing  # this rank's host has no GPU
+    try:
+        train.agreed_device(comm, "cpu")
+    except ValueError as e:
+        return str(e)
+    return "no error"

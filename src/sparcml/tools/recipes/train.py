@@ -88,7 +88,7 @@ def train_worker(
     density_warmup = int(options.pop("density_warmup", 0) or 0)
     stop_target = options.pop("target", None)
     stop_after = int(options.pop("stop_after", 0) or 0)
-    device = training_device(str(options.pop("device", None) or "cpu"), comm.rank)
+    device = agreed_device(comm, str(options.pop("device", None) or "cpu"))
     recipe = RECIPES[recipe_name](comm.rank, comm.world_size, seed, **options)
     recipe.device = device
     if stop_after and not eval_every:
@@ -324,6 +324,24 @@ def training_device(name: str, rank: int) -> torch.device:
             index = local % torch.cuda.device_count()
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
+    return device
+
+
+def agreed_device(comm: Any, name: str) -> torch.device:
+    """:func:`training_device` on every rank, agreed: where some rank cannot use
+    ``name`` (a host without a GPU in a mixed job), every rank raises ``ValueError``
+    naming those ranks, instead of the others failing later in DDP's first message."""
+    try:
+        device, error = training_device(name, comm.rank), None
+    except ValueError as e:
+        device, error = torch.device("cpu"), e
+    flags = torch.zeros(comm.world_size, dtype=torch.float64)
+    flags[comm.rank] = float(error is not None)
+    failed = [r for r, f in enumerate(comm.allreduce(flags).tolist()) if f]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"--device {name!r}: not available on rank(s) {failed}")
     return device
 
 
