@@ -304,3 +304,53 @@ def test_a_device_one_rank_lacks_is_refused_on_every_rank() -> None:
     out = run_processes(3, train_workers.device_refused_on_rank_1, timeout=60)
     assert out[1] == "--device 'cpu': this machine's PyTorch sees no CUDA device"
     assert out[0] == out[2] == "--device 'cpu': not available on rank(s) [1]"
+
+
+def test_a_limited_newsgroups_run_samples_every_group(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import sparcml.tools.recipes.newsgroups as ng
+
+    # the package's file is sorted by newsgroup: 300 documents of each, in order
+    groups = ["alt.atheism", "comp.graphics", "rec.autos", "sci.space", "talk.politics.misc"]
+    train = [(g, f"word{i % 7} {g.split('.')[0]} text") for g in groups for i in range(300)]
+    monkeypatch.setattr(ng, "newsgroups", lambda: {"train": train, "test": train[:10]})
+    full = ng.Newsgroups(0, 2, features=1024)
+    part = ng.Newsgroups(0, 2, features=1024, limit=200)
+    assert part.train_y.numel() == 200
+    # comp.* and sci.* are the positive label: 40% of the file; its first 200, 0%
+    assert abs(float(part.train_y.mean()) - float(full.train_y.mean())) < 0.1
+    assert torch.equal(ng.Newsgroups(1, 2, features=1024, limit=200).train_y, part.train_y)
+
+
+def test_zero_momentum_correction_reaches_every_rank_of_a_cluster_job() -> None:
+    from sparcml.tools.cli import build_parser
+    from sparcml.tools.cli.train import _child_args
+
+    args = ["train", "wordlm", "--cluster", "2", "--momentum-correction", "0"]
+    child = _child_args(build_parser().parse_args(args))
+    assert child[child.index("--momentum-correction") + 1] == "0.0"
+    child = _child_args(build_parser().parse_args([*args[:4], "--probe-steps", "0"]))
+    assert child[child.index("--probe-steps") + 1] == "0"
+
+
+@pytest.mark.spawn
+def test_density_warmup_leaves_methods_without_a_density_alone_and_messages_skip_warmup(
+    tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SPARCML_DATA", str(tmp_path))
+    _plays(tmp_path, " ".join(f"w{'q' * (i % 11)} a b" for i in range(6000)))
+    base = ["train", "wordlm", "-P", "2", "-q", "--probe-steps", "0", "--limit", "400",
+            "--recipe-option", "vocab=20", "--recipe-option", "width=8",
+            "--density", "0.1"]  # fmt: skip
+    # --density-warmup with a method that takes no density (dense) used to raise KeyError
+    assert main([*base, "--methods", "dense,topk", "--density-warmup", "1",
+                 "--out", str(tmp_path / "a")]) == 0  # fmt: skip
+    per_step = []
+    for warm in ("0", "4"):
+        out = tmp_path / f"w{warm}"
+        assert main([*base, "--methods", "topk", "--algorithm", "ssar_recursive_double",
+                     "--warmup-steps", warm, "--out", str(out)]) == 0  # fmt: skip
+        per_step.append(json.loads((out / "results.json").read_text())["rows"]["topk"]
+                        ["messages_per_step"])  # fmt: skip
+    # the dense warm-up steps send no messages of the sparse algorithm's own: counted
+    # over the steps after them, a step sends as many either way
+    assert per_step[0] == per_step[1] > 0, per_step

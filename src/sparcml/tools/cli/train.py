@@ -256,12 +256,17 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         out += ["--device", args.device]
     for flag, value in (
         ("--epochs", args.epochs), ("--limit", args.limit), ("--warmup-steps", args.warmup_steps),
-        ("--momentum-correction", args.momentum_correction),
-        ("--eval-every", args.eval_every), ("--probe-steps", args.probe_steps),
-        ("--layers", args.layers), ("--dense-below", args.dense_below),
-        ("--density-warmup", args.density_warmup), ("--algorithm", args.algorithm),
+        ("--eval-every", args.eval_every), ("--layers", args.layers),
+        ("--dense-below", args.dense_below), ("--density-warmup", args.density_warmup),
+        ("--algorithm", args.algorithm),
     ):  # fmt: skip
         if value:
+            out += [flag, str(value)]
+    # (0 means something here: no momentum correction, no probe)
+    for flag, value in (
+        ("--momentum-correction", args.momentum_correction), ("--probe-steps", args.probe_steps),
+    ):  # fmt: skip
+        if value is not None:
             out += [flag, str(value)]
     if args.momentum_masking is not None:
         out.append("--momentum-masking" if args.momentum_masking else "--no-momentum-masking")

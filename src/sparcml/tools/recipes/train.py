@@ -108,7 +108,7 @@ def train_worker(
             "sparcml.torch.register_fsdp itself takes CUDA models)"
         )
     ddp_devices = [device] if device.type == "cuda" else None
-    if density_warmup and not is_peer(method) and "config" not in hyper:
+    if density_warmup and not is_peer(method) and "config" not in hyper and "density" in hyper:
         # DGC's warm-up: 25% falling to the density
         hyper = {
             **hyper,
@@ -159,6 +159,15 @@ def train_worker(
     losses: list[float] = []
     step_times: list[float] = []
     opt_times: list[float] = []
+    # messages sent after the dense warm-up steps (which send none of their own), so
+    # that messages per step cover the same steps as the bytes and times of the report
+    warm_steps = int(getattr(getattr(state, "settings", None), "warmup_steps", 0) or 0)
+
+    def messages_sent() -> int:
+        stats = getattr(getattr(state, "comm", None), "stats", None)
+        return int(stats.messages_sent) if stats is not None else 0
+
+    warm_messages = messages_sent()
     # the hook's own clock (sparcml methods): local compression work and the
     # collective's time per step, summed over buckets and parameter groups
     compress_times: list[float] = []
@@ -235,6 +244,8 @@ def train_worker(
             last_split = split
             losses.append(float(loss.detach()))
             done += 1
+            if done == warm_steps:
+                warm_messages = messages_sent()
             bar.update(done, f"loss {losses[-1]:.3f}")
             if show and line_progress and time.monotonic() > next_line:
                 next_line = time.monotonic() + 15
@@ -281,10 +292,11 @@ def train_worker(
     if peer:
         out["peer_hyper"] = dict(state.hyper)
     else:
-        # messages this rank sent per step (the latency term of the step's sync)
+        # messages this rank sent per step after the warm-up (the latency term of the
+        # step's sync)
         stats = getattr(getattr(state, "comm", None), "stats", None)
-        if stats is not None and done:
-            out["messages_per_step"] = stats.messages_sent / done
+        if stats is not None and done > warm_steps:
+            out["messages_per_step"] = (messages_sent() - warm_messages) / (done - warm_steps)
     return out
 
 

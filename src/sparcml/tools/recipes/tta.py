@@ -475,6 +475,9 @@ def run_on_cluster(
         raise ValueError(f"{hosts} ranks cannot form hosts of {ranks_per_node} ranks each")
     recipe_cls = RECIPES[recipe]
     methods = stop_order(list(methods), {"stop_after": stop_after, "target": target})
+    # the run whose final figure sets the target: the baseline stop_order put first
+    # (a later method never does: were the baseline's job to fail, the rest run whole)
+    baseline = methods[0] if stop_after and target is None else None
     parse_rate(rate)
     env_data = os.environ.get("SPARCML_DATA")
     os.environ["SPARCML_DATA"] = str(Path(env_data or data_dir()).resolve())
@@ -509,7 +512,7 @@ def run_on_cluster(
                 failed[method] = why
                 continue
             doc = json.loads(part.read_text())
-            if stop_after and target is None:  # the baseline, run first: the target
+            if method == baseline:  # the baseline, run first: the target
                 final = float(doc["runs"][method]["evals"][-1][recipe_cls.metric])
                 target = within_target(final, recipe_cls.higher_is_better)
                 log.info("%s: target %s (dense fp32's final %s)", recipe, target, final)
