@@ -256,3 +256,24 @@ def alike_error_then_calls(comm: Any, algorithm: str, seconds: float, exits: int
         calls += 1
         time.sleep(0.1)
     return {**out, "calls": calls, "error": None}
+
+
+def bad_input_on_rank_0(comm: Any, api: str, algorithm: str, hold: float) -> dict[str, Any]:
+    """Rank 0 passes a plain tensor where a SparseStream is due; every rank's error and
+    how long it took (the others must hear of it at once, not at their timeout)."""
+    from sparcml import sparse_allgather
+
+    good = SparseStream(torch.tensor([comm.rank]), torch.ones(1), 16)
+    arg: Any = torch.ones(16) if comm.rank == 0 else good
+    t0 = time.monotonic()
+    try:
+        if api == "sparse_allgather":
+            sparse_allgather(arg, comm)
+        else:
+            sparse_allreduce(arg, comm, algorithm)
+    except (SparcmlError, TypeError) as e:
+        out = {**_caught(e), "seconds": time.monotonic() - t0}
+        if comm.rank == 0:
+            time.sleep(hold)  # alive: the others must not learn of it from its exit
+        return out
+    return {"type": "no error", "seconds": time.monotonic() - t0}

@@ -112,3 +112,39 @@ def test_engines_stop_at_interpreter_exit() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "engines started 1" in out.stdout and "engines alive 0" in out.stdout, out.stdout
+
+
+def test_a_submit_racing_a_shutdown_is_refused_not_lost() -> None:
+    """close() while an operation runs, then a submit from another thread: the submit
+    used to queue behind the stop marker, and its Work never completed."""
+    import threading
+    import time
+
+    from sparcml.comm import SelfCommunicator
+
+    comm = SelfCommunicator()
+    running = comm.engine.submit(lambda: time.sleep(0.5) or "done")
+    closer = threading.Thread(target=comm.engine.shutdown)
+    closer.start()
+    time.sleep(0.1)  # the stop marker is queued behind the running operation
+    with pytest.raises(RuntimeError, match="shut down"):
+        comm.engine.submit(lambda: "late")
+    closer.join(5)
+    assert running.wait(5) == "done"
+
+
+def test_oktopk_allreduce_keeps_its_place_behind_queued_async_calls() -> None:
+    """An Ok-Topk call made while a sparse_allreduce is queued on the engine ran on the
+    caller's thread at once: the ranks' calls paired up differently and failed."""
+    from sparcml import oktopk_allreduce
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        s = make_stream("random", comm.rank, comm.world_size, 4001)
+        works = [sparse_allreduce(s, comm, async_op=True) for _ in range(3)]
+        acc = torch.randn(4001, generator=torch.Generator().manual_seed(comm.rank))
+        res = oktopk_allreduce(acc, 40, comm)
+        return [w.wait().to_dense() for w in works], res.stream.to_dense()
+
+    out = run_ranks(2, fn)
+    assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[1][0], strict=True))
+    assert torch.equal(out[0][1], out[1][1])

@@ -502,3 +502,26 @@ def test_a_rank_in_the_next_call_follows_the_chain_into_the_last_one() -> None:
 
     out = run_ranks(3, fn, timeout=2.0)
     assert out[0][0] == 2 and out[1][0] == 2, out
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize(
+    ("api", "algorithm"),
+    [
+        ("sparse_allgather", ""),
+        # P = 3: rank 2 folds onto rank 0, sends first and then waits for the result
+        ("sparse_allreduce", "ssar_recursive_double"),
+        ("sparse_allreduce", "gtopk"),
+    ],
+)
+def test_bad_input_on_one_rank_reaches_a_rank_waiting_in_a_send_at_once(
+    api: str, algorithm: str
+) -> None:
+    """On gloo a send completes only once the peer receives: a rank whose send waited
+    before it posted its receive never read the failing peer's note, and gave up at
+    its timeout (4 s here); a type check outside the ordered call sent no note."""
+    out = run_processes(3, fw.bad_input_on_rank_0, api, algorithm, 5.0, timeout=4, deadline=60)
+    assert out[0]["type"] == "TypeError", out[0]
+    for o in out[1:]:
+        assert o["type"] == "PeerFailedError" and o["peer"] == 0, o
+        assert o["seconds"] < 2, o

@@ -118,9 +118,13 @@ def gtopk(
     combined = False  # acc holds other ranks' contributions too
     # Step 2: reduce up the binomial tree
     d = 1
+    sent = None
     while d < p:
         if me % (2 * d) == d:
-            comm.send(codec.encode(acc, partial=combined), me - d)
+            # waited for once the parent's broadcast came (step 3): on gloo a send
+            # completes only when the peer receives, and a parent that failed sends
+            # its abort note instead, which this rank then reads at once
+            sent = comm.isend(codec.encode(acc, partial=combined), me - d)
             break
         if me % (2 * d) == 0 and me + d < p:
             other = codec.decode(comm.recv(me + d), stream.size, stream.dtype, stream.device)
@@ -132,6 +136,8 @@ def gtopk(
     if me != 0:
         parent = me - (me & -me)  # the rank this one sent to
         acc = codec.decode(comm.recv(parent), stream.size, stream.dtype, stream.device)
+        assert sent is not None
+        sent.wait()
     low = (me & -me) if me else 1 << (p - 1).bit_length()
     d = low // 2
     while d >= 1:

@@ -247,19 +247,28 @@ def oktopk_allreduce(
     x = acc.detach().reshape(-1)
     if not check:  # inside sparse_allreduce, which checked already
         return _oktopk(x, k, comm, state, codec)
-    number = comm.next_sequence()
-    with comm.in_call(number):
-        # k, the codec and the state's settings in the header: a difference between
-        # ranks is refused on every rank, naming it
-        settings = CallSettings.of(
-            "oktopk", codec.quantizer, codec.quantize if codec.quantizer else "dense",
-            codec.index_coding, {"k": k},
-        )  # fmt: skip
-        settings = dataclasses.replace(settings, variant=state_variant(state))
-        check_consistent(
-            SparseStream.dense(x), comm, sequence=number, lossy=codec.lossy, settings=settings
-        )
-        return _oktopk(x, k, comm, state, codec)
+
+    def call() -> OkTopkResult:
+        number = comm.next_sequence()
+        with comm.in_call(number):
+            # k, the codec and the state's settings in the header: a difference between
+            # ranks is refused on every rank, naming it
+            settings = CallSettings.of(
+                "oktopk", codec.quantizer, codec.quantize if codec.quantizer else "dense",
+                codec.index_coding, {"k": k},
+            )  # fmt: skip
+            settings = dataclasses.replace(settings, variant=state_variant(state))
+            check_consistent(
+                SparseStream.dense(x), comm, sequence=number, lossy=codec.lossy,
+                settings=settings,
+            )  # fmt: skip
+            return _oktopk(x, k, comm, state, codec)
+
+    # in submission order with the engine's queued calls (sparse_allreduce's
+    # async_op): one call at a time on the communicator, numbered in that order
+    out = comm.run_ordered(call, False)
+    assert isinstance(out, OkTopkResult)
+    return out
 
 
 def _oktopk(

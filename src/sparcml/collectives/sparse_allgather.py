@@ -57,9 +57,10 @@ def allgather_buffers(buf: torch.Tensor, comm: Communicator) -> list[torch.Tenso
 
     # Step 0: fold the ranks beyond the power of two onto their partners.
     if me >= p2:
-        comm.send(bundle(), me - p2)
+        mine = bundle()
         held.clear()
-        merge(comm.recv(me - p2))
+        # (sendrecv: the partner's abort note is seen while the send waits for it)
+        merge(comm.sendrecv(mine, me - p2))
     else:
         if me < p - p2:
             merge(comm.recv(me + p2))
@@ -136,9 +137,15 @@ def sparse_allgather(
         [[0], [1]]
     """
     comm = resolve(comm)
-    if not isinstance(stream, SparseStream):
-        raise TypeError(f"sparse_allgather expects a SparseStream, got {type(stream).__name__}")
-    return comm.run_ordered(lambda: gather_streams(stream, comm), async_op)
+
+    def call() -> list[SparseStream]:
+        # checked inside the ordered call: its error is then this call's on every rank
+        # (the others get the abort note at once instead of waiting out the timeout)
+        if not isinstance(stream, SparseStream):
+            raise TypeError(f"sparse_allgather expects a SparseStream, got {type(stream).__name__}")
+        return gather_streams(stream, comm)
+
+    return comm.run_ordered(call, async_op)
 
 
 def gather_streams(

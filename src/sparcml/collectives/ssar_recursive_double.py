@@ -87,8 +87,8 @@ def ssar_recursive_double(
     # Step 0: fold.
     if me >= p2:
         out = None if headers.refuse else codec.encode(stream)
-        comm.send(headers.wrap([me], out), me - p2)
-        got = headers.unwrap(comm.recv(me - p2), me - p2, others)
+        # (sendrecv: the partner's abort note is seen while the send waits for it)
+        got = headers.unwrap(comm.sendrecv(headers.wrap([me], out), me - p2), me - p2, others)
         headers.finish(p)
         assert got is not None
         return decode(got)

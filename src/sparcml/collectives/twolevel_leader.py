@@ -107,8 +107,9 @@ def twolevel_leader(
     inside = codec.inside_node()  # fixed index fields inside the node (exact, "auto")
     if node.rank != 0:
         # Step 1: the contribution to the leader; step 3: the result from it.
-        node.send(encode_or_empty(stream, inside), 0)
-        return decode_or_empty(node.recv(0), size, dtype, device)
+        # (sendrecv: the leader's abort note is seen while the send waits for it)
+        got = node.sendrecv(encode_or_empty(stream, inside), 0)
+        return decode_or_empty(got, size, dtype, device)
     # Step 1 (leader): the node's sum, in local rank order.
     got = [node.irecv(j) for j in range(1, node.world_size)]
     parts = [inside.quantize_own(stream)]

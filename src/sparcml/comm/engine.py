@@ -139,6 +139,10 @@ class Engine:
 
     def __init__(self, comm: Any) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # set (under the lock) when shutdown queues the stop marker: a later submit
+        # is refused instead of queued behind the marker, where no thread takes it
+        self._lock = threading.Lock()
+        self._closed = False
         self._record: Callable[[BaseException], None] = getattr(comm, "fail_call", lambda e: None)
         self._thread = threading.Thread(
             target=self._loop, name=f"sparcml-engine-rank{comm.rank}", daemon=True
@@ -150,6 +154,7 @@ class Engine:
         while True:
             item = self._queue.get()
             if item is _STOP:
+                self._fail_leftovers()
                 return
             fn, work = item
             try:
@@ -162,12 +167,28 @@ class Engine:
         with contextlib.suppress(Exception):  # reporting must not replace the error
             self._record(e)
 
+    def _fail_leftovers(self) -> None:
+        """Fail whatever is still queued after the stop marker (none can be, since
+        submit is refused once the marker is queued; kept as a guarantee)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                item[1]._finish(error=RuntimeError("the communicator's engine was shut down"))
+
     def submit(self, fn: Callable[[], Any]) -> Work:
-        """Queue ``fn`` behind everything submitted before; returns its :class:`Work`."""
-        if not self._thread.is_alive():
-            raise RuntimeError("the communicator's engine has been shut down")
-        work = Work()
-        self._queue.put((fn, work))
+        """Queue ``fn`` behind everything submitted before; returns its :class:`Work`.
+
+        Raises:
+            RuntimeError: the engine was shut down (also while an operation still ran).
+        """
+        with self._lock:
+            if self._closed or not self._thread.is_alive():
+                raise RuntimeError("the communicator's engine has been shut down")
+            work = Work()
+            self._queue.put((fn, work))
         return work
 
     def in_engine_thread(self) -> bool:
@@ -203,7 +224,10 @@ class Engine:
         Args:
             timeout: wait at most this long for the thread (None: until it ends).
         """
-        if self._thread.is_alive():
-            self._queue.put(_STOP)
-            if threading.current_thread() is not self._thread:
-                self._thread.join(timeout)
+        with self._lock:
+            stop = not self._closed and self._thread.is_alive()
+            self._closed = True
+            if stop:
+                self._queue.put(_STOP)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
