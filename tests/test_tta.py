@@ -141,6 +141,12 @@ def test_seeds_table_gives_medians_and_ranges(tmp_path: Path) -> None:
     assert "| topk | 86.00% (40.00%-86.00%) | 5.0 (4.0-6.0), never in 1 |" in table
     # 30 / 4 and 30 / 6 seconds against dense; no PyTorch hook in these runs
     assert "| 6.25x (5.00x-7.50x), - in 1 | - |" in table
+    # a method whose job failed in a seed is marked, not silently averaged over fewer
+    failed = seed(3, 5.0)
+    del failed["runs"]["topk"]
+    table = format_seeds_table([*results, failed], 1e8)
+    assert "| topk (not in seed 3: its run failed) | 86.00% (40.00%-86.00%) |" in table
+    assert "| ddp |" in table  # (ran in every seed)
     paths = write_seeds_report(results, tmp_path, "sparcml train x --seeds 0,1,2", 1e8)
     doc = json.loads((tmp_path / "seeds.json").read_text())
     assert doc["seeds"] == [0, 1, 2] and paths[1].read_text().count("seed") >= 4
@@ -211,3 +217,16 @@ def test_cli_checks_cluster_arguments(monkeypatch, capsys) -> None:  # type: ign
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["train", "fmnist", "--cluster", "4", "--rate", "1gbit"]) == 2
     assert "needs root" in capsys.readouterr().err
+
+
+def test_runs_stopped_at_a_given_target_are_timed_to_that_target() -> None:
+    # --target 0.80 --stop-after 1: dense stopped at 0.85 (past the target by more than
+    # a point); topk stopped at 0.81. Both reached the target they stopped at.
+    result = _result({
+        "ddp": _run([0.1, 0.6, 0.85], [0, 10, 20], 1000.0),
+        "topk": _run([0.1, 0.7, 0.81], [0, 2, 4], 20.0),
+    })  # fmt: skip
+    result["options"] = {"target": 0.80, "stop_after": 1}
+    assert targets(result) == pytest.approx((0.85, 0.80))
+    rows = {r["method"]: r for r in tta_rows(result)}
+    assert rows["topk"]["to_within_s"] == pytest.approx(4.0)  # (was "never": 0.84 asked)

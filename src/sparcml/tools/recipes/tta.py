@@ -61,11 +61,16 @@ def baseline_method(result: dict[str, Any]) -> str | None:
 
 
 def targets(result: dict[str, Any]) -> tuple[float, float] | None:
-    """The dense run's final figure and the "within" target (1 point; perplexity 3%)."""
+    """The dense run's final figure and the "within" target (1 point; perplexity 3%),
+    or the target the runs stopped at (``--target``, or the one ``--stop-after`` took
+    from the baseline), which a baseline stopped early may have passed by more."""
     base = baseline_method(result)
     if base is None:
         return None
     final = float(result["runs"][base]["evals"][-1][result["metric"]])
+    given = (result.get("options") or {}).get("target")
+    if given is not None:
+        return final, float(given)
     if result["higher_is_better"]:
         return final, final - 0.01
     return final, final * 1.03
@@ -569,6 +574,7 @@ def seeds_rows(results: Sequence[dict[str, Any]], rate_bps: float | None) -> lis
             for k in keys:
                 row[k].append(r.get(k))
             row.setdefault("final", []).append(r[result["metric"]])
+            row.setdefault("seeds", []).append(result.get("seed"))
     return list(rows.values())
 
 
@@ -592,9 +598,14 @@ def format_seeds_table(results: Sequence[dict[str, Any]], rate_bps: float | None
             return _spread([100 * v for v in values], ".2f", "%")
         return _spread(values, ".1f")
 
+    every = [r.get("seed") for r in results]
     for r in seeds_rows(results, rate_bps):
+        method = r["method"]
+        missing = [s for s in every if s not in r["seeds"]]
+        if missing:  # its job failed in those seeds: the figures are over the others
+            method += f" (not in seed {', '.join(map(str, missing))}: its run failed)"
         lines.append(
-            f"| {r['method']} | {fmt_final(r['final'])} | {_spread(r['to_within_s'], '.1f')} "
+            f"| {method} | {fmt_final(r['final'])} | {_spread(r['to_within_s'], '.1f')} "
             f"| {_spread(r['steps_to_within'], '.0f')} "
             f"| {_spread(r['speedup_vs_dense'], '.2f', 'x', '-')} "
             f"| {_spread(r['speedup_vs_best_hook'], '.2f', 'x', '-')} "
