@@ -316,3 +316,18 @@ def two_level_fsdp(comm, steps):  # type: ignore[no-untyped-def]
 
     out["topology"] = str(resolve(None).topology)
     return out
+
+
+def absurd_length_word(comm: object) -> str:
+    """Rank 1 sends a bare 8-byte length word of 2^62 bytes on tag 0 (a message of the
+    user's own on the group): what rank 0's sparcml receive raises."""
+    import torch.distributed as dist
+
+    if comm.rank == 1:
+        dist.send(torch.tensor([1 << 62], dtype=torch.int64).view(torch.uint8), dst=0, tag=0)
+        return "sent"
+    try:
+        comm.recv(1)
+    except Exception as e:  # (its type is what the test checks)
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -220,3 +220,12 @@ def test_a_donated_tensor_is_reduced_in_place_and_nothing_else_is_written() -> N
         assert row["same_storage"] and row["dense_untouched"]
         for key in ("plain", "donated", "total", "sparse"):
             assert torch.equal(row[key], want), key
+
+
+@pytest.mark.spawn
+def test_a_length_word_no_message_has_is_a_wire_format_error_naming_the_sender() -> None:
+    out = run_processes(2, gloo_workers.absurd_length_word, timeout=20)
+    assert out[1] == "sent"
+    assert out[0].startswith(
+        "WireFormatError: rank 0: rank 1 announced a message of 4,611,686,018,427,387,904 bytes"
+    ), out[0]

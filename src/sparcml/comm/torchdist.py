@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CommError, CommTimeoutError, PeerFailedError
+from ..errors import CommError, CommTimeoutError, PeerFailedError, WireFormatError
 from ..reinterpret import as_bytes, bytes_as
 from .abort import AbortNote
 from .base import Communicator, Handle
@@ -304,7 +304,17 @@ class TorchDistCommunicator(Communicator):
                 got = head[8 : 8 + size]
                 body.append((got.clone() if small else got, note, None))
                 return
-            out = torch.empty(size, dtype=torch.uint8, device=self.device)
+            try:
+                out = torch.empty(size, dtype=torch.uint8, device=self.device)
+            except (RuntimeError, MemoryError) as e:
+                # a length word no sparcml message has (a message of the user's own on
+                # this group and tag, say), named as the sender's, not a raw allocation
+                # error of this rank's
+                raise WireFormatError(
+                    f"rank {self.rank}: rank {src} announced a message of {size:,} bytes, "
+                    f"which cannot be allocated here ({str(e).splitlines()[0]}); is "
+                    "another point-to-point message on this process group's tag?"
+                ) from None
             out[:inline].copy_(head[8 : 8 + inline])
             try:
                 work = dist.irecv(out[inline:], gsrc, group=self.group, tag=tag)
