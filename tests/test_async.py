@@ -148,3 +148,13 @@ def test_oktopk_allreduce_keeps_its_place_behind_queued_async_calls() -> None:
     out = run_ranks(2, fn)
     assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[1][0], strict=True))
     assert torch.equal(out[0][1], out[1][1])
+
+
+def test_a_wrong_argument_to_sparse_allgather_leaves_the_communicator_usable() -> None:
+    from sparcml.comm import SelfCommunicator
+
+    comm = SelfCommunicator()
+    with pytest.raises(TypeError, match="sparse_allgather expects a SparseStream, got Tensor"):
+        sparse_allgather(torch.ones(3), comm)  # type: ignore[arg-type]
+    s = SparseStream(torch.tensor([1]), torch.ones(1), 4)
+    assert sparse_allreduce(s, comm).to_dense().tolist() == [0.0, 1.0, 0.0, 0.0]

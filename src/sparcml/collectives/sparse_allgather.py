@@ -142,7 +142,12 @@ def sparse_allgather(
         # checked inside the ordered call: its error is then this call's on every rank
         # (the others get the abort note at once instead of waiting out the timeout)
         if not isinstance(stream, SparseStream):
-            raise TypeError(f"sparse_allgather expects a SparseStream, got {type(stream).__name__}")
+            # as the call its peers wait in (the next one): they get the note, and this
+            # rank, which sent nothing yet, stays usable
+            with comm.in_call(comm.sequence + 1):
+                raise TypeError(
+                    f"sparse_allgather expects a SparseStream, got {type(stream).__name__}"
+                )
         return gather_streams(stream, comm)
 
     return comm.run_ordered(call, async_op)

@@ -306,6 +306,8 @@ class TorchDistCommunicator(Communicator):
                 return
             try:
                 out = torch.empty(size, dtype=torch.uint8, device=self.device)
+            except torch.OutOfMemoryError:
+                raise  # (a real message this device has no room for)
             except (RuntimeError, MemoryError) as e:
                 # a length word no sparcml message has (a message of the user's own on
                 # this group and tag, say), named as the sender's, not a raw allocation

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -62,7 +63,7 @@ def calibrate(args: argparse.Namespace) -> int:
 
 
 def cluster(args: argparse.Namespace) -> int:
-    from ..cluster import ClusterError, cleanup, run_on_cluster
+    from ..cluster import BURST, ClusterError, cleanup, run_on_cluster, tbf_options
 
     if args.cleanup:
         gone = cleanup(args.prefix)
@@ -87,11 +88,16 @@ def cluster(args: argparse.Namespace) -> int:
         else:
             hosts = args.nodes
     try:
+        tbf_options(args.rate, os.environ.get("SPARCML_CLUSTER_BURST", BURST))
+    except ValueError as e:  # a rate or bucket tc would not read
+        print(f"sparcml cluster: {e}", file=sys.stderr)
+        return 2
+    try:
         return run_on_cluster(
             hosts, argv, rate=args.rate, port=args.port, timeout=args.timeout,
             log_dir=args.log_dir, ranks_per_node=per,
         )  # fmt: skip
-    except (ClusterError, ValueError) as e:  # (ValueError: a rate or burst tc would not take)
+    except ClusterError as e:
         print(f"sparcml cluster: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
