@@ -277,3 +277,26 @@ def bad_input_on_rank_0(comm: Any, api: str, algorithm: str, hold: float) -> dic
             time.sleep(hold)  # alive: the others must not learn of it from its exit
         return out
     return {"type": "no error", "seconds": time.monotonic() - t0}
+
+
+def gtopk_parent_fails_first(comm: Any, victim: int, hold: float) -> dict[str, Any]:
+    """gTop-k at P = 4 where rank ``victim`` (rank 3's parent in the tree) fails in its
+    own selection, before it receives anything: every rank's error and its time."""
+    import sparcml.collectives.gtopk as gtopk
+
+    if comm.rank == victim:
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise KeyError("corrupt selection table")
+
+        gtopk.keep_topk = broken  # type: ignore[attr-defined]
+    s = SparseStream(torch.arange(comm.rank, 64, 4), torch.ones(16), 64)
+    t0 = time.monotonic()
+    try:
+        sparse_allreduce(s, comm, "gtopk", k=4)
+    except (SparcmlError, KeyError) as e:
+        out = {**_caught(e), "seconds": time.monotonic() - t0}
+        if comm.rank == victim:
+            time.sleep(hold)  # alive: the others must not learn of it from its exit
+        return out
+    return {"type": "no error", "seconds": time.monotonic() - t0}

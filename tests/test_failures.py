@@ -525,3 +525,16 @@ def test_bad_input_on_one_rank_reaches_a_rank_waiting_in_a_send_at_once(
     for o in out[1:]:
         assert o["type"] == "PeerFailedError" and o["peer"] == 0, o
         assert o["seconds"] < 2, o
+
+
+@pytest.mark.spawn
+def test_a_gtopk_child_hears_of_its_failed_parent_at_once() -> None:
+    """Rank 3 sends its set to its parent, rank 2, which fails before it receives: the
+    child used to wait in its send (gloo completes a send only once the peer receives)
+    until its timeout; it now waits in the receive of the parent's broadcast, where
+    the parent's abort note comes at once."""
+    out = run_processes(4, fw.gtopk_parent_fails_first, 2, 5.0, timeout=4, deadline=60)
+    assert out[2]["type"] == "KeyError", out[2]
+    for o in (out[0], out[1], out[3]):
+        assert o["type"] == "PeerFailedError" and o["peer"] == 2, o
+        assert o["seconds"] < 2, o
