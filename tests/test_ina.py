@@ -164,23 +164,27 @@ def test_a_dead_worker_is_named_by_the_others() -> None:
         assert outs[r] is not None and "waiting for worker(s) [1]" in outs[r]
 
 
+class _RestartsAtThirdResult(AggregatorServer):
+    """An aggregator that changes incarnation after its third result, inside the
+    server (what a restart looks like to the workers): no clock decides when."""
+
+    restarted = False
+
+    def _send(self, data: bytes, addr: tuple[str, int]) -> None:
+        super()._send(data, addr)
+        if self.counters["results"] == 3 and not self.restarted:
+            self.restarted = True
+            self.epoch ^= 2  # later results carry a new epoch
+
+
 def test_a_restarted_aggregator_is_detected() -> None:
     """After its third result the aggregator changes incarnation (what a restart looks
     like to the workers): the change happens inside the server, at that result, so
     no clock or polling decides when."""
 
-    class Restarting(AggregatorServer):
-        restarted = False
-
-        def _send(self, data: bytes, addr: tuple[str, int]) -> None:
-            super()._send(data, addr)
-            if self.counters["results"] == 3 and not self.restarted:
-                self.restarted = True
-                self.epoch ^= 2  # later results carry a new epoch
-
     xs = _inputs(2, 5000)
     session = InaSession.create(2, "fixed")
-    with Restarting() as srv:
+    with _RestartsAtThirdResult() as srv:
         port = srv.address[1]
         errs: list = [None, None]
 
@@ -427,15 +431,7 @@ def test_a_refusal_from_a_restarted_aggregator_names_the_restart() -> None:
     incarnation now raises ``AggregatorRestartedError`` (the epochs differ), not a
     refusal with the wrong diagnosis."""
 
-    class Restarted(AggregatorServer):
-        restarted = False
-
-        def _send(self, data: bytes, addr: tuple[str, int]) -> None:
-            super()._send(data, addr)
-            if self.counters["results"] == 3 and not self.restarted:
-                self.restarted = True
-                self.epoch ^= 2
-
+    class Restarted(_RestartsAtThirdResult):
         def _data(self, p, buf, addr, now):  # type: ignore[no-untyped-def]
             s = self.sessions.get(p.session)
             if self.restarted and s is not None:  # the new incarnation's answer
