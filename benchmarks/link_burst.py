@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sparcml.tools.cli.common import size_arg
-from sparcml.tools.recipes.tta import parse_rate
+from sparcml.tools.cluster import parse_rate
 
 
 def main() -> None:

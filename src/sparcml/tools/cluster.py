@@ -57,6 +57,7 @@ __all__ = [
     "ClusterError",
     "LinkCounters",
     "cleanup",
+    "link_options",
     "parse_rate",
     "run_on_cluster",
     "tbf_options",
@@ -97,6 +98,14 @@ def parse_rate(text: str) -> float:
             "e.g. 100mbit, 1gbit)"
         )
     return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+def link_options(rate: str) -> list[str]:
+    """:func:`tbf_options` of a link of ``rate`` as this process's environment asks:
+    ``$SPARCML_CLUSTER_BURST`` sets the bucket, ``SPARCML_CLUSTER_PACE=1`` paces slow
+    links (experiments). Raises ``ValueError`` for a rate or bucket tc would not read."""
+    burst = os.environ.get("SPARCML_CLUSTER_BURST", BURST)
+    return tbf_options(rate, burst, os.environ.get("SPARCML_CLUSTER_PACE", "0") == "1")
 
 
 def tbf_options(rate: str, burst: str = BURST, pace: bool = False) -> list[str]:
@@ -213,13 +222,7 @@ class Cluster:
             raise ClusterError("sparcml cluster needs root (network namespaces and tc)")
         self.hosts = hosts
         self.rate = rate
-        # (experiments: $SPARCML_CLUSTER_BURST sets the bucket, SPARCML_CLUSTER_PACE=1
-        # paces slow links)
-        self.tbf = tbf_options(
-            rate,
-            os.environ.get("SPARCML_CLUSTER_BURST", BURST),
-            os.environ.get("SPARCML_CLUSTER_PACE", "0") == "1",
-        )
+        self.tbf = link_options(rate)
         self.prefix = prefix or f"spcl{os.getpid() % 100000}"
         self.created: list[str] = []
 

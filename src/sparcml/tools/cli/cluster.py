@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -63,7 +62,7 @@ def calibrate(args: argparse.Namespace) -> int:
 
 
 def cluster(args: argparse.Namespace) -> int:
-    from ..cluster import BURST, ClusterError, cleanup, run_on_cluster, tbf_options
+    from ..cluster import ClusterError, cleanup, link_options, run_on_cluster
 
     if args.cleanup:
         gone = cleanup(args.prefix)
@@ -88,7 +87,7 @@ def cluster(args: argparse.Namespace) -> int:
         else:
             hosts = args.nodes
     try:
-        tbf_options(args.rate, os.environ.get("SPARCML_CLUSTER_BURST", BURST))
+        link_options(args.rate)
     except ValueError as e:  # a rate or bucket tc would not read
         print(f"sparcml cluster: {e}", file=sys.stderr)
         return 2
