@@ -298,9 +298,9 @@ def sparse_allreduce(
                 raise mark_uniform(e, True) from None
             staged = stream if "state" in options else staged_on_host(stream, comm)
             if algorithm != "auto" and _returns_dense(algorithm, options):
-                for held in {id(s): s for s in (stream, staged)}.values():
-                    # (a staged call builds the result in host memory first)
-                    check_dense_result(held, algorithm, inner=options.get("inner"))
+                check_dense_result(stream, algorithm, inner=options.get("inner"))
+                if staged is not stream:  # (built in host memory first)
+                    check_dense_result(staged, algorithm, inner=options.get("inner"))
             out = _run(staged, comm, number, settings, model, codec, options, call_id, nonfinite)
             return out if staged is stream else out.to(stream.device)
 
