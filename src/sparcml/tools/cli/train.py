@@ -17,7 +17,14 @@ def train(args: argparse.Namespace) -> int:
     from ...torch.peers import is_peer
     from ..recipes import RECIPES
     from ..recipes.data import DataMissingError
-    from ..recipes.train import CONFIG_PREFIX, check_device, format_table, run_recipe, write_report
+    from ..recipes.train import (
+        CONFIG_PREFIX,
+        FSDP_ON_CPU_ONLY,
+        check_device,
+        format_table,
+        run_recipe,
+        write_report,
+    )
 
     recipe = RECIPES[args.recipe]
     if args.config:
@@ -42,8 +49,7 @@ def train(args: argparse.Namespace) -> int:
         print(f"sparcml train: {e}", file=sys.stderr)
         return 2
     if args.fsdp and args.device != "cpu":
-        print("sparcml train: the harness runs FSDP2 on the CPU only: drop --device or --fsdp",
-              file=sys.stderr)  # fmt: skip
+        print(f"sparcml train: {FSDP_ON_CPU_ONLY}", file=sys.stderr)
         return 2
     if args.layers:
         try:

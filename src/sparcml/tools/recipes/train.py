@@ -25,6 +25,12 @@ __all__ = ["check_device", "run_recipe", "train_worker", "write_report"]
 
 log = logging.getLogger("sparcml.train")
 
+#: ``--fsdp`` with ``--device cuda`` (refused by the command line and by every rank)
+FSDP_ON_CPU_ONLY = (
+    "the harness runs FSDP2 on the CPU only: drop --device or --fsdp "
+    "(sparcml.torch.register_fsdp itself takes CUDA models)"
+)
+
 
 class _Progress:
     """A one-line progress bar on stderr (rank 0 only), redrawn at most twice a second."""
@@ -103,10 +109,7 @@ def train_worker(
         )
     fsdp = bool(options.get("fsdp"))
     if fsdp and device.type != "cpu":
-        raise ValueError(
-            "the harness runs FSDP2 on the CPU only (--device cuda with --fsdp: not supported; "
-            "sparcml.torch.register_fsdp itself takes CUDA models)"
-        )
+        raise ValueError(FSDP_ON_CPU_ONLY)
     ddp_devices = [device] if device.type == "cuda" else None
     if density_warmup and not is_peer(method) and "config" not in hyper and "density" in hyper:
         # DGC's warm-up: 25% falling to the density
