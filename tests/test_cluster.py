@@ -187,40 +187,71 @@ def test_link_counters_parse_tc_and_the_tcp_tables() -> None:
     assert "dropped 7; TCP retransmitted 308 segments (4 timeouts, 24 DSACKs" in c.summary()
 
 
-def test_slow_links_drain_their_bucket_at_the_rate_when_paced() -> None:
-    from sparcml.tools.cluster import tbf_options
+def test_slow_links_are_serialised_and_fast_ones_keep_the_bucket() -> None:
+    from sparcml.tools.cluster import link_shape
 
-    plain = ["rate", "100mbit", "burst", "256kb", "latency", "100ms"]
-    assert tbf_options("100mbit") == plain  # the default: the plain bucket
-    # 256 KB are 2 ms of 1 Gbit/s: never paced
-    assert tbf_options("1gbit", pace=True) == ["rate", "1gbit", *plain[2:]]
-    # and 21 ms of 100 Mbit/s: paced through a 64 KB second bucket at 1% over the rate
-    assert tbf_options("100mbit", pace=True) == [*plain, "peakrate", "101000000bit", "mtu", "64kb"]
-    assert len(tbf_options("100mbit", "16kb", pace=True)) == 6  # (1.3 ms: no pacing)
-    with pytest.raises(ValueError, match="not a burst in bytes: '2 ms'"):
-        tbf_options("100mbit", "2 ms")
+    fast = link_shape("1gbit")
+    assert fast.tbf == ("rate", "1gbit", "burst", "256kb", "latency", "100ms")
+    assert not fast.serialised and "offloads on" in fast.describe()
+    # 100 Mbit/s: offloads off, a bucket of 1.25 ms of the link
+    slow = link_shape("100mbit")
+    assert slow.serialised and slow.tbf[3] == "15625b" and "offloads off" in slow.describe()
+    assert link_shape("10mbit").tbf[3] == "4096b"  # never under two frames
+    assert link_shape("249mbit").serialised and not link_shape("250mbit").serialised
+    # an explicit bucket is an experiment's: that bucket, offloads on
+    assert link_shape("100mbit", "256kb") == link_shape("1gbit").__class__(
+        ("rate", "100mbit", "burst", "256kb", "latency", "100ms"), False
+    )
+    for bad in ("2 ms", "0kb"):
+        with pytest.raises(ValueError, match=f"not a burst in bytes: '{bad}'"):
+            link_shape("100mbit", bad)
     with pytest.raises(ValueError, match="not a link rate: '100mbps'"):
-        tbf_options("100mbps")
+        link_shape("100mbps")
+
+
+SHOW_LINK = """\
+import os, subprocess, time
+import torch, torch.distributed as dist
+def show(*argv):
+    return subprocess.run(argv, capture_output=True, text=True).stdout
+print("LINK", os.environ["SPARCML_CLUSTER_LINK"])
+print(show("tc", "qdisc", "show", "dev", "eth0"))
+print(show("ethtool", "-k", "eth0"))
+dist.init_process_group("gloo")
+me = dist.get_rank()
+buf = torch.zeros(65536, dtype=torch.uint8)
+times = []
+for _ in range(5):
+    dist.barrier()
+    time.sleep(0.06)  # the link idles: a plain bucket refills
+    t = time.perf_counter()
+    (dist.send if me == 0 else dist.recv)(buf, 1 - me)
+    dist.barrier()  # (a tiny message back: 0.1 ms of the link)
+    times.append(time.perf_counter() - t)
+print("SECONDS", sorted(times)[2])
+"""
 
 
 @pytest.mark.spawn
 @needs_namespaces
-def test_a_slow_link_is_paced_on_request(tmp_path: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_slow_link_serialises_a_message_after_idle(tmp_path: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """64 KB after the link idled take their time at the rate (26 ms at 20 Mbit/s),
+    where a plain 256 KB bucket lets them through at once (well under 5 ms)."""
     script = tmp_path / "show.py"
-    script.write_text(
-        "import subprocess\n"
-        "print(subprocess.run(['tc', 'qdisc', 'show', 'dev', 'eth0'], capture_output=True,"
-        " text=True).stdout)\n"
-    )
-    job = ["--timeout", "60", "--", sys.executable, str(script)]
-    assert main(["cluster", "-P", "1", "--rate", "100mbit", *job]) == 0
-    out = capsys.readouterr().out
-    assert "rate 100Mbit" in out and "peakrate" not in out, out
-    monkeypatch.setenv("SPARCML_CLUSTER_PACE", "1")
-    assert main(["cluster", "-P", "1", "--rate", "100mbit", *job]) == 0
-    out = capsys.readouterr().out
-    assert "rate 100Mbit" in out and "peakrate 101Mbit" in out, out
-    monkeypatch.setenv("SPARCML_CLUSTER_BURST", "32kb")  # 2.6 ms of the link: not paced
-    assert main(["cluster", "-P", "1", "--rate", "100mbit", *job]) == 0
-    out = capsys.readouterr().out
-    assert "burst 32Kb" in out and "peakrate" not in out, out
+    script.write_text(SHOW_LINK)
+    job = ["--timeout", "100", "--", sys.executable, str(script)]
+    at_rate = 65536 * 8 / 20e6
+    assert main(["cluster", "-P", "2", "--rate", "20mbit", *job]) == 0
+    out, err = capsys.readouterr()
+    assert "rate 20Mbit burst 4Kb" in out, out
+    assert "tcp-segmentation-offload: off" in out and "generic-receive-offload: off" in out
+    assert "20mbit links, bucket 4096b, offloads off" in err, err
+    seconds = float(out.split("[rank 0] SECONDS ")[1].split()[0])
+    assert seconds > 0.7 * at_rate, (seconds, at_rate)
+    monkeypatch.setenv("SPARCML_CLUSTER_BURST", "256kb")  # the plain bucket, offloads on
+    assert main(["cluster", "-P", "2", "--rate", "20mbit", *job]) == 0
+    out, err = capsys.readouterr()
+    assert "burst 256Kb" in out and "tcp-segmentation-offload: on" in out, out
+    assert "LINK bucket 256kb, offloads on" in out
+    seconds = float(out.split("[rank 0] SECONDS ")[1].split()[0])
+    assert seconds < 0.5 * at_rate, (seconds, at_rate)

@@ -96,6 +96,10 @@ def test_time_to_accuracy_and_speedups_on_synthetic_runs(tmp_path: Path) -> None
     assert main(["train", "fmnist", "--from-json", str(tmp_path / "results.json"),
                  "--out", str(again)]) == 0  # fmt: skip
     assert (again / "results.md").read_text() == (tmp_path / "results.md").read_text()
+    # how the emulated links were shaped heads the report (results before it have none)
+    assert "Links:" not in (tmp_path / "results.md").read_text()
+    write_tta_report({**result, "link": "bucket 15625b, offloads off"}, tmp_path, "c", 1e8)
+    assert "Links: bucket 15625b, offloads off" in (tmp_path / "results.md").read_text()
 
 
 def test_sync_beyond_the_link_and_the_prediction_for_other_links() -> None:
@@ -151,6 +155,12 @@ def test_seeds_table_gives_medians_and_ranges(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "seeds.json").read_text())
     assert doc["seeds"] == [0, 1, 2] and paths[1].read_text().count("seed") >= 4
     assert "Highest 1-minute load average" in (tmp_path / "results.md").read_text()
+    linked = [{**r, "link": "bucket 15625b, offloads off"} for r in results]
+    write_seeds_report(linked, tmp_path, "c", 1e8)
+    assert "Links: bucket 15625b" in (tmp_path / "results.md").read_text()
+    assert (
+        json.loads((tmp_path / "seeds.json").read_text())["link"] == "bucket 15625b, offloads off"
+    )
 
 
 def test_perplexity_targets_are_within_three_percent() -> None:

@@ -56,11 +56,12 @@ __all__ = [
     "Cluster",
     "ClusterError",
     "LinkCounters",
+    "LinkShape",
     "cleanup",
     "link_options",
+    "link_shape",
     "parse_rate",
     "run_on_cluster",
-    "tbf_options",
 ]
 
 SUBNET = "10.213.0"
@@ -68,20 +69,47 @@ SUBNET = "10.213.0"
 _RATE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(bit|kbit|mbit|gbit|tbit)$")
 _UNIT = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 
-#: The token bucket: 256 KB, so that large transfers reach the rate (64 KB throttled
-#: 1 Gbit/s here). ``$SPARCML_CLUSTER_BURST`` (tc's syntax) sets another.
+#: The token bucket of a fast link: 256 KB, so that large transfers reach the rate
+#: (64 KB throttled 1 Gbit/s here).
 BURST = "256kb"
-#: With ``pace`` (``SPARCML_CLUSTER_PACE=1``; off by default), a link on which the
-#: bucket holds more than this much of its time is paced: ``tbf`` sends a full bucket
-#: at once where a real link serialises every byte, and 256 KB are 21 ms of a 100
-#: Mbit/s link, which a step's messages crossed in 0.47 ms after the link idled.
-#: Paced, the bucket drains at 1% over the rate through a second bucket of one 64 KB
-#: segmentation-offload packet (tbf's ``peakrate`` and ``mtu``): 93 KB after idle
-#: then took 3.4-6.1 ms (7.4 at the rate), but 4 MB transfers varied more (p50s
-#: 353-563 ms against 337-516 unpaced, 336 at the rate), so it is not the default
-#: (docs/cluster.md, "The token bucket's burst"). At 1 Gbit/s (2 ms) pacing lost
-#: throughput on this machine, so faster links are never paced.
-PACE_ABOVE_S = 0.004
+#: Links slower than this are **serialised**. ``tbf`` sends a full bucket at once
+#: where a real link serialises every byte, and a bucket refills while the link
+#: idles: 256 KB are 21 ms of a 100 Mbit/s link, and a training step's 93 KB crossed
+#: it in 0.47 ms after an idle moment (7.42 ms at the rate). A small bucket alone
+#: throttles large transfers while the veth's segmentation offloads hand ``tbf``
+#: packets of up to 64 KB (a 64 KB bucket: 4 MB in 597 ms against 336 ms at the
+#: rate), so a serialised link also turns TSO, GSO and GRO off on both of its ends
+#: (``ethtool -K``): MTU-sized packets through a bucket of :data:`SERIAL_BUCKET_S`
+#: of the link. Measured with plain TCP at 100 Mbit/s: 93 KB after idle 7.85 ms,
+#: 4 MB 364 ms (the TCP/IP headers' 4.5% and the acknowledgements over the rate);
+#: at 400 Mbit/s the packets' CPU cost TCP retransmissions on this 2-core machine,
+#: and at 1 Gbit/s half the throughput, so faster links keep :data:`BURST` and the
+#: offloads (their 256 KB are 2 ms of 1 Gbit/s). docs/cluster.md, "The token
+#: bucket's burst".
+SERIALISE_BELOW_BPS = 2.5e8
+#: A serialised link's bucket: this much of its time, at least :data:`SMALLEST_BUCKET`.
+SERIAL_BUCKET_S = 0.00125
+#: tbf drops a packet larger than its bucket: two full Ethernet frames at least.
+SMALLEST_BUCKET = 4096
+#: The veth offloads a serialised link turns off, on both ends (``ethtool -K``).
+OFFLOADS = ("tso", "gso", "gro")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkShape:
+    """How every link of a cluster is shaped: ``tc qdisc add ... tbf`` options, and
+    whether both ends of the link turn their segmentation offloads off
+    (:data:`OFFLOADS`; a serialised link, :data:`SERIALISE_BELOW_BPS`)."""
+
+    tbf: tuple[str, ...]
+    serialised: bool
+
+    def describe(self) -> str:
+        """One line for a job's log: the bucket, and serialised or not."""
+        burst = self.tbf[self.tbf.index("burst") + 1]
+        if self.serialised:
+            return f"bucket {burst}, offloads off (serialised: MTU-sized packets at the rate)"
+        return f"bucket {burst}, offloads on"
 
 
 def parse_rate(text: str) -> float:
@@ -100,33 +128,38 @@ def parse_rate(text: str) -> float:
     return float(m.group(1)) * _UNIT[m.group(2)]
 
 
-def link_options(rate: str) -> list[str]:
-    """:func:`tbf_options` of a link of ``rate`` as this process's environment asks:
-    ``$SPARCML_CLUSTER_BURST`` sets the bucket, ``SPARCML_CLUSTER_PACE=1`` paces slow
-    links (experiments). Raises ``ValueError`` for a rate or bucket tc would not read."""
-    burst = os.environ.get("SPARCML_CLUSTER_BURST", BURST)
-    return tbf_options(rate, burst, os.environ.get("SPARCML_CLUSTER_PACE", "0") == "1")
+def link_options(rate: str) -> LinkShape:
+    """:func:`link_shape` of a link of ``rate`` as this process's environment asks:
+    ``$SPARCML_CLUSTER_BURST`` (tc's syntax) sets the bucket and keeps the offloads
+    (the links of results made before slow links were serialised:
+    ``SPARCML_CLUSTER_BURST=256kb``). Raises ``ValueError`` for a rate or bucket tc
+    would not read."""
+    return link_shape(rate, os.environ.get("SPARCML_CLUSTER_BURST") or None)
 
 
-def tbf_options(rate: str, burst: str = BURST, pace: bool = False) -> list[str]:
-    """The ``tc qdisc add ... tbf`` options of a link of ``rate``; with ``pace``, slow
-    links drain their bucket at the rate (:data:`PACE_ABOVE_S`).
+def link_shape(rate: str, burst: str | None = None) -> LinkShape:
+    """The shape of a link of ``rate``: links slower than
+    :data:`SERIALISE_BELOW_BPS` are serialised, unless ``burst`` names a bucket
+    (then that bucket, offloads on: an experiment's choice).
 
     Example:
-        >>> tbf_options("1gbit", pace=True)
-        ['rate', '1gbit', 'burst', '256kb', 'latency', '100ms']
-        >>> tbf_options("100mbit", pace=True)[6:]
-        ['peakrate', '101000000bit', 'mtu', '64kb']
+        >>> link_shape("1gbit")
+        LinkShape(tbf=('rate', '1gbit', 'burst', '256kb', 'latency', '100ms'), serialised=False)
+        >>> link_shape("100mbit")
+        LinkShape(tbf=('rate', '100mbit', 'burst', '15625b', 'latency', '100ms'), serialised=True)
+        >>> link_shape("100mbit", "256kb").serialised
+        False
     """
-    out = ["rate", rate, "burst", burst, "latency", "100ms"]
     bps = parse_rate(rate)
-    m = re.match(r"^([0-9]+)(b|kb|mb)?$", burst.strip().lower())
-    if not m:
-        raise ValueError(f"not a burst in bytes: {burst!r} (e.g. 256kb, 65536b)")
-    held = int(m.group(1)) * {None: 1, "b": 1, "kb": 1024, "mb": 1 << 20}[m.group(2)]
-    if pace and held * 8 / bps > PACE_ABOVE_S:
-        out += ["peakrate", f"{round(bps * 1.01)}bit", "mtu", "64kb"]
-    return out
+    if burst is not None:
+        m = re.match(r"^([0-9]+)(b|kb|mb)?$", burst.strip().lower())
+        if not m or int(m.group(1)) == 0:
+            raise ValueError(f"not a burst in bytes: {burst!r} (e.g. 256kb, 65536b)")
+        return LinkShape(("rate", rate, "burst", burst, "latency", "100ms"), False)
+    if bps >= SERIALISE_BELOW_BPS:
+        return LinkShape(("rate", rate, "burst", BURST, "latency", "100ms"), False)
+    held = max(SMALLEST_BUCKET, round(bps / 8 * SERIAL_BUCKET_S))
+    return LinkShape(("rate", rate, "burst", f"{held}b", "latency", "100ms"), True)
 
 
 class ClusterError(RuntimeError):
@@ -143,6 +176,24 @@ def _tc(ns: str, *args: str) -> None:
     done = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise ClusterError(f"`tc {' '.join(args)}` in {ns} failed: {done.stderr.strip()}")
+
+
+def _offloads_off(ns: str, dev: str) -> None:
+    argv = ["ip", "netns", "exec", ns, "ethtool", "-K", dev]
+    for feature in OFFLOADS:
+        argv += [feature, "off"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True)
+    except FileNotFoundError:
+        done = None
+    if done is None or done.returncode != 0:
+        why = "ethtool is not installed" if done is None else done.stderr.strip()
+        raise ClusterError(
+            f"turning {dev}'s offloads off in {ns} failed ({why}): a link slower than "
+            f"{SERIALISE_BELOW_BPS / 1e6:g} Mbit/s needs them off to serialise small "
+            "messages at its rate; install ethtool, or set SPARCML_CLUSTER_BURST=256kb "
+            "for a plain token bucket (small messages then cross an idle link at once)"
+        )
 
 
 _QDISC = re.compile(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)")
@@ -222,7 +273,7 @@ class Cluster:
             raise ClusterError("sparcml cluster needs root (network namespaces and tc)")
         self.hosts = hosts
         self.rate = rate
-        self.tbf = link_options(rate)
+        self.shape = link_options(rate)
         self.prefix = prefix or f"spcl{os.getpid() % 100000}"
         self.created: list[str] = []
 
@@ -275,7 +326,9 @@ class Cluster:
             _ip("-n", sw, "link", "set", f"p{i}", "master", "br0")
             _ip("-n", sw, "link", "set", f"p{i}", "up")
             for ns, dev in ((h, "eth0"), (sw, f"p{i}")):
-                _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", *self.tbf)
+                if self.shape.serialised:
+                    _offloads_off(ns, dev)
+                _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", *self.shape.tbf)
 
     def link_counters(self) -> LinkCounters:
         """The counters of every shaped link and every host's TCP stack so far (a
@@ -361,6 +414,7 @@ def run_on_cluster(
             "LOCAL_WORLD_SIZE": str(ranks_per_node),
             "GLOO_SOCKET_IFNAME": "eth0",
             "SPARCML_CLUSTER_RATE": rate,
+            "SPARCML_CLUSTER_LINK": cluster.shape.describe(),
             "PATH": os.environ.get("PATH", ""),
             "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
             "HOME": os.environ.get("HOME", "/root"),
@@ -434,10 +488,11 @@ def run_on_cluster(
                 if rest:
                     print(f"[rank {i}] {rest.decode(errors='replace')}", flush=True)
         counters = cluster.link_counters()
+        links = f"{rate} links, {cluster.shape.describe()}; {counters.summary()}"
         if echo:
-            print(f"sparcml cluster: {counters.summary()}", file=sys.stderr, flush=True)
+            print(f"sparcml cluster: {links}", file=sys.stderr, flush=True)
         if logs:
-            (logs / "links.txt").write_text(counters.summary() + "\n")
+            (logs / "links.txt").write_text(links + "\n")
         codes = [p.returncode for p in procs]
         if code == 0:
             code = next((c for c in codes if c), 0)

@@ -599,6 +599,7 @@ def join_recipe(
     return result_of(
         recipe_name, recipe_cls, world, epochs, seed, options, runs,
         link_rate=os.environ.get("SPARCML_CLUSTER_RATE"),
+        link=os.environ.get("SPARCML_CLUSTER_LINK"),
     )  # fmt: skip
 
 

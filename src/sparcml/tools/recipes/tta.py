@@ -328,6 +328,13 @@ def format_tta_table(result: dict[str, Any], rate_bps: float | None = None) -> s
     return "\n".join(out)
 
 
+def _links_line(result: dict[str, Any]) -> list[str]:
+    """How the emulated links were shaped (``sparcml cluster``), as a report's line."""
+    if not result.get("link"):
+        return []
+    return [f'Links: {result["link"]} (docs/cluster.md, "The token bucket\'s burst")', ""]
+
+
 def write_tta_report(
     result: dict[str, Any],
     out: Path,
@@ -353,6 +360,7 @@ def write_tta_report(
     md = [
         f"# {result['recipe']}: P = {result['world']}, {rate} links, {result['epochs']} epoch(s)",
         "",
+        *_links_line(result),
         f"Command: `{command}`",
         "",
         "Hyperparameters per method: "
@@ -629,6 +637,7 @@ def write_seeds_report(
         "recipe": first["recipe"],
         "world": first["world"],
         "link_rate": rate,
+        "link": first.get("link"),
         "seeds": [r.get("seed") for r in results],
         "rows": seeds_rows(results, rate_bps),
     }
@@ -636,6 +645,7 @@ def write_seeds_report(
     md = [
         f"# {first['recipe']}: P = {first['world']}, {rate} links, {len(results)} seeds",
         "",
+        *_links_line(first),
         f"Command: `{command}`",
         "",
         format_seeds_table(results, rate_bps),
