@@ -86,20 +86,37 @@ def gloo_exchange(me: int) -> tuple[Callable[[int], None], Callable[[], None]]:
     return exchange, dist.barrier
 
 
+def sparcml_exchange(me: int) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """(exchange of n bytes with sparcml's ``Communicator.sendrecv`` over gloo, a barrier)."""
+    from sparcml.comm import TorchDistCommunicator
+
+    comm = TorchDistCommunicator()
+    bufs: dict[int, torch.Tensor] = {}
+
+    def exchange(n: int) -> None:
+        if n not in bufs:
+            bufs[n] = torch.zeros(n, dtype=torch.uint8)
+        comm.sendrecv(bufs[n], 1 - me)
+
+    return exchange, comm.barrier
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", required=True, help="the cluster's link rate (tc syntax)")
     ap.add_argument("--sizes", default="92774,377690,4M", help="bytes, comma-separated")
     ap.add_argument("--idle-ms", type=float, default=15.0, help="idle time before a call")
     ap.add_argument("--calls", type=int, default=15)
-    ap.add_argument("--transport", choices=("tcp", "gloo"), default="tcp")
+    ap.add_argument("--transport", choices=("tcp", "gloo", "sparcml"), default="tcp")
     args = ap.parse_args()
     rate = parse_rate(args.rate)
     dist.init_process_group("gloo")
     me, p = dist.get_rank(), dist.get_world_size()
     if p != 2:
         raise SystemExit("link_burst.py runs on 2 ranks (sparcml cluster -P 2)")
-    exchange, sync = (tcp_exchange if args.transport == "tcp" else gloo_exchange)(me)
+    exchange, sync = {"tcp": tcp_exchange, "gloo": gloo_exchange, "sparcml": sparcml_exchange}[
+        args.transport
+    ](me)
     if me == 0:
         link = os.environ.get("SPARCML_CLUSTER_LINK", "(not on sparcml cluster)")
         print(f"{args.rate} links: {link}; {args.transport}, {args.calls} exchanges each, "

@@ -331,3 +331,43 @@ def absurd_length_word(comm: object) -> str:
     except Exception as e:  # (its type is what the test checks)
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def exchange_order(comm):  # type: ignore[no-untyped-def]
+    """The order in which an exchange posts its gloo operations (``sendrecv``,
+    ``alltoallv``, ring ``allgatherv`` at P = 2): ("send"|"recv", bytes) each."""
+    import torch.distributed as dist
+
+    from sparcml.comm import torchdist
+
+    log: list[tuple[str, int]] = []
+
+    class Recording:
+        def __getattr__(self, name):  # type: ignore[no-untyped-def]
+            return getattr(dist, name)
+
+        def isend(self, t, *a, **k):  # type: ignore[no-untyped-def]
+            log.append(("send", t.numel()))
+            return dist.isend(t, *a, **k)
+
+        def irecv(self, t, *a, **k):  # type: ignore[no-untyped-def]
+            log.append(("recv", t.numel()))
+            return dist.irecv(t, *a, **k)
+
+    big = torch.full((1 << 20,), comm.rank, dtype=torch.uint8)
+    peer = 1 - comm.rank
+    torchdist.dist = Recording()  # type: ignore[assignment]
+    try:
+        out = {}
+        for name, call in [
+            ("sendrecv", lambda: [comm.sendrecv(big, peer)]),
+            ("alltoallv", lambda: comm.alltoallv([big, big])),
+            ("allgatherv", lambda: comm.allgatherv(big)),
+        ]:
+            log.clear()
+            got = call()
+            assert all(bool((g == g[0]).all()) for g in got)
+            out[name] = list(log)
+        return out
+    finally:
+        torchdist.dist = dist

@@ -503,10 +503,10 @@ def test_topk_family_gathers_in_two_levels_on_nodes(
         across = [0]
         send = comm.isend
 
-        def counted(buf, dst, tag=0):  # type: ignore[no-untyped-def]
+        def counted(buf, dst, tag=0, **kw):  # type: ignore[no-untyped-def]
             if node_of[dst] != node_of[comm.rank]:
                 across[0] += buf.numel()
-            return send(buf, dst, tag)
+            return send(buf, dst, tag, **kw)
 
         comm.isend = counted
         g = torch.Generator().manual_seed(comm.rank)
@@ -583,11 +583,11 @@ def test_gtopk_tree_keeps_its_first_levels_inside_the_nodes(nodes: int, per: int
             comm.set_topology(topo)
         crossed, send = [0], comm.isend
 
-        def counted(buf, dst, tag=0):  # type: ignore[no-untyped-def]
+        def counted(buf, dst, tag=0, **kw):  # type: ignore[no-untyped-def]
             tree = buf.numel() > 64  # not step 1's 8-byte allreduce of k
             if tree and topo is not None and topo.node_of(dst) != topo.node_of(comm.rank):
                 crossed[0] += 1
-            return send(buf, dst, tag)
+            return send(buf, dst, tag, **kw)
 
         comm.isend = counted
         out = gtopk(selection(inputs[comm.rank]), comm).to_dense()
@@ -627,14 +627,14 @@ def test_inside_the_node_exact_messages_carry_fixed_index_fields(algo: str) -> N
         seen: dict[bool, set[bool]] = {True: set(), False: set()}  # inside? -> E-F flags
         send = comm.isend
 
-        def counted(buf, dst, tag=0):  # type: ignore[no-untyped-def]
+        def counted(buf, dst, tag=0, **kw):  # type: ignore[no-untyped-def]
             inside = topo.node_of(dst) == topo.node_of(comm.rank)
             spans = peek_bundle(buf) or [(0, buf.numel())]
             for off, _ in spans:
                 h = peek(buf, off)
                 if h is not None and not h.dense and h.nnz > 1000:
                     seen[inside].add(h.elias_fano)
-            return send(buf, dst, tag)
+            return send(buf, dst, tag, **kw)
 
         comm.isend = counted
         g = torch.Generator().manual_seed(comm.rank)

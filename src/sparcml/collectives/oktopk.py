@@ -405,12 +405,19 @@ def _balanced_allgather(
 
     # Redistribute: every rank knows all counts, so only the non-empty overlaps
     # travel (a rank's entries usually straddle one or two shares): point to point.
+    # Receives first: a rank that both sends to and receives from j exchanges with
+    # it (``isend(after=)``), and every receive has its body posted before any is
+    # waited for.
+    recvs = {j: comm.irecv(j) for j in range(p) if j != me and _nonempty(overlap(j, me))}
     sends = []
     for j in range(p):
         lo, hi = overlap(me, j)
         if j != me and hi > lo:
             sl = slice(lo - offsets[me], hi - offsets[me])
-            sends.append(comm.isend(_pairs(kept_idx[sl], kept_val[sl], size), j))
+            payload = _pairs(kept_idx[sl], kept_val[sl], size)
+            sends.append(comm.isend(payload, j, after=recvs.get(j)))
+    for h in recvs.values():
+        h.progress()
     pieces = []
     for j in range(p):  # my share, in source order = global order
         lo, hi = overlap(j, me)
@@ -420,7 +427,9 @@ def _balanced_allgather(
             sl = slice(lo - offsets[me], hi - offsets[me])
             pieces.append(_pairs(kept_idx[sl], kept_val[sl], size))
         else:
-            pieces.append(comm.recv(j).to(device))
+            got = recvs[j].wait()
+            assert got is not None
+            pieces.append(got.to(device))
     for h in sends:
         h.wait()
     held = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
@@ -435,6 +444,10 @@ def _balanced_allgather(
         mismatch = RankMismatchError("oktopk: gathered entries out of order (do ranks agree on N?)")
         raise mark_uniform(mismatch, False)  # seen here only: tell the others
     return indices, values
+
+
+def _nonempty(span: tuple[int, int]) -> bool:
+    return span[1] > span[0]
 
 
 def _pairs(indices: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:

@@ -82,11 +82,38 @@ class Handle:
         waiter: Callable[[], torch.Tensor | None],
         progress: Callable[[], None] | None = None,
         poll: Callable[[], bool] | None = None,
+        owner: Handle | None = None,
     ) -> None:
         self._waiter: Callable[[], torch.Tensor | None] | None = waiter
         self._progress = progress
         self._poll = poll
         self._result: torch.Tensor | None = None
+        # a receive posted in stages (length, then body) holds what waits for its
+        # body's posting (:meth:`when_posted`); a wrapper's owner holds it
+        self._owner = owner
+        self._until_posted: list[Callable[[], None]] | None = None
+
+    def defer_until_posted(self) -> None:
+        """(Backends) this receive posts its body later, in :meth:`progress`; call
+        :meth:`mark_posted` then."""
+        self._until_posted = []
+
+    def mark_posted(self) -> None:
+        """(Backends) every part of this receive is posted: run what waited for it."""
+        waiting, self._until_posted = self._until_posted, None
+        for fn in waiting or ():
+            fn()
+
+    def when_posted(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once this receive has every part posted with the transport: at
+        once where it has, or where the backend posts a receive whole."""
+        owner = self
+        while owner._owner is not None:
+            owner = owner._owner
+        if owner._until_posted is None:
+            fn()
+        else:
+            owner._until_posted.append(fn)
 
     def progress(self) -> None:
         """Move the operation on without waiting for its end (a no-op where the
@@ -360,14 +387,33 @@ class Communicator(abc.ABC):
                 f"rank {self.rank}: invalid {what} rank {peer} (world size {self.world_size})"
             )
 
-    def isend(self, buf: torch.Tensor, dst: int, tag: int = 0) -> Handle:
-        """Non-blocking send of a 1-D uint8 tensor of any length to ``dst``."""
+    def isend(
+        self, buf: torch.Tensor, dst: int, tag: int = 0, *, after: Handle | None = None
+    ) -> Handle:
+        """Non-blocking send of a 1-D uint8 tensor of any length to ``dst``.
+
+        ``after``: this rank's receive of the message ``dst`` sends here at the same
+        time (an exchange), posted before this send. A backend whose transport moves
+        two bodies crossing one connection one after the other holds this message's
+        body until that receive's body is posted (:meth:`_isend_after`). A caller
+        with several such receives calls ``progress()`` on every one before it waits
+        for any (:meth:`alltoallv`): a held body waits for its receive's progress.
+        """
         self._check_peer(dst, "destination")
         self.check_usable()
         buf = check_payload(buf)
         self._call_traffic = True
         self.stats.bytes_sent += buf.numel()
         self.stats.messages_sent += 1
+        if after is None:
+            return self._isend(buf, dst, tag)
+        return self._isend_after(buf, dst, tag, after)
+
+    def _isend_after(self, buf: torch.Tensor, dst: int, tag: int, recv: Handle) -> Handle:
+        """:meth:`_isend` of one side of an exchange with ``dst``, whose message to
+        this rank ``recv`` receives. Here the same as :meth:`_isend`;
+        :class:`~sparcml.comm.TorchDistCommunicator` holds the body (gloo's
+        rendezvous)."""
         return self._isend(buf, dst, tag)
 
     def irecv(self, src: int, tag: int = 0) -> Handle:
@@ -397,7 +443,7 @@ class Communicator(abc.ABC):
             stats.messages_recv += 1
             return out
 
-        return Handle(counted, handle.progress)
+        return Handle(counted, handle.progress, owner=handle)
 
     def send(self, buf: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(buf, dst, tag).wait()
@@ -409,9 +455,11 @@ class Communicator(abc.ABC):
 
     def sendrecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> torch.Tensor:
         """Exchange messages with ``peer`` (both send, both receive)."""
-        send = self.isend(buf, peer, tag)
-        out = self.recv(peer, tag)
+        recv = self.irecv(peer, tag)
+        send = self.isend(buf, peer, tag, after=recv)
+        out = recv.wait()
         send.wait()
+        assert out is not None
         return out
 
     # ----------------------------------------------------------- irregular collectives
@@ -427,8 +475,11 @@ class Communicator(abc.ABC):
         p, me = self.world_size, self.rank
         if len(parts) != p:
             raise ValueError(f"alltoallv needs {p} parts (one per rank), got {len(parts)}")
-        sends = [self.isend(parts[(me + s) % p], (me + s) % p, tag) for s in range(1, p)]
         recvs = {(me - s) % p: self.irecv((me - s) % p, tag) for s in range(1, p)}
+        sends = [
+            self.isend(parts[(me + s) % p], (me + s) % p, tag, after=recvs[(me + s) % p])
+            for s in range(1, p)
+        ]
         for h in recvs.values():  # every body's receive posted before any is waited for
             h.progress()
         out: list[torch.Tensor] = []
@@ -456,8 +507,9 @@ class Communicator(abc.ABC):
         for s in range(p - 1):
             outgoing = blocks[(me - s) % p]
             assert outgoing is not None
-            h = self.isend(outgoing, right, tag)
-            blocks[(me - s - 1) % p] = self.recv(left, tag)
+            recv = self.irecv(left, tag)  # (at P = 2 left is right: an exchange)
+            h = self.isend(outgoing, right, tag, after=recv if left == right else None)
+            blocks[(me - s - 1) % p] = recv.wait()
             h.wait()
         return [b for b in blocks if b is not None]
 
@@ -504,8 +556,19 @@ class Communicator(abc.ABC):
         chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(p)]
         right, left = (me + 1) % p, (me - 1) % p
 
-        def received(idx: int) -> torch.Tensor:
-            raw = self.recv(left, tag).to(flat.device)
+        def exchange(send_idx: int, recv_idx: int) -> torch.Tensor:
+            # (at P = 2 left is right: an exchange)
+            recv = self.irecv(left, tag)
+            h = self.isend(
+                as_bytes(chunks[send_idx]), right, tag, after=recv if left == right else None
+            )
+            got = recv.wait()
+            assert got is not None
+            h.wait()
+            return check_chunk(got, recv_idx)
+
+        def check_chunk(got: torch.Tensor, idx: int) -> torch.Tensor:
+            raw = got.to(flat.device)
             if raw.numel() != chunks[idx].numel() * flat.element_size():
                 # (a reducer would broadcast a wrong-sized chunk without a word)
                 raise RankMismatchError(
@@ -518,15 +581,11 @@ class Communicator(abc.ABC):
         # Reduce-scatter: after P-1 steps, rank r holds the full sum of chunk (r+1) % P.
         for s in range(p - 1):
             send_idx, recv_idx = (me - s) % p, (me - s - 1) % p
-            h = self.isend(as_bytes(chunks[send_idx]), right, tag)
-            chunks[recv_idx] = reducer(received(recv_idx), chunks[recv_idx])
-            h.wait()
+            chunks[recv_idx] = reducer(exchange(send_idx, recv_idx), chunks[recv_idx])
         # Allgather of the reduced chunks.
         for s in range(p - 1):
             send_idx, recv_idx = (me + 1 - s) % p, (me - s) % p
-            h = self.isend(as_bytes(chunks[send_idx]), right, tag)
-            chunks[recv_idx] = received(recv_idx)
-            h.wait()
+            chunks[recv_idx] = exchange(send_idx, recv_idx)
         return torch.cat(chunks).reshape(tensor.shape)
 
     def barrier(self) -> None:

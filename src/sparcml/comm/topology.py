@@ -268,9 +268,11 @@ class SubCommunicator(Communicator):
     def node_key(self) -> str:
         return self.parent.node_key()
 
-    def isend(self, buf: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+    def isend(
+        self, buf: torch.Tensor, dst: int, tag: int = 0, *, after: Handle | None = None
+    ) -> Handle:
         self._check_peer(dst, "destination")
-        h = self.parent.isend(buf, self.members[dst], tag)
+        h = self.parent.isend(buf, self.members[dst], tag, after=after)
         self.stats.bytes_sent += buf.numel()
         self.stats.messages_sent += 1
         return h
@@ -287,7 +289,7 @@ class SubCommunicator(Communicator):
             stats.messages_recv += 1
             return out
 
-        return Handle(counted, inner.progress)
+        return Handle(counted, inner.progress, owner=inner)
 
     def _isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:  # pragma: no cover
         raise CommError("a group sends through its parent's isend")

@@ -99,17 +99,22 @@ def _arm(comm: Any, victim: int, after: int, mode: str, mark: str) -> None:
                 os._exit(3)
             os.kill(os.getpid(), signal.SIGSTOP)
 
-    isend, allreduce = comm._isend, comm.allreduce
+    isend, isend_after, allreduce = comm._isend, comm._isend_after, comm.allreduce
 
     def counted_isend(buf: torch.Tensor, dst: int, tag: int, *args: Any, **kwargs: Any) -> Any:
         fault()
         return isend(buf, dst, tag, *args, **kwargs)
+
+    def counted_isend_after(buf: torch.Tensor, dst: int, tag: int, recv: Any) -> Any:
+        fault()  # (one side of an exchange: sendrecv, alltoallv)
+        return isend_after(buf, dst, tag, recv)
 
     def counted_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         fault()
         return allreduce(tensor, *args, **kwargs)
 
     comm._isend = counted_isend
+    comm._isend_after = counted_isend_after
     comm.allreduce = counted_allreduce
 
 
