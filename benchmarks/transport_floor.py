@@ -195,7 +195,9 @@ def main() -> None:
         def exchanges() -> None:
             for t in range(rounds):
                 peer = me ^ (1 << t)
-                reqs = [dist.isend(sends[t], peer), dist.irecv(recvs[t], peer)]
+                # the receive first: gloo sends a body once its receive is posted, and
+                # one posted after the own send's body waits for all of it
+                reqs = [dist.irecv(recvs[t], peer), dist.isend(sends[t], peer)]
                 for r in reqs:
                     r.wait()
 
