@@ -202,11 +202,28 @@ def test_slow_links_are_serialised_and_fast_ones_keep_the_bucket() -> None:
     assert link_shape("100mbit", "256kb") == link_shape("1gbit").__class__(
         ("rate", "100mbit", "burst", "256kb", "latency", "100ms"), False
     )
+    # an experiment may force either: offloads off at 1 Gbit/s, on at 100 Mbit/s
+    assert link_shape("1gbit", "32kb", serialise=True).serialised
+    assert link_shape("1gbit", serialise=True).tbf[3] == "256kb"
+    assert not link_shape("100mbit", serialise=False).serialised
     for bad in ("2 ms", "0kb"):
         with pytest.raises(ValueError, match=f"not a burst in bytes: '{bad}'"):
             link_shape("100mbit", bad)
     with pytest.raises(ValueError, match="not a link rate: '100mbps'"):
         link_shape("100mbps")
+
+
+def test_the_environment_picks_an_experiments_links(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sparcml.tools.cluster import link_options
+
+    assert link_options("100mbit").serialised
+    monkeypatch.setenv("SPARCML_CLUSTER_BURST", "256kb")
+    assert not link_options("100mbit").serialised
+    monkeypatch.setenv("SPARCML_CLUSTER_SERIALISE", "1")
+    assert link_options("1gbit").serialised and link_options("1gbit").tbf[3] == "256kb"
+    monkeypatch.setenv("SPARCML_CLUSTER_SERIALISE", "yes")
+    with pytest.raises(ValueError, match="SPARCML_CLUSTER_SERIALISE is 0 or 1, got 'yes'"):
+        link_options("1gbit")
 
 
 SHOW_LINK = """\

@@ -132,15 +132,25 @@ def link_options(rate: str) -> LinkShape:
     """:func:`link_shape` of a link of ``rate`` as this process's environment asks:
     ``$SPARCML_CLUSTER_BURST`` (tc's syntax) sets the bucket and keeps the offloads
     (the links of results made before slow links were serialised:
-    ``SPARCML_CLUSTER_BURST=256kb``). Raises ``ValueError`` for a rate or bucket tc
-    would not read."""
-    return link_shape(rate, os.environ.get("SPARCML_CLUSTER_BURST") or None)
+    ``SPARCML_CLUSTER_BURST=256kb``); ``SPARCML_CLUSTER_SERIALISE=1`` (or ``0``)
+    turns the offloads off (or keeps them) at any rate. Raises ``ValueError`` for a
+    rate or bucket tc would not read."""
+    serialise = os.environ.get("SPARCML_CLUSTER_SERIALISE", "")
+    if serialise not in ("", "0", "1"):
+        raise ValueError(f"SPARCML_CLUSTER_SERIALISE is 0 or 1, got {serialise!r}")
+    return link_shape(
+        rate,
+        os.environ.get("SPARCML_CLUSTER_BURST") or None,
+        None if serialise == "" else serialise == "1",
+    )
 
 
-def link_shape(rate: str, burst: str | None = None) -> LinkShape:
+def link_shape(rate: str, burst: str | None = None, serialise: bool | None = None) -> LinkShape:
     """The shape of a link of ``rate``: links slower than
     :data:`SERIALISE_BELOW_BPS` are serialised, unless ``burst`` names a bucket
-    (then that bucket, offloads on: an experiment's choice).
+    (then that bucket, offloads on: an experiment's choice). ``serialise`` (an
+    experiment's, ``$SPARCML_CLUSTER_SERIALISE``) turns the offloads off or keeps
+    them whatever the rate, with ``burst`` or the rate's bucket.
 
     Example:
         >>> link_shape("1gbit")
@@ -155,11 +165,12 @@ def link_shape(rate: str, burst: str | None = None) -> LinkShape:
         m = re.match(r"^([0-9]+)(b|kb|mb)?$", burst.strip().lower())
         if not m or int(m.group(1)) == 0:
             raise ValueError(f"not a burst in bytes: {burst!r} (e.g. 256kb, 65536b)")
-        return LinkShape(("rate", rate, "burst", burst, "latency", "100ms"), False)
-    if bps >= SERIALISE_BELOW_BPS:
-        return LinkShape(("rate", rate, "burst", BURST, "latency", "100ms"), False)
-    held = max(SMALLEST_BUCKET, round(bps / 8 * SERIAL_BUCKET_S))
-    return LinkShape(("rate", rate, "burst", f"{held}b", "latency", "100ms"), True)
+    slow = bps < SERIALISE_BELOW_BPS
+    if serialise is None:
+        serialise = slow and burst is None
+    if burst is None:
+        burst = f"{max(SMALLEST_BUCKET, round(bps / 8 * SERIAL_BUCKET_S))}b" if slow else BURST
+    return LinkShape(("rate", rate, "burst", burst, "latency", "100ms"), serialise)
 
 
 class ClusterError(RuntimeError):

@@ -1,0 +1,95 @@
+r"""An exchange's order over gloo, three ways in one job: ``sparse_allreduce`` calls
+alternating round by round between
+
+* ``held`` (the library): ``sendrecv`` posts its receive first, and a body goes once
+  the receive of the peer's body is posted (``isend(after=)``);
+* ``unheld``: the receive first, every body sent at once;
+* ``send first`` (the library before): ``isend`` then ``recv``, bodies sent at once.
+
+gloo sends a body only after the receiver's "ready to receive" note and writes it into
+the pair's one TCP connection ahead of a note posted later: a body sent at once can
+hold back the other direction's. Run inside ``sparcml cluster``::
+
+    sparcml cluster -P 2 --rate 1gbit -- python benchmarks/exchange_hold.py \
+        -N 16M -d 0.05 --algorithm ssar_split_allgather --rounds 31
+
+Rank 0 prints each way's p50 and quartiles of the slowest rank's time (the first
+round left out). Only the alltoallv and the rings inside the algorithms keep the held
+order throughout (they call ``isend(after=)`` themselves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparcml import SparseStream, sparse_allreduce
+from sparcml.comm import TorchDistCommunicator
+from sparcml.comm.base import Communicator
+from sparcml.tools.cli.common import size_arg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-N", type=size_arg, default=16 << 20)
+    ap.add_argument("-d", type=float, default=0.00781)
+    ap.add_argument("--algorithm", default="ssar_recursive_double")
+    ap.add_argument("--rounds", type=int, default=31)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    comm = TorchDistCommunicator()
+    me = comm.rank
+    k = int(args.N * args.d)
+    g = torch.Generator().manual_seed(me)
+    idx = torch.randperm(args.N, generator=g)[:k].sort().values
+    stream = SparseStream(idx, torch.randn(k, generator=g), args.N)
+
+    held_after = comm._isend_after
+
+    def unheld_after(buf: torch.Tensor, dst: int, tag: int, recv: Any) -> Any:
+        return comm._isend(buf, dst, tag)
+
+    def send_first(buf: torch.Tensor, peer: int, tag: int = 0) -> torch.Tensor:
+        send = comm.isend(buf, peer, tag)
+        out = comm.recv(peer, tag)
+        send.wait()
+        return out
+
+    library_sendrecv = Communicator.sendrecv.__get__(comm)
+    ways: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+        "held": (library_sendrecv, held_after),
+        "unheld": (library_sendrecv, unheld_after),
+        "send first": (send_first, unheld_after),
+    }
+    names = list(ways)
+    times: dict[str, list[float]] = {w: [] for w in names}
+    for r in range(args.rounds):
+        for name in names[r % 3 :] + names[: r % 3]:
+            comm.sendrecv, comm._isend_after = ways[name]  # type: ignore[method-assign]
+            comm.barrier()
+            t = time.perf_counter()
+            sparse_allreduce(stream, comm, algorithm=args.algorithm)
+            times[name].append(time.perf_counter() - t)
+    slowest = {w: torch.tensor(v, dtype=torch.float64) for w, v in times.items()}
+    for t in slowest.values():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if me == 0:
+        print(f"P = {comm.world_size}, N = {args.N:,}, d = {args.d}, {args.algorithm}, "
+              f"{args.rounds} rounds, the slowest rank's ms", flush=True)  # fmt: skip
+        for w, t in slowest.items():
+            ms = sorted(x * 1e3 for x in t.tolist()[1:])
+            q = len(ms) // 4
+            print(f"  {w:<11} p50 {statistics.median(ms):8.2f}  p25 {ms[q]:8.2f}  "
+                  f"p75 {ms[-q - 1]:8.2f}", flush=True)  # fmt: skip
+    comm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
