@@ -1,10 +1,11 @@
 r"""An exchange's order over gloo, three ways in one job: ``sparse_allreduce`` calls
 alternating round by round between
 
-* ``held`` (the library): ``sendrecv`` posts its receive first, and a body goes once
+* ``held`` (the library): an exchange posts its receive first, and a body goes once
   the receive of the peer's body is posted (``isend(after=)``);
 * ``unheld``: the receive first, every body sent at once;
-* ``send first`` (the library before): ``isend`` then ``recv``, bodies sent at once.
+* ``send first`` (the library before, and NCCL's order today:
+  ``receives_first = False``): the send, then the receive, bodies sent at once.
 
 gloo sends a body only after the receiver's "ready to receive" note and writes it into
 the pair's one TCP connection ahead of a note posted later: a body sent at once can
@@ -14,8 +15,8 @@ hold back the other direction's. Run inside ``sparcml cluster``::
         -N 16M -d 0.05 --algorithm ssar_split_allgather --rounds 31
 
 Rank 0 prints each way's p50 and quartiles of the slowest rank's time (the first
-round left out). Only the alltoallv and the rings inside the algorithms keep the held
-order throughout (they call ``isend(after=)`` themselves).
+round left out). Every exchange of the calls follows the way: ``sendrecv``, the
+all-to-all and the rings.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import torch.distributed as dist
 
 from sparcml import SparseStream, sparse_allreduce
 from sparcml.comm import TorchDistCommunicator
-from sparcml.comm.base import Communicator
 from sparcml.tools.cli.common import size_arg
 
 
@@ -55,23 +55,17 @@ def main() -> None:
     def unheld_after(buf: torch.Tensor, dst: int, tag: int, recv: Any) -> Any:
         return comm._isend(buf, dst, tag)
 
-    def send_first(buf: torch.Tensor, peer: int, tag: int = 0) -> torch.Tensor:
-        send = comm.isend(buf, peer, tag)
-        out = comm.recv(peer, tag)
-        send.wait()
-        return out
-
-    library_sendrecv = Communicator.sendrecv.__get__(comm)
-    ways: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
-        "held": (library_sendrecv, held_after),
-        "unheld": (library_sendrecv, unheld_after),
-        "send first": (send_first, unheld_after),
+    # (receives first?, the exchange's send)
+    ways: dict[str, tuple[bool, Callable[..., Any]]] = {
+        "held": (True, held_after),
+        "unheld": (True, unheld_after),
+        "send first": (False, unheld_after),
     }
     names = list(ways)
     times: dict[str, list[float]] = {w: [] for w in names}
     for r in range(args.rounds):
         for name in names[r % 3 :] + names[: r % 3]:
-            comm.sendrecv, comm._isend_after = ways[name]  # type: ignore[method-assign]
+            comm.receives_first, comm._isend_after = ways[name]  # type: ignore[method-assign]
             comm.barrier()
             t = time.perf_counter()
             sparse_allreduce(stream, comm, algorithm=args.algorithm)

@@ -14,9 +14,11 @@ with the offloads on (docs/cluster.md, "The token bucket's burst")::
 
 ``--transport tcp`` (the default) exchanges over one plain TCP connection (a thread
 sends while the caller receives): the link alone. ``--transport gloo`` uses
-``isend``/``irecv`` of torch.distributed's gloo, which adds its own behaviour (at
-100 Mbit/s some 4 MB exchanges took twice their time: one direction after the
-other). Rank 0 prints each size's median and range over ``--calls`` exchanges.
+``isend``/``irecv`` of torch.distributed's gloo (``--recv-first``: ``irecv`` first),
+which adds its own behaviour (at 100 Mbit/s some 4 MB exchanges took twice their
+time: one direction after the other, docs/cluster.md, "Exchanges over gloo");
+``--transport sparcml`` sparcml's ``Communicator.sendrecv``. Rank 0 prints each
+size's median and range over ``--calls`` exchanges.
 """
 
 from __future__ import annotations
@@ -72,15 +74,19 @@ def tcp_exchange(me: int) -> tuple[Callable[[int], None], Callable[[], None]]:
     return exchange, round_trip
 
 
-def gloo_exchange(me: int) -> tuple[Callable[[int], None], Callable[[], None]]:
-    """(exchange of n bytes with gloo's isend + irecv, a barrier)."""
+def gloo_exchange(me: int, recv_first: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """(exchange of n bytes with gloo's isend + irecv, or irecv + isend; a barrier)."""
     bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def exchange(n: int) -> None:
         if n not in bufs:
             bufs[n] = (torch.zeros(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8))
         snd, rcv = bufs[n]
-        for work in [dist.isend(snd, 1 - me), dist.irecv(rcv, 1 - me)]:
+        if recv_first:
+            works = [dist.irecv(rcv, 1 - me), dist.isend(snd, 1 - me)]
+        else:
+            works = [dist.isend(snd, 1 - me), dist.irecv(rcv, 1 - me)]
+        for work in works:
             work.wait()
 
     return exchange, dist.barrier
@@ -108,18 +114,23 @@ def main() -> None:
     ap.add_argument("--idle-ms", type=float, default=15.0, help="idle time before a call")
     ap.add_argument("--calls", type=int, default=15)
     ap.add_argument("--transport", choices=("tcp", "gloo", "sparcml"), default="tcp")
+    ap.add_argument("--recv-first", action="store_true", help="gloo: post irecv before isend")
     args = ap.parse_args()
     rate = parse_rate(args.rate)
     dist.init_process_group("gloo")
     me, p = dist.get_rank(), dist.get_world_size()
     if p != 2:
         raise SystemExit("link_burst.py runs on 2 ranks (sparcml cluster -P 2)")
-    exchange, sync = {"tcp": tcp_exchange, "gloo": gloo_exchange, "sparcml": sparcml_exchange}[
-        args.transport
-    ](me)
+    if args.transport == "tcp":
+        exchange, sync = tcp_exchange(me)
+    elif args.transport == "gloo":
+        exchange, sync = gloo_exchange(me, args.recv_first)
+    else:
+        exchange, sync = sparcml_exchange(me)
     if me == 0:
         link = os.environ.get("SPARCML_CLUSTER_LINK", "(not on sparcml cluster)")
-        print(f"{args.rate} links: {link}; {args.transport}, {args.calls} exchanges each, "
+        how = args.transport + (" (irecv first)" if args.recv_first else "")
+        print(f"{args.rate} links: {link}; {how}, {args.calls} exchanges each, "
               "rank 0's p50 [min..max]", flush=True)  # fmt: skip
     for nbytes in (size_arg(s) for s in args.sizes.split(",")):
         for idle in (args.idle_ms / 1e3, 0.0):

@@ -224,3 +224,30 @@ def test_the_generic_ring_refuses_a_chunk_of_another_size() -> None:
     out = run_ranks(3, fn, timeout=2.0)
     assert out[1].startswith("mismatch") and out[2].startswith("mismatch")
     assert "differ in size or dtype" in out[1] and out[0] != "ok"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_exchanges_in_either_order_give_the_same_bits(world: int) -> None:
+    """``receives_first`` (gloo's order) or the send first (NCCL's): sendrecv, the
+    all-to-all, the allgather ring and the dense ring give every rank the same
+    exact results either way."""
+
+    def fn(comm, first):  # type: ignore[no-untyped-def]
+        comm.receives_first = first
+        g = torch.Generator().manual_seed(comm.rank)
+        parts = [torch.randint(0, 255, (97 * j,), dtype=torch.uint8, generator=g) for j in
+                 range(comm.world_size)]  # fmt: skip
+        peer = comm.rank ^ 1
+        swapped = comm.sendrecv(parts[0], peer).tolist() if peer < comm.world_size else None
+        x = torch.randn(1001, generator=g, dtype=torch.float64)
+        return (
+            swapped,
+            [t.tolist() for t in comm.alltoallv(parts)],
+            [t.tolist() for t in comm.allgatherv(parts[-1])],
+            comm.allreduce(x).tolist(),
+        )
+
+    a = run_ranks(world, lambda comm: fn(comm, True))
+    b = run_ranks(world, lambda comm: fn(comm, False))
+    assert a == b
+    assert all(r[3] == a[0][3] for r in a)  # the same sum on every rank

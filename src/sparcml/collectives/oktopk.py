@@ -405,10 +405,11 @@ def _balanced_allgather(
 
     # Redistribute: every rank knows all counts, so only the non-empty overlaps
     # travel (a rank's entries usually straddle one or two shares): point to point.
-    # Receives first: a rank that both sends to and receives from j exchanges with
-    # it (``isend(after=)``), and every receive has its body posted before any is
-    # waited for.
-    recvs = {j: comm.irecv(j) for j in range(p) if j != me and _nonempty(overlap(j, me))}
+    # Receives first where the transport asks (``receives_first``): a rank that
+    # both sends to and receives from j exchanges with it (``isend(after=)``), and
+    # every receive has its body posted before any is waited for.
+    sources = [j for j in range(p) if j != me and _nonempty(overlap(j, me))]
+    recvs = {j: comm.irecv(j) for j in sources if comm.receives_first}
     sends = []
     for j in range(p):
         lo, hi = overlap(me, j)
@@ -416,6 +417,8 @@ def _balanced_allgather(
             sl = slice(lo - offsets[me], hi - offsets[me])
             payload = _pairs(kept_idx[sl], kept_val[sl], size)
             sends.append(comm.isend(payload, j, after=recvs.get(j)))
+    if not comm.receives_first:
+        recvs = {j: comm.irecv(j) for j in sources}
     for h in recvs.values():
         h.progress()
     pieces = []

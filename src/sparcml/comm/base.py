@@ -171,6 +171,14 @@ class Communicator(abc.ABC):
     #: names the failed one: collectives may then exchange in O(log P) rounds
     #: without losing who is to blame.
     agrees_on_failures: bool = False
+    #: An exchange (both ranks of a pair send to each other at once) posts its
+    #: receive before its send, and the send holds its body until that receive's
+    #: body is posted (:meth:`isend`'s ``after``): gloo sends a body only after the
+    #: receiver's "ready to receive" note, on the pair's one connection, in order
+    #: (docs/cluster.md, "Exchanges over gloo"). False keeps the send first: NCCL
+    #: runs a pair's operations in order on one stream, where a receive posted
+    #: first would wait for a send queued behind it (not run on two GPUs here).
+    receives_first: bool = True
     #: The ranks are threads of one process (in-process, simulated): one node unless
     #: a topology is set (:meth:`set_topology`).
     one_process: bool = False
@@ -455,12 +463,22 @@ class Communicator(abc.ABC):
 
     def sendrecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> torch.Tensor:
         """Exchange messages with ``peer`` (both send, both receive)."""
-        recv = self.irecv(peer, tag)
-        send = self.isend(buf, peer, tag, after=recv)
+        send, recv = self.exchange_step(buf, peer, peer, tag)
         out = recv.wait()
         send.wait()
         assert out is not None
         return out
+
+    def exchange_step(
+        self, buf: torch.Tensor, dst: int, src: int, tag: int = 0
+    ) -> tuple[Handle, Handle]:
+        """(send of ``buf`` to ``dst``, receive from ``src``), in the order
+        :attr:`receives_first` asks; with ``dst == src`` an exchange (``after=``)."""
+        if not self.receives_first:
+            send = self.isend(buf, dst, tag)
+            return send, self.irecv(src, tag)
+        recv = self.irecv(src, tag)
+        return self.isend(buf, dst, tag, after=recv if src == dst else None), recv
 
     # ----------------------------------------------------------- irregular collectives
     def alltoallv(self, parts: Sequence[torch.Tensor], tag: int = 0) -> list[torch.Tensor]:
@@ -475,11 +493,14 @@ class Communicator(abc.ABC):
         p, me = self.world_size, self.rank
         if len(parts) != p:
             raise ValueError(f"alltoallv needs {p} parts (one per rank), got {len(parts)}")
-        recvs = {(me - s) % p: self.irecv((me - s) % p, tag) for s in range(1, p)}
+        first = self.receives_first
+        recvs = {(me - s) % p: self.irecv((me - s) % p, tag) for s in range(1, p) if first}
         sends = [
-            self.isend(parts[(me + s) % p], (me + s) % p, tag, after=recvs[(me + s) % p])
+            self.isend(parts[(me + s) % p], (me + s) % p, tag, after=recvs.get((me + s) % p))
             for s in range(1, p)
         ]
+        if not first:
+            recvs = {(me - s) % p: self.irecv((me - s) % p, tag) for s in range(1, p)}
         for h in recvs.values():  # every body's receive posted before any is waited for
             h.progress()
         out: list[torch.Tensor] = []
@@ -507,8 +528,8 @@ class Communicator(abc.ABC):
         for s in range(p - 1):
             outgoing = blocks[(me - s) % p]
             assert outgoing is not None
-            recv = self.irecv(left, tag)  # (at P = 2 left is right: an exchange)
-            h = self.isend(outgoing, right, tag, after=recv if left == right else None)
+            # (at P = 2 left is right: an exchange)
+            h, recv = self.exchange_step(outgoing, right, left, tag)
             blocks[(me - s - 1) % p] = recv.wait()
             h.wait()
         return [b for b in blocks if b is not None]
@@ -558,10 +579,7 @@ class Communicator(abc.ABC):
 
         def exchange(send_idx: int, recv_idx: int) -> torch.Tensor:
             # (at P = 2 left is right: an exchange)
-            recv = self.irecv(left, tag)
-            h = self.isend(
-                as_bytes(chunks[send_idx]), right, tag, after=recv if left == right else None
-            )
+            h, recv = self.exchange_step(as_bytes(chunks[send_idx]), right, left, tag)
             got = recv.wait()
             assert got is not None
             h.wait()

@@ -261,6 +261,7 @@ class SubCommunicator(Communicator):
         self.device = parent.device
         self.agrees_on_failures = parent.agrees_on_failures
         self.one_process = parent.one_process
+        self.receives_first = parent.receives_first
 
     def now(self) -> float:
         return self.parent.now()

@@ -132,6 +132,7 @@ class TorchDistCommunicator(Communicator):
         self._td = datetime.timedelta(seconds=self.timeout)
         # a receive may be posted larger than the message on CPU backends, not on NCCL
         self._eager = backend != "nccl" and self.device.type == "cpu"
+        self.receives_first = self._eager  # (gloo's rendezvous; NCCL: send first)
         self._faults: StoreFaults | None = None
         _live.add(self)
 
