@@ -371,3 +371,37 @@ def exchange_order(comm):  # type: ignore[no-untyped-def]
         return out
     finally:
         torchdist.dist = dist
+
+
+def large_messages(comm, algos, per_node):  # type: ignore[no-untyped-def]
+    """Every algorithm of ``algos`` on 100,000 entries a rank (messages of about
+    800 KB: a head and a body over gloo), nodes of ``per_node`` ranks (0: flat)."""
+    if per_node:
+        os.environ.update(GROUP_RANK=str(comm.rank // per_node), LOCAL_WORLD_SIZE=str(per_node))
+    n, k = 1 << 20, 100_000
+    g = torch.Generator().manual_seed(comm.rank)
+    s = SparseStream(torch.randperm(n, generator=g)[:k], torch.randn(k, generator=g), n)
+    return [(algo, encode(s), encode(sparse_allreduce(s, comm, algorithm=algo))) for algo in algos]
+
+
+def held_body_then_abort(comm):  # type: ignore[no-untyped-def]
+    """Rank 0 holds a body for an exchange (its receive never gets a body) and then
+    fails: its abort note must reach rank 1 after that body, not in its place."""
+    import torch.distributed as dist
+
+    big = torch.full((1 << 20,), 7, dtype=torch.uint8)
+    if comm.rank == 0:
+        recv = comm.irecv(1)  # rank 1 sends nothing before the end: no body here
+        comm.isend(big, 1, after=recv)  # the body is held
+        comm.fail_call(RuntimeError("deliberate failure"))
+        time.sleep(3)  # (the connection stays while rank 1 reads)
+        return None
+    got = comm.recv(0)
+    whole = got.numel() == big.numel() and bool((got == 7).all())
+    try:
+        comm.recv(0)
+        outcome = ("no error", "")
+    except Exception as e:
+        outcome = (type(e).__name__, str(e))
+    dist.send(torch.zeros(8, dtype=torch.uint8), 0)  # (ends rank 0's receive)
+    return whole, *outcome

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,8 @@ def _can_make_namespaces() -> bool:
 
 
 needs_namespaces = pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and ip netns")
+# links slower than 250 Mbit/s are serialised: their offloads go off with ethtool
+needs_ethtool = pytest.mark.skipif(shutil.which("ethtool") is None, reason="needs ethtool")
 
 ALLREDUCE = textwrap.dedent(
     """
@@ -55,6 +58,7 @@ def _ours() -> list[str]:
 
 @pytest.mark.spawn
 @needs_namespaces
+@needs_ethtool
 def test_links_are_shaped_and_ranks_connect(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     script = tmp_path / "job.py"
     script.write_text(ALLREDUCE)
@@ -93,6 +97,7 @@ def test_failures_and_timeouts_tear_down(tmp_path: Path) -> None:
 
 @pytest.mark.spawn
 @needs_namespaces
+@needs_ethtool
 def test_bench_runs_inside_the_cluster(capsys) -> None:  # type: ignore[no-untyped-def]
     sparcml = str(Path(sys.executable).parent / "sparcml")
     bench = ["bench", "--env", "-N", "64K", "--repeats", "1", "--experiments", "1", "-q"]
@@ -141,6 +146,7 @@ NODES = textwrap.dedent(
 
 @pytest.mark.spawn
 @needs_namespaces
+@needs_ethtool
 def test_nodes_share_a_shaped_nic_and_talk_unshaped_inside(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     script = tmp_path / "job.py"
     script.write_text(NODES)
@@ -251,6 +257,7 @@ print("SECONDS", sorted(times)[2])
 
 @pytest.mark.spawn
 @needs_namespaces
+@needs_ethtool
 def test_a_slow_link_serialises_a_message_after_idle(tmp_path: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """64 KB after the link idled take their time at the rate (26 ms at 20 Mbit/s),
     where a plain 256 KB bucket lets them through at once (well under 5 ms)."""
@@ -272,3 +279,15 @@ def test_a_slow_link_serialises_a_message_after_idle(tmp_path: Path, capsys, mon
     assert "LINK bucket 256kb, offloads on" in out
     seconds = float(out.split("[rank 0] SECONDS ")[1].split()[0])
     assert seconds < 0.5 * at_rate, (seconds, at_rate)
+
+
+def test_a_serialised_link_without_ethtool_is_refused_before_anything_is_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sparcml.tools import cluster
+
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cluster.shutil, "which", lambda name: None)
+    with pytest.raises(cluster.ClusterError, match=r"needs ethtool.*SPARCML_CLUSTER_BURST=256kb"):
+        cluster.Cluster(2, "100mbit")
+    assert cluster.Cluster(2, "1gbit").shape.tbf[3] == "256kb"  # (fast links: no ethtool)

@@ -246,3 +246,37 @@ def test_an_exchange_posts_its_receive_before_its_body() -> None:
             # sent only once the peer's body has its receive
             assert log[0] == ("recv", EAGER_BYTES), (name, log)
             assert log.index(("recv", body)) < log.index(("send", body)), (name, log)
+
+
+@pytest.mark.parametrize(
+    ("world", "per_node", "algos"),
+    [
+        # P = 3: recursive doubling's and the sparse allgather's fold (rank 2 sends to
+        # rank 0, which answers in the unfold) with bodies over gloo's eager size
+        (3, 0, ["ssar_recursive_double", "ssar_split_allgather", "topka", "topkdsa"]),
+        # a node's ranks send to their leader, which answers with the node's sum
+        (4, 2, ["twolevel_leader"]),
+    ],
+)
+def test_a_message_answered_later_is_not_held_as_an_exchange(
+    world: int, per_node: int, algos: list[str]
+) -> None:
+    """A fold's or a leader's message is answered only after it has arrived: its body
+    goes at once (``sendrecv(exchange=False)``). Held as an exchange's, it waited for
+    a receive that waited for it, until the timeout."""
+    out = run_processes(world, gloo_workers.large_messages, algos, per_node, timeout=30)
+    ref = sum(decode(o[0][1]).to_dense().double() for o in out)
+    for i, algo in enumerate(algos):
+        result = out[0][i][2]
+        assert all(torch.equal(o[i][2], result) for o in out), algo  # the same bits everywhere
+        assert torch.allclose(decode(result).to_dense().double(), ref, atol=1e-4), algo
+
+
+def test_an_abort_note_follows_a_held_body() -> None:
+    """A body held for an exchange goes before an abort note to the same rank, so
+    the note meets the receive it is meant for (gloo matches a pair's messages in
+    order) and the peer raises the sender's error at once."""
+    out = run_processes(2, gloo_workers.held_body_then_abort, timeout=20, deadline=60)
+    whole, kind, message = out[1]
+    assert whole, "the held body did not arrive whole before the note"
+    assert kind == "PeerFailedError" and "rank 0 raised RuntimeError" in message, out[1]

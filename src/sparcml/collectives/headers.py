@@ -86,7 +86,11 @@ def gather_headers(header: torch.Tensor, comm: Communicator) -> list[torch.Tenso
     if me >= p2:  # fold: hand the header to rank me - P', get every header back
         # (the receive posted before the send is waited for: on gloo a send completes
         # only once the peer receives, and a peer that failed sends its note instead)
-        take(comm.sendrecv(header, me - p2), me - p2, [r for r in range(p) if r != me])
+        take(
+            comm.sendrecv(header, me - p2, exchange=False),  # (answered in the unfold)
+            me - p2,
+            [r for r in range(p) if r != me],
+        )
         return [h for h in out if h is not None]
     if me < p - p2:
         take(comm.recv(me + p2), me + p2, [me + p2])

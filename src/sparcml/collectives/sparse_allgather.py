@@ -60,7 +60,7 @@ def allgather_buffers(buf: torch.Tensor, comm: Communicator) -> list[torch.Tenso
         mine = bundle()
         held.clear()
         # (sendrecv: the partner's abort note is seen while the send waits for it)
-        merge(comm.sendrecv(mine, me - p2))
+        merge(comm.sendrecv(mine, me - p2, exchange=False))  # (answered in the unfold)
     else:
         if me < p - p2:
             merge(comm.recv(me + p2))

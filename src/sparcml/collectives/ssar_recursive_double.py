@@ -88,7 +88,9 @@ def ssar_recursive_double(
     if me >= p2:
         out = None if headers.refuse else codec.encode(stream)
         # (sendrecv: the partner's abort note is seen while the send waits for it)
-        got = headers.unwrap(comm.sendrecv(headers.wrap([me], out), me - p2), me - p2, others)
+        sent = headers.wrap([me], out)
+        # (its partner answers in the unfold: not an exchange)
+        got = headers.unwrap(comm.sendrecv(sent, me - p2, exchange=False), me - p2, others)
         headers.finish(p)
         assert got is not None
         return decode(got)

@@ -108,7 +108,7 @@ def twolevel_leader(
     if node.rank != 0:
         # Step 1: the contribution to the leader; step 3: the result from it.
         # (sendrecv: the leader's abort note is seen while the send waits for it)
-        got = node.sendrecv(encode_or_empty(stream, inside), 0)
+        got = node.sendrecv(encode_or_empty(stream, inside), 0, exchange=False)  # (a reply)
         return decode_or_empty(got, size, dtype, device)
     # Step 1 (leader): the node's sum, in local rank order.
     got = [node.irecv(j) for j in range(1, node.world_size)]

@@ -401,9 +401,10 @@ class Communicator(abc.ABC):
         """Non-blocking send of a 1-D uint8 tensor of any length to ``dst``.
 
         ``after``: this rank's receive of the message ``dst`` sends here at the same
-        time (an exchange), posted before this send. A backend whose transport moves
-        two bodies crossing one connection one after the other holds this message's
-        body until that receive's body is posted (:meth:`_isend_after`). A caller
+        time without waiting for this one (an exchange), posted before this send. A
+        backend whose transport moves two bodies crossing one connection one after
+        the other holds this message's body until that receive's body is posted
+        (:meth:`_isend_after`). A caller
         with several such receives calls ``progress()`` on every one before it waits
         for any (:meth:`alltoallv`): a held body waits for its receive's progress.
         """
@@ -461,9 +462,23 @@ class Communicator(abc.ABC):
         assert out is not None
         return out
 
-    def sendrecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> torch.Tensor:
-        """Exchange messages with ``peer`` (both send, both receive)."""
-        send, recv = self.exchange_step(buf, peer, peer, tag)
+    def sendrecv(
+        self, buf: torch.Tensor, peer: int, tag: int = 0, *, exchange: bool = True
+    ) -> torch.Tensor:
+        """Send ``buf`` to ``peer`` and receive its message.
+
+        ``exchange``: ``peer`` sends to this rank at the same time, without waiting
+        for anything from it (both halves of an exchange: the order of
+        :attr:`receives_first`, a held body). ``False`` where ``peer``'s message
+        may come only after this one has arrived (a fold, whose partner answers in
+        the unfold; a leader's reply): this message then goes whole at once, as a
+        held body would wait for a receive that waits for it.
+        """
+        if exchange:
+            send, recv = self.exchange_step(buf, peer, peer, tag)
+        else:
+            send = self.isend(buf, peer, tag)
+            recv = self.irecv(peer, tag)
         out = recv.wait()
         send.wait()
         assert out is not None

@@ -261,7 +261,10 @@ class SubCommunicator(Communicator):
         self.device = parent.device
         self.agrees_on_failures = parent.agrees_on_failures
         self.one_process = parent.one_process
-        self.receives_first = parent.receives_first
+
+    @property  # type: ignore[override]
+    def receives_first(self) -> bool:  # (the parent's transport's order, as it is now)
+        return self.parent.receives_first
 
     def now(self) -> float:
         return self.parent.now()

@@ -39,6 +39,7 @@ import atexit
 import contextlib
 import datetime
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -133,6 +134,9 @@ class TorchDistCommunicator(Communicator):
         # a receive may be posted larger than the message on CPU backends, not on NCCL
         self._eager = backend != "nccl" and self.device.type == "cpu"
         self.receives_first = self._eager  # (gloo's rendezvous; NCCL: send first)
+        # bodies held for an exchange (_isend_after), by destination: an abort note
+        # to that rank sends them first, so that the note meets the right receive
+        self._held: dict[int, list[Callable[[], None]]] = {}
         self._faults: StoreFaults | None = None
         _live.add(self)
 
@@ -235,6 +239,11 @@ class TorchDistCommunicator(Communicator):
         self.faults.acknowledge(origin)
 
     def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
+        # a body held for dst goes first: its receive is posted, or will be once its
+        # head is in, and would take the note in its place (gloo matches in order)
+        for post in list(self._held.get(dst, ())):
+            with contextlib.suppress(Exception):
+                post()
         # an abort note is a message whose length word is negative: -(bytes + 1)
         return self._isend(payload, dst, 0, note=True)
 
@@ -252,9 +261,11 @@ class TorchDistCommunicator(Communicator):
         crossing a 100 Mbit/s link took 590 ms where one took 365 ms
         (``benchmarks/link_burst.py --transport sparcml``); held, both move at
         once. The heads (length word and eager bytes) are never held, so both
-        sides' bodies are posted as soon as the heads have crossed.
+        sides' bodies are posted as soon as the heads have crossed, when the peer
+        sends without waiting for this message (an exchange). NCCL's path sends at
+        once (:attr:`receives_first`).
         """
-        return self._send(buf, dst, tag, False, recv)
+        return self._send(buf, dst, tag, False, recv if self._eager else None)
 
     def _send(
         self, buf: torch.Tensor, dst: int, tag: int, note: bool, after: Handle | None
@@ -283,14 +294,18 @@ class TorchDistCommunicator(Communicator):
             body, held[0] = held[0], None
             if body is None:
                 return
+            waiting = self._held.get(dst)
+            if waiting is not None and post_body in waiting:
+                waiting.remove(post_body)
             try:
                 works.append(dist.isend(body, gdst, group=self.group, tag=tag))
             except Exception as e:
                 raise self._fail(e, dst, "send") from e
 
-        if after is None:
+        if after is None or rest is None:
             post_body()
         else:
+            self._held.setdefault(dst, []).append(post_body)
             after.when_posted(post_body)
 
         def wait() -> None:

@@ -45,6 +45,7 @@ import dataclasses
 import os
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,12 +81,12 @@ BURST = "256kb"
 #: packets of up to 64 KB (a 64 KB bucket: 4 MB in 597 ms against 336 ms at the
 #: rate), so a serialised link also turns TSO, GSO and GRO off on both of its ends
 #: (``ethtool -K``): MTU-sized packets through a bucket of :data:`SERIAL_BUCKET_S`
-#: of the link. Measured with plain TCP at 100 Mbit/s: 93 KB after idle 7.85 ms,
-#: 4 MB 364 ms (the TCP/IP headers' 4.5% and the acknowledgements over the rate);
-#: at 400 Mbit/s the packets' CPU cost TCP retransmissions on this 2-core machine,
-#: and at 1 Gbit/s half the throughput, so faster links keep :data:`BURST` and the
-#: offloads (their 256 KB are 2 ms of 1 Gbit/s). docs/cluster.md, "The token
-#: bucket's burst".
+#: of the link. Measured with plain TCP at 100 Mbit/s: 93 KB after idle 7.22 ms,
+#: 4 MB 362.73 ms (the TCP/IP headers' 4.5% and the acknowledgements over the
+#: rate); at 400 Mbit/s and 1 Gbit/s the packets' CPU cost TCP retransmissions on
+#: this 2-core machine (4 MB at 1 Gbit/s 46.28 ms against 36.23 with the offloads),
+#: so faster links keep :data:`BURST` and the offloads (their 256 KB are 2 ms of
+#: 1 Gbit/s). docs/cluster.md, "The token bucket's burst".
 SERIALISE_BELOW_BPS = 2.5e8
 #: A serialised link's bucket: this much of its time, at least :data:`SMALLEST_BUCKET`.
 SERIAL_BUCKET_S = 0.00125
@@ -193,17 +194,12 @@ def _offloads_off(ns: str, dev: str) -> None:
     argv = ["ip", "netns", "exec", ns, "ethtool", "-K", dev]
     for feature in OFFLOADS:
         argv += [feature, "off"]
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True)
-    except FileNotFoundError:
-        done = None
-    if done is None or done.returncode != 0:
-        why = "ethtool is not installed" if done is None else done.stderr.strip()
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
         raise ClusterError(
-            f"turning {dev}'s offloads off in {ns} failed ({why}): a link slower than "
-            f"{SERIALISE_BELOW_BPS / 1e6:g} Mbit/s needs them off to serialise small "
-            "messages at its rate; install ethtool, or set SPARCML_CLUSTER_BURST=256kb "
-            "for a plain token bucket (small messages then cross an idle link at once)"
+            f"turning {dev}'s offloads off in {ns} failed ({done.stderr.strip()}): a "
+            "serialised link needs them off; SPARCML_CLUSTER_BURST=256kb gives a plain "
+            "token bucket (small messages then cross an idle link at once)"
         )
 
 
@@ -285,6 +281,14 @@ class Cluster:
         self.hosts = hosts
         self.rate = rate
         self.shape = link_options(rate)
+        if self.shape.serialised and shutil.which("ethtool") is None:
+            raise ClusterError(
+                f"a link of {rate} is serialised (slower than "
+                f"{SERIALISE_BELOW_BPS / 1e6:g} Mbit/s: segmentation offloads off), "
+                "which needs ethtool: install it (apt install ethtool), or set "
+                "SPARCML_CLUSTER_BURST=256kb for a plain token bucket (small messages "
+                "then cross an idle link at once)"
+            )
         self.prefix = prefix or f"spcl{os.getpid() % 100000}"
         self.created: list[str] = []
 
