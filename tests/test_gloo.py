@@ -235,7 +235,7 @@ def test_an_exchange_posts_its_receive_before_its_body() -> None:
     """Both sides of an exchange on one connection post the receive of the other's
     body before sending their own: gloo's rendezvous writes a body into the socket
     ahead of a later "ready to receive" note, and the other direction's body then
-    waits for all of it (two 4 MB bodies at 100 Mbit/s: 590 against 370 ms;
+    waits for all of it (two 4 MB bodies at 100 Mbit/s: 601.66 against 369.38 ms;
     ``benchmarks/link_burst.py --transport sparcml``)."""
     from sparcml.comm.torchdist import EAGER_BYTES
 

@@ -258,9 +258,8 @@ class TorchDistCommunicator(Communicator):
         (a rendezvous), and writes both into one TCP connection in order: a body
         posted before this rank's note for the other direction goes into the socket
         ahead of that note, and the other body waits for all of it. Two 4 MB bodies
-        crossing a 100 Mbit/s link took 590 ms where one took 365 ms
-        (``benchmarks/link_burst.py --transport sparcml``); held, both move at
-        once. The heads (length word and eager bytes) are never held, so both
+        crossing a 100 Mbit/s link took 601.66 ms (p50) where plain TCP took 362.73
+        (``benchmarks/link_burst.py --transport sparcml``); held, 369.38 ms. The heads (length word and eager bytes) are never held, so both
         sides' bodies are posted as soon as the heads have crossed, when the peer
         sends without waiting for this message (an exchange). NCCL's path sends at
         once (:attr:`receives_first`).
