@@ -259,10 +259,11 @@ class TorchDistCommunicator(Communicator):
         posted before this rank's note for the other direction goes into the socket
         ahead of that note, and the other body waits for all of it. Two 4 MB bodies
         crossing a 100 Mbit/s link took 601.66 ms (p50) where plain TCP took 362.73
-        (``benchmarks/link_burst.py --transport sparcml``); held, 369.38 ms. The heads (length word and eager bytes) are never held, so both
-        sides' bodies are posted as soon as the heads have crossed, when the peer
-        sends without waiting for this message (an exchange). NCCL's path sends at
-        once (:attr:`receives_first`).
+        (``benchmarks/link_burst.py --transport sparcml``); held, 369.38 ms. The
+        heads (length word and eager bytes) are never held, so both sides' bodies
+        are posted as soon as the heads have crossed, when the peer sends without
+        waiting for this message (an exchange). NCCL's path sends at once
+        (:attr:`receives_first`).
         """
         return self._send(buf, dst, tag, False, recv if self._eager else None)
 
