@@ -409,7 +409,8 @@ def _balanced_allgather(
     # both sends to and receives from j exchanges with it (``isend(after=)``), and
     # every receive has its body posted before any is waited for.
     sources = [j for j in range(p) if j != me and _nonempty(overlap(j, me))]
-    recvs = {j: comm.irecv(j) for j in sources if comm.receives_first}
+    first = comm.receives_first and p == 2  # (several peers: sends first, as alltoallv)
+    recvs = {j: comm.irecv(j) for j in sources if first}
     sends = []
     for j in range(p):
         lo, hi = overlap(me, j)
@@ -417,7 +418,7 @@ def _balanced_allgather(
             sl = slice(lo - offsets[me], hi - offsets[me])
             payload = _pairs(kept_idx[sl], kept_val[sl], size)
             sends.append(comm.isend(payload, j, after=recvs.get(j)))
-    if not comm.receives_first:
+    if not first:
         recvs = {j: comm.irecv(j) for j in sources}
     for h in recvs.values():
         h.progress()
