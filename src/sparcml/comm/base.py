@@ -404,9 +404,9 @@ class Communicator(abc.ABC):
         time without waiting for this one (an exchange), posted before this send. A
         backend whose transport moves two bodies crossing one connection one after
         the other holds this message's body until that receive's body is posted
-        (:meth:`_isend_after`). A caller
-        with several such receives calls ``progress()`` on every one before it waits
-        for any (:meth:`alltoallv`): a held body waits for its receive's progress.
+        (:meth:`_isend_after`). A caller with several such receives calls
+        ``progress()`` on every one before it waits for any (:meth:`alltoallv`): a
+        held body waits for its receive's progress.
         """
         self._check_peer(dst, "destination")
         self.check_usable()
@@ -602,10 +602,7 @@ class Communicator(abc.ABC):
             got = recv.wait()
             assert got is not None
             h.wait()
-            return check_chunk(got, recv_idx)
-
-        def check_chunk(got: torch.Tensor, idx: int) -> torch.Tensor:
-            raw = got.to(flat.device)
+            raw, idx = got.to(flat.device), recv_idx
             if raw.numel() != chunks[idx].numel() * flat.element_size():
                 # (a reducer would broadcast a wrong-sized chunk without a word)
                 raise RankMismatchError(
