@@ -300,3 +300,34 @@ def gtopk_parent_fails_first(comm: Any, victim: int, hold: float) -> dict[str, A
             time.sleep(hold)  # alive: the others must not learn of it from its exit
         return out
     return {"type": "no error", "seconds": time.monotonic() - t0}
+
+
+def store_opened_ahead(comm: Any, victim: int) -> dict[str, Any]:
+    """Whether the abort record's store connection is open before any failure, and
+    the error each rank gets when rank ``victim`` then raises in an allreduce with
+    new connections refused (a failure must not need one)."""
+    import sparcml.collectives.gtopk as gtopk
+
+    deadline = time.monotonic() + 10.0
+    while comm.faults.store is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    opened = comm.faults.store is not None
+
+    def refuse() -> Any:
+        raise ConnectionRefusedError("a failure opened a new store connection")
+
+    comm.faults._connect = refuse
+    if comm.rank == victim:
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise KeyError("corrupt selection table")
+
+        gtopk.keep_topk = broken  # type: ignore[attr-defined]
+    s = SparseStream(torch.arange(comm.rank, 64, 4), torch.ones(16), 64)
+    try:
+        sparse_allreduce(s, comm, "gtopk", k=4)
+    except (SparcmlError, KeyError) as e:
+        if comm.rank == victim:
+            time.sleep(3.0)  # alive: the others must not learn of it from its exit
+        return {**_caught(e), "opened": opened}
+    return {"type": "no error", "opened": opened}

@@ -110,7 +110,10 @@ class StoreFaults:
 
     Store operations run on a connection of their own, in a helper thread
     bounded by ``op_timeout``: a frozen store host must not freeze the ranks
-    that ask it who failed.
+    that ask it who failed. :meth:`warm` opens that connection ahead of any
+    failure: opened only once a rank fails, it met a store host busy with the
+    failure (a reset connection, retried after the client's timeout) and the
+    rank named the failed peer seconds late.
 
     Args:
         connect: opens a ``torch.distributed.Store`` client (None: no store,
@@ -138,6 +141,7 @@ class StoreFaults:
     ) -> None:
         self._connect = connect
         self.store: Any = None
+        self._opening = threading.Lock()  # one connection, opened once
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
@@ -159,6 +163,29 @@ class StoreFaults:
         """The store key of ``name``: of collective call ``call``, or of the group."""
         return f"{self.prefix}/{name}" if call is None else f"{self.prefix}/c{call}/{name}"
 
+    def _open(self) -> Any:
+        """The store client, opened on first use (by :meth:`warm` or an operation)."""
+        with self._opening:
+            if self.store is None:
+                assert self._connect is not None
+                self.store = self._connect()
+            return self.store
+
+    def warm(self) -> None:
+        """Open the store connection now, in the background, so that a failure's
+        record is read and written at once; a failed attempt is left to the first
+        operation, which tries again and counts it."""
+        if self._connect is None or self.store is not None:
+            return
+
+        def run() -> None:
+            try:
+                self._open()
+            except Exception as e:  # the first operation will try again
+                log.debug("rank %d: store connection not opened ahead: %s", self.rank, e)
+
+        threading.Thread(target=run, name="sparcml-store-open", daemon=True).start()
+
     def _op(self, fn: Callable[[Any], T]) -> T | None:
         """``fn(store)`` in a helper thread, at most ``op_timeout`` seconds; None if the
         store is (or turns out) unreachable."""
@@ -168,10 +195,7 @@ class StoreFaults:
 
         def run() -> None:
             try:
-                if self.store is None:
-                    assert self._connect is not None
-                    self.store = self._connect()
-                box["out"] = fn(self.store)
+                box["out"] = fn(self._open())
             except BaseException as e:
                 box["error"] = e
 

@@ -139,6 +139,8 @@ class TorchDistCommunicator(Communicator):
         self._held: dict[int, list[Callable[[], None]]] = {}
         self._faults: StoreFaults | None = None
         _live.add(self)
+        if self.world_size > 1:
+            self.faults.warm()  # the abort record's connection, before any failure
 
     @property
     def faults(self) -> StoreFaults:
