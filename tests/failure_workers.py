@@ -232,10 +232,12 @@ def mismatch_seen_by_one_rank(comm: Any) -> dict[str, Any] | None:
     return out
 
 
-def alike_error_then_calls(comm: Any, algorithm: str, seconds: float, exits: int | None) -> Any:
+def alike_error_then_calls(comm: Any, algorithm: str, calls: int, exits: int | None) -> Any:
     """Every rank passes a tensor where a stream belongs (the documented TypeError,
-    raised by each), then makes calls for ``seconds``; rank ``exits`` leaves at the
-    third. Returns the first error and what the later calls did."""
+    raised by each), then makes ``calls`` calls 0.1 s apart; rank ``exits`` leaves at
+    the third. Returns the first error and what the later calls did. (The number of
+    calls is fixed: a loop that ran for some seconds on each rank's own clock left a
+    rank waiting in one more call that the others, out of time, never made.)"""
     import os
 
     out: dict[str, Any] = {}
@@ -243,17 +245,15 @@ def alike_error_then_calls(comm: Any, algorithm: str, seconds: float, exits: int
         sparse_allreduce(torch.zeros(8), comm)  # type: ignore[arg-type]
     except Exception as e:
         out["first"] = type(e).__name__
-    t0, calls = time.monotonic(), 0
-    while time.monotonic() - t0 < seconds:
-        if calls == 2 and comm.rank == exits:
+    for done in range(calls):
+        if done == 2 and comm.rank == exits:
             os._exit(3)
         s = SparseStream(torch.tensor([comm.rank]), torch.tensor([1.0]), 8)
         try:
             got = sparse_allreduce(s, comm, algorithm=algorithm)
         except Exception as e:
-            return {**out, "calls": calls, "error": _caught(e)}
+            return {**out, "calls": done, "error": _caught(e)}
         assert got.to_dense().tolist() == [1.0] * comm.world_size + [0.0] * (8 - comm.world_size)
-        calls += 1
         time.sleep(0.1)
     return {**out, "calls": calls, "error": None}
 
