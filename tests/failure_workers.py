@@ -312,8 +312,11 @@ def store_opened_ahead(comm: Any, victim: int) -> dict[str, Any]:
     while comm.faults.store is None and time.monotonic() < deadline:
         time.sleep(0.01)
     opened = comm.faults.store is not None
+    comm.barrier()  # (every rank past its wait before the call's own timeout starts)
+    asked: list[bool] = []
 
     def refuse() -> Any:
+        asked.append(True)
         raise ConnectionRefusedError("a failure opened a new store connection")
 
     comm.faults._connect = refuse
@@ -329,5 +332,5 @@ def store_opened_ahead(comm: Any, victim: int) -> dict[str, Any]:
     except (SparcmlError, KeyError) as e:
         if comm.rank == victim:
             time.sleep(3.0)  # alive: the others must not learn of it from its exit
-        return {**_caught(e), "opened": opened}
-    return {"type": "no error", "opened": opened}
+        return {**_caught(e), "opened": opened, "reconnected": bool(asked)}
+    return {"type": "no error", "opened": opened, "reconnected": bool(asked)}

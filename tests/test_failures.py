@@ -546,7 +546,7 @@ def test_the_abort_records_store_connection_is_open_before_a_failure() -> None:
     opened only then met a store host busy with the failure (CI: a reset connection,
     retried after the client's 2 s timeout, and the failed rank named 3.3 s late)."""
     out = run_processes(3, fw.store_opened_ahead, 1, timeout=4, deadline=60)
-    assert all(o["opened"] for o in out), out
+    assert all(o["opened"] and not o["reconnected"] for o in out), out
     assert out[1]["type"] == "KeyError", out[1]
     for o in (out[0], out[2]):
         assert o["type"] == "PeerFailedError" and o["peer"] == 1, o

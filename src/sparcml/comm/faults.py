@@ -142,6 +142,7 @@ class StoreFaults:
         self._connect = connect
         self.store: Any = None
         self._opening = threading.Lock()  # one connection, opened once
+        self._warming: threading.Thread | None = None
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
@@ -184,7 +185,21 @@ class StoreFaults:
             except Exception as e:  # the first operation will try again
                 log.debug("rank %d: store connection not opened ahead: %s", self.rank, e)
 
-        threading.Thread(target=run, name="sparcml-store-open", daemon=True).start()
+        thread = threading.Thread(target=run, name="sparcml-store-open", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as e:  # (no thread to spare: the first operation opens it)
+            log.debug("rank %d: store connection not opened ahead: %s", self.rank, e)
+            return
+        self._warming = thread
+
+    def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for :meth:`warm`'s connection attempt: a
+        thread still inside the store client's C++ code when the interpreter
+        finalizes can abort the process."""
+        thread = self._warming
+        if thread is not None:
+            thread.join(timeout)
 
     def _op(self, fn: Callable[[Any], T]) -> T | None:
         """``fn(store)`` in a helper thread, at most ``op_timeout`` seconds; None if the

@@ -61,6 +61,9 @@ all-to-all of 84 kB pieces, the split phase of ``ssar_split_allgather`` at P = 8
 N = 16M, d = 0.78%, took 12.6 ms where gloo's ``all_to_all_single`` took 7.4 ms;
 with 256 KiB 6.9 ms against 4.9, ``benchmarks/alltoallv_eager.py``, docs/cluster.md)."""
 
+#: seconds ``close`` and exit wait for the abort record's connection still being opened
+_SETTLE_S = 2.0
+
 DIRECT_ALLGATHER_BYTES = 256 * 1024
 """Largest piece per rank that CPU backends allgather directly (one all-to-all)."""
 
@@ -196,6 +199,8 @@ class TorchDistCommunicator(Communicator):
         """Stop the background engine and drop the reference to a group of our own."""
         super().close()
         self._own_group = None
+        if self._faults is not None:
+            self._faults.settle(_SETTLE_S)
 
     @classmethod
     def dedicated(
@@ -482,3 +487,5 @@ def _release_groups() -> None:
                 comm._engine.shutdown(timeout=10.0)
                 comm._engine = None
             comm._own_group = None
+            if comm._faults is not None:
+                comm._faults.settle(_SETTLE_S)
