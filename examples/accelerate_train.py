@@ -7,6 +7,7 @@ Run: .venv/bin/torchrun --nproc-per-node 2 examples/accelerate_train.py [--metho
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,20 @@ def main() -> None:
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
+    train_and_report(args)
+    # tear the process group down before the interpreter does: gloo's threads must
+    # not outlive it into finalization (an abort at exit, now and then, otherwise).
+    # Called once the DDP wrapper is gone (train_and_report returned, the collector
+    # ran): a wrapper still alive would free the process group later, with the GIL
+    # held, and that deadlocks now and then against gloo's worker threads
+    # (pytorch/pytorch#56297)
+    gc.collect()
+    dist.destroy_process_group()
 
+
+def train_and_report(args: argparse.Namespace) -> None:
+    """Train ``args.steps`` steps; the main process prints the loss, the bytes sent and
+    whether the ranks' models agree."""
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)  # the same initial model on every rank
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
@@ -49,9 +63,6 @@ def main() -> None:
         same = all(torch.equal(p, gathered[0]) for p in gathered)
         print(f"{args.method}: final loss {loss.item():.4f}; sent {state.bytes_sent:,} bytes; "
               f"models identical on every rank: {same}")  # fmt: skip
-    # tear the process group down before the interpreter does: gloo's threads must
-    # not outlive it into finalization (an abort at exit, now and then, otherwise)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

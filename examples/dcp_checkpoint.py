@@ -63,6 +63,21 @@ def main() -> None:
     )
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    same = resume_and_compare(args)
+    flags = [torch.tensor([int(same)]) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([int(same)]))
+    if dist.get_rank() == 0:
+        print(f"{args.method}: resumed run bitwise the uninterrupted one on every rank: "
+              f"{all(bool(f) for f in flags)}")  # fmt: skip
+    # the DDP models are gone (resume_and_compare returned): a DDP model still alive
+    # here would free the process group itself, later, with the GIL held, and that
+    # deadlocks now and then against gloo's worker threads (pytorch/pytorch#56297)
+    dist.destroy_process_group()
+
+
+def resume_and_compare(args: argparse.Namespace) -> bool:
+    """Train, save, load into fresh objects, train on; True if the resumed run ends
+    bitwise where an uninterrupted run of as many steps does."""
     rank = dist.get_rank()
     path = [args.checkpoint or (tempfile.mkdtemp() if rank == 0 else None)]
     dist.broadcast_object_list(path)  # one folder for every rank
@@ -88,16 +103,10 @@ def main() -> None:
 
     model, opt, _ = build(args.method)
     train(model, opt, 0, 2 * args.steps)
-    same = bool(torch.equal(resumed, params(model)))
-    flags = [torch.tensor([int(same)]) for _ in range(dist.get_world_size())]
-    dist.all_gather(flags, torch.tensor([int(same)]))
-    if rank == 0:
-        print(f"{args.method}: resumed run bitwise the uninterrupted one on every rank: "
-              f"{all(bool(f) for f in flags)}")  # fmt: skip
-    dist.barrier()
+    dist.barrier()  # every rank has read the checkpoint
     if rank == 0 and not args.checkpoint:
         shutil.rmtree(path[0])
-    dist.destroy_process_group()
+    return bool(torch.equal(resumed, params(model)))
 
 
 if __name__ == "__main__":

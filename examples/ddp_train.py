@@ -22,6 +22,17 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
+    print_if_root = train(args)
+    if dist.get_rank() == 0:
+        print(print_if_root)
+    # after train() returned: a DDP model still alive at destroy_process_group would
+    # free the process group later, with the GIL held, and that deadlocks now and then
+    # against gloo's worker threads (pytorch/pytorch#56297)
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> str:
+    """Train ``args.steps`` steps; the final loss and whether the ranks agree."""
     rank = dist.get_rank()
     torch.manual_seed(0)  # the same initial model on every rank
     model = DDP(
@@ -53,12 +64,8 @@ def main() -> None:
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.zeros_like(params) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, params)
-    if rank == 0:
-        same = all(torch.equal(p, gathered[0]) for p in gathered)
-        print(
-            f"{args.method}: final loss {loss.item():.4f}; models identical on every rank: {same}"
-        )
-    dist.destroy_process_group()
+    same = all(torch.equal(p, gathered[0]) for p in gathered)
+    return f"{args.method}: final loss {loss.item():.4f}; models identical on every rank: {same}"
 
 
 if __name__ == "__main__":

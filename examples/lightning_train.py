@@ -9,6 +9,7 @@ Run: .venv/bin/torchrun --nproc-per-node 2 examples/lightning_train.py [--method
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import lightning.pytorch as pl
@@ -74,7 +75,23 @@ def main() -> None:
         "--fits", type=int, default=1, help="fit this many times (a Trainer per fit, one callback)"
     )
     args = parser.parse_args()
+    if args.strategy_hook and args.fits > 1:
+        # (Lightning takes a strategy instance for one Trainer only)
+        parser.error("--fits > 1 is for the callback; --strategy-hook fits once")
+    fit_and_report(args)
+    # PyTorch's documented shutdown: without it gloo's worker threads can outlive the
+    # interpreter and abort the process at exit (pytorch/pytorch#190489); Lightning's own
+    # atexit hook does the same later, when it is too late for some of them. Called once
+    # the DDP wrappers are gone (fit_and_report returned, the collector ran): a wrapper
+    # still alive would free the process group later, with the GIL held, and that
+    # deadlocks now and then against gloo's worker threads (pytorch/pytorch#56297).
+    gc.collect()
+    dist.destroy_process_group()
 
+
+def fit_and_report(args: argparse.Namespace) -> None:
+    """Fit ``args.fits`` times; rank 0 prints the loss, the bytes sent and whether the
+    ranks' models agree."""
     g = torch.Generator().manual_seed(1)
     target = torch.nn.Linear(64, 8)
     x = torch.randn(32 * args.steps * 2, 64, generator=g)
@@ -118,10 +135,6 @@ def main() -> None:
               f"models identical on every rank: {same}", flush=True)  # fmt: skip
         if args.fits > 1:
             print(f"bytes sent per fit: {sent_per_fit}", flush=True)
-    # PyTorch's documented shutdown: without it gloo's worker threads can outlive the
-    # interpreter and abort the process at exit (pytorch/pytorch#190489); Lightning's own
-    # atexit hook does the same later, when it is too late for some of them
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

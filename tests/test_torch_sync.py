@@ -710,6 +710,7 @@ def test_clip_scope_model_is_refused_by_the_ddp_hook() -> None:
         state = SparcmlState("topk", clip_norm=1.0, clip_scope="model", timeout=10)
         with pytest.raises(ValueError, match="clip_scope='model' needs the whole gradient"):
             st.register(ddp, state=state)
+        del ddp  # before the group: DDP frees a group it outlives with the GIL held
     finally:
         dist.destroy_process_group()
 
