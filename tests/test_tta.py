@@ -190,6 +190,20 @@ def test_peer_names() -> None:
     assert peer_rank("powersgd") == 2 and peer_rank("powersgd1") == 1
 
 
+def test_compute_is_the_slowest_ranks_time_of_each_probe_step() -> None:
+    from sparcml.tools.recipes.train import compute_split
+
+    # step 0: rank 1 the slower (0.2 s), step 1: rank 0 (0.3 s), step 2: both 0.1 s;
+    # a synchronous step waits for the slower rank, whichever it is
+    rank0 = torch.tensor([0.1, 0.3, 0.1], dtype=torch.float64)
+    rank1 = torch.tensor([0.2, 0.1, 0.1], dtype=torch.float64)
+    split = compute_split([rank0, rank1])
+    assert split["compute_s"] == pytest.approx((0.2 + 0.3 + 0.1) / 3)
+    # the earlier figure: each rank's median (0.1 s both), which missed both waits
+    assert split["compute_rank_median_s"] == pytest.approx(0.1)
+    assert compute_split([rank0])["compute_s"] == pytest.approx(0.5 / 3)  # one rank: its mean
+
+
 def test_pytorch_peer_hooks_train_on_two_gloo_ranks() -> None:
     methods = ["ddp", "fp16", "bf16", "powersgd"]
     both = run_processes(2, tta_workers.peer_steps, methods, 4, 2, timeout=60)

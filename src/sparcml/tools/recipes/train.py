@@ -287,11 +287,7 @@ def train_worker(
         "device": str(device),
     }
     if compute:
-        # the compute part of a step: median over the probe, mean over the ranks
-        med = sorted(compute)[len(compute) // 2]
-        out["compute_s"] = float(comm.allreduce(torch.tensor([med], dtype=torch.float64))[0]) / (
-            comm.world_size
-        )
+        out.update(compute_split(comm.allgather(torch.tensor(compute, dtype=torch.float64))))
     if peer:
         out["peer_hyper"] = dict(state.hyper)
     else:
@@ -366,13 +362,32 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def compute_split(per_rank: list[torch.Tensor]) -> dict[str, float]:
+    """The compute part of a step from every rank's probe times (:func:`_probe`, step
+    ``i`` of every rank started together).
+
+    ``compute_s``: the mean over the probe's steps of the slowest rank's time. A
+    synchronous step ends no sooner than its slowest rank's backward, and the step
+    times it is taken from are means over steps too, so the wait for the slower
+    rank is compute, not sync. ``compute_rank_median_s``: the figure the harness
+    reported before (each rank's median, mean over the ranks), which left that wait,
+    and the slow steps a median drops, in the sync.
+    """
+    times = torch.stack(per_rank)  # ranks x steps
+    medians = times.median(dim=1).values
+    return {
+        "compute_s": float(times.max(dim=0).values.mean()),
+        "compute_rank_median_s": float(medians.mean()),
+    }
+
+
 def _probe(model: Any, recipe: Any, n: int, comm: Any) -> list[float]:
     """``n`` forward + backward passes without gradient synchronisation (DDP's
-    ``no_sync``), all ranks at once as in training; their wall times. The model is
-    not updated (no optimizer step); gradients are cleared afterwards."""
+    ``no_sync``), every one started on all ranks together as in training (where the
+    step's collective lines them up); their wall times. The model is not updated (no
+    optimizer step); gradients are cleared afterwards."""
     times: list[float] = []
     batches = iter(recipe.batches(0))
-    _barrier(comm)
     with model.no_sync():
         for _ in range(n):
             try:
@@ -380,6 +395,7 @@ def _probe(model: Any, recipe: Any, n: int, comm: Any) -> list[float]:
             except StopIteration:
                 batches = iter(recipe.batches(0))
                 inputs, target = next(batches)
+            _barrier(comm)
             t0 = time.perf_counter()
             inputs, target = recipe.on_device((inputs, target))
             loss = recipe.loss(model, inputs, target)
@@ -710,7 +726,8 @@ def write_report(result: dict[str, Any], out: Path, command: str) -> list[Path]:
         + "; ".join(f"{m}: {r.get('hyper', {})}" for m, r in result["runs"].items())
         + " (bytes per step: mean over the steps after any dense warm-up; ms per step: the "
         "same without the first step, whose one-time work is shown on its own; compute: a "
-        "step without communication, measured after training; compression and "
+        "step without communication, measured after training, the slowest rank's; "
+        "compression and "
         "communication: the sparcml hook's own clock per step, which overlaps backward; "
         "time per step on the machine(s) that ran the ranks, indicative only)",
         "",

@@ -7,9 +7,11 @@ accuracy (perplexity: within 3%). Speedups are over dense float32 and over the
 best of PyTorch's hooks (``fp16``, ``bf16``, ``powersgd*``) for the same target.
 
 The step split: ``compute`` is a forward + backward pass without synchronisation
-(measured after training, all ranks at once, as in training), ``optimizer`` the
-optimizer step, ``sync`` the rest of a step (compression, communication and
-waiting for the slowest rank); ``wire`` is what the bytes one rank sends cost at
+(measured after training, every pass started on all ranks together, as in
+training; the slowest rank's time of each pass, so the wait for the rank whose
+backward ends last counts as compute), ``optimizer`` the optimizer step, ``sync``
+the rest of a step (compression, communication and the waits they cause);
+``wire`` is what the bytes one rank sends cost at
 the link rate alone (bytes / rate, TCP/IP and Ethernet headers counted:
 :data:`FRAMING`), the floor of the communication.
 
@@ -191,7 +193,8 @@ def overhead_ms(row: dict[str, Any]) -> float | None:
     """A step's sync beyond its link time: sync minus bytes / rate minus messages x
     alpha (:data:`ALPHA_S`; PyTorch's hooks count no messages, their latency stays in
     the figure). What a lean step removes: selection, error feedback, encoding,
-    copies, the hand-off to the transport and waiting for the slower rank."""
+    copies and the hand-off to the transport. (The wait for the rank whose backward
+    ends last is compute: :func:`sparcml.tools.recipes.train.compute_split`.)"""
     if row.get("sync_ms") is None or row.get("wire_ms") is None:
         return None
     latency = 1000 * ALPHA_S * (row.get("messages_per_step") or 0.0)
@@ -312,7 +315,8 @@ def format_tta_table(result: dict[str, Any], rate_bps: float | None = None) -> s
             )
         out.append("")
     out += [
-        "| method | ms per step | compute (fwd+bwd) | optimizer | sync (compress + comm + wait) "
+        "| method | ms per step | compute (fwd+bwd, slowest rank) | optimizer "
+        "| sync (compress + comm + wait) "
         "| wire: bytes (+ headers) / link rate | sync beyond the link | messages per step "
         "| bytes per step (per rank) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
