@@ -8,7 +8,7 @@ import threading
 import torch.distributed as dist
 
 from .base import CommStats, Communicator, Handle, SelfCommunicator
-from .hostmem import enable_huge_pages
+from .hostmem import enable_huge_pages, keep_freed_memory
 from .local import LocalCommunicator, LocalWorld, run_ranks
 from .mpi import MPICommunicator, mpi_available
 from .topology import SubCommunicator, Topology, TopologyError, detect_topology
@@ -29,6 +29,7 @@ __all__ = [
     "default_communicator",
     "detect_topology",
     "enable_huge_pages",
+    "keep_freed_memory",
     "mpi_available",
     "refuse_silent_world_of_one",
     "resolve",

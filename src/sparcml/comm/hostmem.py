@@ -17,17 +17,44 @@ The ``sparcml`` command and the processes it starts set it (unless the
 environment already says otherwise); a training script started by ``torchrun`` or
 ``mpirun`` should export it too (README, "THP_MEM_ALLOC_ENABLE") or call
 :func:`enable_huge_pages` before it creates its model.
+
+Freed memory kept for reuse (:func:`keep_freed_memory`). glibc's allocator
+serves blocks of 128 KiB and more with their own ``mmap`` and gives them back at
+``free``, and trims the top of its heap once 128 KiB of it are free (both
+thresholds move up a little as it goes): a training step that frees and
+allocates its gradients, activations and messages again every step then
+zero-fills every page of them again, one fault at a time. With the thresholds
+raised (blocks up to 256 MiB from the heap, the heap trimmed only past 1 GiB
+free) the pages stay mapped and are reused (docs/training.md, "Freed memory kept
+for reuse", has training steps with and without). Memory cost: a process keeps
+up to its peak heap.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import os
+import platform
 
 import torch
 
-__all__ = ["VARIABLE", "device_memory_bytes", "enable_huge_pages"]
+__all__ = ["MALLOC_VARIABLES", "VARIABLE", "device_memory_bytes", "enable_huge_pages",
+           "keep_freed_memory"]  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 VARIABLE = "THP_MEM_ALLOC_ENABLE"
+
+#: glibc's allocator settings :func:`keep_freed_memory` gives (read by glibc when a
+#: process starts): blocks up to 256 MiB from the heap, which is trimmed only past
+#: 1 GiB free
+MALLOC_VARIABLES = {"MALLOC_MMAP_THRESHOLD_": 256 << 20, "MALLOC_TRIM_THRESHOLD_": 1 << 30}
+#: ``mallopt`` parameters of those settings (glibc's malloc.h)
+_MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}
+#: ``SPARCML_MALLOC=system`` leaves glibc's settings as they are
+OPT_OUT = "SPARCML_MALLOC"
 
 
 def enable_huge_pages() -> bool:
@@ -40,6 +67,36 @@ def enable_huge_pages() -> bool:
     """
     os.environ.setdefault(VARIABLE, "1")
     return os.environ[VARIABLE] not in ("", "0")
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed host memory mapped for reuse (see the module docstring).
+
+    Sets :data:`MALLOC_VARIABLES` in the environment, for processes started
+    afterwards, and applies them to this process with glibc's ``mallopt``; True if
+    it did. Leaves everything as it is (False) where the environment already sets
+    one of them (a process started with them has them already) or
+    ``GLIBC_TUNABLES`` sets the allocator's, where ``SPARCML_MALLOC=system``, and
+    off glibc.
+    """
+    if os.environ.get(OPT_OUT, "") == "system":
+        return False
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if any(k in os.environ for k in MALLOC_VARIABLES) or "glibc.malloc" in os.environ.get(
+        "GLIBC_TUNABLES", ""
+    ):
+        return False  # the user's own settings
+    for key, value in MALLOC_VARIABLES.items():
+        os.environ[key] = str(value)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        for key, value in MALLOC_VARIABLES.items():
+            if libc.mallopt(_MALLOPT[key], value) != 1:
+                log.debug("mallopt(%s, %d) refused", key, value)
+    except (OSError, AttributeError) as e:  # (the children still get the variables)
+        log.debug("mallopt not applied here: %s", e)
+    return True
 
 
 def device_memory_bytes(device: torch.device) -> int | None:

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from .hostmem import enable_huge_pages
+from .hostmem import enable_huge_pages, keep_freed_memory
 
 __all__ = [
     "PRELOAD",
@@ -256,9 +256,11 @@ def _launch(
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
     # The ranks get this environment: keep them from oversubscribing the cores,
-    # and give their large buffers huge pages (sparcml.comm.hostmem).
+    # give their large buffers huge pages and keep their freed memory for reuse
+    # (sparcml.comm.hostmem).
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     enable_huge_pages()
+    keep_freed_memory()
     global _server_fixed
     if start_method == "forkserver":
         fixed = _fixed_at_start(os.environ)

@@ -436,7 +436,9 @@ def run_on_cluster(
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
         for key in ("SPARCML_CALIBRATION", "SPARCML_DATA", "THP_MEM_ALLOC_ENABLE",
-                    "SPARCML_RANKS_PER_NODE", "SPARCML_AUTO"):  # fmt: skip
+                    "SPARCML_RANKS_PER_NODE", "SPARCML_AUTO", "SPARCML_MALLOC",
+                    "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                    "GLIBC_TUNABLES"):  # fmt: skip
             if key in os.environ:
                 base[key] = os.environ[key]
         procs = []

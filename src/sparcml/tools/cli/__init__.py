@@ -42,9 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sparcml`` command."""
-    from ...comm.hostmem import enable_huge_pages
+    from ...comm.hostmem import enable_huge_pages, keep_freed_memory
 
     enable_huge_pages()  # before any large tensor (see sparcml.comm.hostmem)
+    keep_freed_memory()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
