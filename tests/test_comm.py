@@ -153,6 +153,7 @@ def test_enable_huge_pages_respects_the_environment(monkeypatch: pytest.MonkeyPa
     assert not enable_huge_pages() and os.environ[VARIABLE] == "0"
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator settings")
 def test_keep_freed_memory_respects_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Set when absent; a user's own allocator settings, and SPARCML_MALLOC=system, kept."""
     from sparcml.comm import keep_freed_memory
@@ -160,6 +161,9 @@ def test_keep_freed_memory_respects_the_environment(monkeypatch: pytest.MonkeyPa
 
     for key in MALLOC_VARIABLES:
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")  # the user's own
+    assert not keep_freed_memory() and not any(k in os.environ for k in MALLOC_VARIABLES)
+    monkeypatch.delenv("GLIBC_TUNABLES")
     monkeypatch.setenv(OPT_OUT, "system")
     assert not keep_freed_memory() and not any(k in os.environ for k in MALLOC_VARIABLES)
     monkeypatch.delenv(OPT_OUT)
@@ -169,6 +173,38 @@ def test_keep_freed_memory_respects_the_environment(monkeypatch: pytest.MonkeyPa
     assert keep_freed_memory()
     assert {k: int(os.environ[k]) for k in MALLOC_VARIABLES} == MALLOC_VARIABLES
     assert not keep_freed_memory()  # (a process started with them has them)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator settings")
+def test_keep_freed_memory_leaves_glibc_alone_where_it_refuses(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A glibc before 2.35 refuses an mmap threshold above 32 MiB: nothing is set (the
+    trim threshold alone would switch glibc's adaptive threshold off), said once."""
+    import logging
+
+    import sparcml.comm.hostmem as hostmem
+
+    for key in [*hostmem.MALLOC_VARIABLES, "GLIBC_TUNABLES", hostmem.OPT_OUT]:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(hostmem, "_refused", False)
+    calls: list[tuple[int, int]] = []
+
+    def mallopt(param: int, value: int) -> int:
+        calls.append((param, value))
+        return 0
+
+    class Libc:
+        def __init__(self) -> None:
+            self.mallopt = mallopt
+
+    monkeypatch.setattr(hostmem.ctypes, "CDLL", lambda name: Libc())
+    with caplog.at_level(logging.WARNING, logger="sparcml.comm.hostmem"):
+        assert not hostmem.keep_freed_memory()
+        assert not hostmem.keep_freed_memory()
+    assert calls == [(-3, 256 << 20)]  # the mmap threshold only, and once
+    assert not any(k in os.environ for k in hostmem.MALLOC_VARIABLES)
+    assert caplog.text.count("refuses MALLOC_MMAP_THRESHOLD_") == 1
 
 
 FAULTS = """

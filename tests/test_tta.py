@@ -202,6 +202,9 @@ def test_compute_is_the_slowest_ranks_time_of_each_probe_step() -> None:
     # the earlier figure: each rank's median (0.1 s both), which missed both waits
     assert split["compute_rank_median_s"] == pytest.approx(0.1)
     assert compute_split([rank0])["compute_s"] == pytest.approx(0.5 / 3)  # one rank: its mean
+    # an even number of passes: the upper of the two middle ones, as the harness took it
+    even = compute_split([torch.tensor([0.1, 0.4, 0.2, 0.3], dtype=torch.float64)])
+    assert even["compute_rank_median_s"] == pytest.approx(0.3)
 
 
 def test_pytorch_peer_hooks_train_on_two_gloo_ranks() -> None:

@@ -20,8 +20,9 @@ environment already says otherwise); a training script started by ``torchrun`` o
 
 Freed memory kept for reuse (:func:`keep_freed_memory`). glibc's allocator
 serves blocks of 128 KiB and more with their own ``mmap`` and gives them back at
-``free``, and trims the top of its heap once 128 KiB of it are free (both
-thresholds move up a little as it goes): a training step that frees and
+``free``, and trims the top of its heap once 128 KiB of it are free (the first
+threshold rises with the blocks freed, up to 32 MiB, the second to twice it):
+blocks over 32 MiB and trimming stay, and a training step that frees and
 allocates its gradients, activations and messages again every step then
 zero-fills every page of them again, one fault at a time. With the thresholds
 raised (blocks up to 256 MiB from the heap, the heap trimmed only past 1 GiB
@@ -33,7 +34,6 @@ up to its peak heap.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import platform
@@ -55,6 +55,8 @@ MALLOC_VARIABLES = {"MALLOC_MMAP_THRESHOLD_": 256 << 20, "MALLOC_TRIM_THRESHOLD_
 _MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}
 #: ``SPARCML_MALLOC=system`` leaves glibc's settings as they are
 OPT_OUT = "SPARCML_MALLOC"
+# glibc refused the settings in this process: not tried again
+_refused = False
 
 
 def enable_huge_pages() -> bool:
@@ -72,14 +74,16 @@ def enable_huge_pages() -> bool:
 def keep_freed_memory() -> bool:
     """Keep freed host memory mapped for reuse (see the module docstring).
 
-    Sets :data:`MALLOC_VARIABLES` in the environment, for processes started
-    afterwards, and applies them to this process with glibc's ``mallopt``; True if
-    it did. Leaves everything as it is (False) where the environment already sets
-    one of them (a process started with them has them already) or
-    ``GLIBC_TUNABLES`` sets the allocator's, where ``SPARCML_MALLOC=system``, and
-    off glibc.
+    Applies :data:`MALLOC_VARIABLES` to this process with glibc's ``mallopt`` and
+    sets them in the environment, for processes started afterwards; True if it
+    did. Leaves everything as it is (False) where the environment already sets one
+    of them (a process started with them has them already) or ``GLIBC_TUNABLES``
+    sets the allocator's, where ``SPARCML_MALLOC=system``, off glibc, and where
+    glibc refuses the settings (before 2.35 it takes no mmap threshold above 32
+    MiB; a warning says so).
     """
-    if os.environ.get(OPT_OUT, "") == "system":
+    global _refused
+    if os.environ.get(OPT_OUT, "") == "system" or _refused:
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
@@ -87,15 +91,23 @@ def keep_freed_memory() -> bool:
         "GLIBC_TUNABLES", ""
     ):
         return False  # the user's own settings
-    for key, value in MALLOC_VARIABLES.items():
-        os.environ[key] = str(value)
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        for key, value in MALLOC_VARIABLES.items():
-            if libc.mallopt(_MALLOPT[key], value) != 1:
-                log.debug("mallopt(%s, %d) refused", key, value)
-    except (OSError, AttributeError) as e:  # (the children still get the variables)
-        log.debug("mallopt not applied here: %s", e)
+        mallopt = ctypes.CDLL(None).mallopt  # (glibc's symbols are the program's)
+    except (OSError, AttributeError) as e:
+        log.debug("freed memory not kept: no mallopt here (%s)", e)
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    # the mmap threshold first: glibc before 2.35 refuses one above 32 MiB, and the
+    # trim threshold alone would switch its own adaptive mmap threshold off
+    for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        if mallopt(_MALLOPT[key], MALLOC_VARIABLES[key]) != 1:
+            _refused = True  # (said once)
+            log.warning("freed memory not kept for reuse: this glibc refuses %s=%d "
+                        "(its own settings stay)", key, MALLOC_VARIABLES[key])  # fmt: skip
+            return False
+    for key, value in MALLOC_VARIABLES.items():
+        os.environ[key] = str(value)  # for the processes started from here
     return True
 
 
