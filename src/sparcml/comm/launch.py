@@ -40,7 +40,6 @@ What a forked rank keeps from the server, and how the launcher deals with it:
 from __future__ import annotations
 
 import datetime
-import gc
 import io
 import logging
 import os
@@ -179,10 +178,6 @@ def _worker(
         finally:
             comm.close()
         results.put((rank, True, _dumps(out)))
-        # a DDP model in a reference cycle would free the group later, with the GIL
-        # held, against gloo's worker threads (pytorch/pytorch#56297)
-        del out
-        gc.collect()
         dist.destroy_process_group()
     except BaseException as e:
         text = "".join(traceback.format_exception(e))
