@@ -50,7 +50,13 @@ def _threads() -> dict[str, tuple[str, float]]:
 
 
 def _rank(
-    comm: Any, recipe_name: str, method: str, density: float, steps: int, warmup: int
+    comm: Any,
+    recipe_name: str,
+    method: str,
+    density: float,
+    steps: int,
+    warmup: int,
+    options: dict[str, str],
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -60,7 +66,7 @@ def _rank(
     from sparcml.tools.recipes.train import method_hyper
 
     cls = RECIPES[recipe_name]
-    recipe = cls(comm.rank, comm.world_size, 0, limit=8000)
+    recipe = cls(comm.rank, comm.world_size, 0, limit=8000, **options)
     hyper = method_hyper(method, {"density": density}, momentum=cls.momentum)
     model = DDP(recipe.model())
     state = st.register(model, method, **hyper)  # dense too: sparcml's method, as the recipe
@@ -114,16 +120,38 @@ def main() -> None:
     ap.add_argument("-d", "--density", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument(
+        "--recipe-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe option, as for sparcml train (e.g. features=1048576)",
+    )
     args = ap.parse_args()
+    options = {}
+    for item in args.recipe_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--recipe-option takes KEY=VALUE, got {item!r}")
+        options[key] = value
     p = args.world_size
     print(
-        f"{args.recipe}, DDP, {p} gloo processes, {args.steps} steps after {args.warmup}; "
+        f"{args.recipe}{''.join(f' {k}={v}' for k, v in options.items())}, "
+        f"DDP, {p} gloo processes, {args.steps} steps after {args.warmup}; "
         f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     dense_wall = None
     for method in args.methods.split(","):
         res = run_processes(
-            p, _rank, args.recipe, method, args.density, args.steps, args.warmup, timeout=600
+            p,
+            _rank,
+            args.recipe,
+            method,
+            args.density,
+            args.steps,
+            args.warmup,
+            options,
+            timeout=600,
         )
         wall = max(r["wall"] for r in res)
         if method == "dense":

@@ -198,3 +198,47 @@ def test_a_bucket_reads_residuals_of_another_dtype_as_their_values() -> None:
     flat = buf.gather(["a", "b"], [2, 4], like)
     assert flat.dtype == torch.float32
     assert flat.tolist() == [1.5, -2.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_topk_select_covering_says_when_every_non_zero_was_selected() -> None:
+    """On the CPU, a top-k of fewer than ``k`` entries is every non-zero (NaN is one);
+    ``k`` non-zeros or more, or a selector that cannot tell, say False."""
+    for n in (1000, 70_000):  # torch.topk's path, and the one-pass search's
+        x = torch.zeros(n)
+        x[[3, 17, n - 1]] = torch.tensor([0.5, float("nan"), -2.0])
+        x[5] = -0.0
+        sel, covering = compress.get("topk", k=10).select_covering(x)
+        assert covering and sel.indices.tolist() == [3, 17, n - 1]
+        sel, covering = compress.get("topk", k=3).select_covering(x)
+        assert not covering and sel.nnz == 3  # k non-zeros: not known
+        x[::2] = 1.0
+        assert not compress.get("topk", k=10).select_covering(x)[1]
+    _, covering = compress.get("randomk", k=10, seed=0).select_covering(torch.zeros(100))
+    assert not covering  # (the default: unknown)
+
+
+def test_a_residual_known_zero_is_skipped_until_something_writes_it() -> None:
+    """``compensate_bucket`` returns the gradient itself while the residual is known to
+    be zero (no pass over it); an in-place write into a residual (a checkpoint loaded
+    into the buffers), a new state or ``reset`` ends that, and the sum is read again."""
+    ef = ErrorFeedback()
+    names, sizes = ("a", "b"), (3, 2)
+    g = torch.tensor([0.0, 2.0, 0.0, -1.0, 0.0])
+    acc = ef.compensate_bucket(names, sizes, g)
+    assert acc is not g
+    ef.update_bucket(names, sizes, acc, SparseStream.from_dense(acc), covering=True)
+    assert ef.known_zero(names, sizes, g)
+    assert ef.compensate_bucket(names, sizes, g) is g
+    assert not ef.known_zero(names, sizes, g.double())  # another dtype: read it
+    ef.buffers["b"].add_(1.0)  # written in place, through a view of the bucket's tensor
+    assert not ef.known_zero(names, sizes, g)
+    assert ef.compensate_bucket(names, sizes, g).tolist() == [0.0, 2.0, 0.0, 0.0, 1.0]
+    ef.update_bucket(names, sizes, acc.clone(), SparseStream.from_dense(acc), covering=True)
+    state = ef.state_dict()
+    ef.load_state_dict(state)
+    assert not ef.known_zero(names, sizes, g)
+    ef.update_bucket(names, sizes, acc.clone(), SparseStream.from_dense(acc), covering=True)
+    ef.reset("a")
+    assert not ef.known_zero(names, sizes, g)
+    ef.update_bucket(names, sizes, acc.clone(), SparseStream.from_dense(acc), covering=False)
+    assert not ef.known_zero(names, sizes, g)  # (not covering: never marked)

@@ -823,3 +823,74 @@ def test_config_errors_name_what_is_accepted() -> None:
     rule = st.LayerRule("topk", pattern="*.bias", options={"density": 0.5})
     state = SparcmlState("topk", comm=comm, layers=[rule])
     assert state.groups[1].density == 0.5
+
+
+def _sparse_grads(rank: int, step: int, n: int, nnz: int | None) -> torch.Tensor:
+    """Rank ``rank``'s gradient at ``step``: ``nnz`` random non-zeros (a
+    sparse-feature layer's), or dense when ``nnz`` is None."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    if nnz is None:
+        return torch.randn(n, generator=g, dtype=torch.float64)
+    out = torch.zeros(n, dtype=torch.float64)
+    out[torch.randperm(n, generator=g)[:nnz]] = torch.randn(nnz, generator=g, dtype=torch.float64)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("n", [1547, 70_001])  # torch.topk's path, and the one-pass search's
+@pytest.mark.parametrize("momentum,masking", [(0.0, False), (0.9, False), (0.9, True)])
+def test_topk_residual_known_zero_after_every_non_zero_was_sent(
+    world: int, n: int, momentum: float, masking: bool
+) -> None:
+    """A top-k of fewer non-zeros than ``k`` sends them all: the residual is zero, and
+    the next step reads the gradient alone instead of ``residual + g`` (no pass over
+    the residual). Steps that send all, one that keeps a residual, one that empties
+    it again, a dense one, against Alg. 1 computed densely (DGC momentum correction with masking as
+    RedSync sec. 3.5: ``u = m u + g; v = v + u``, with masking ``u`` zeroed where
+    sent).
+    Float64 data: sums agree to 1e-12, residuals bit for bit."""
+    density = 0.05
+    k = _k(density, n)
+    # all sent twice; k + k // 4 (k // 4 kept); all sent (k // 2 at most); dense; sparse
+    plan = [k // 3, k // 2, k + k // 4, k // 4, None, k // 4]
+    sizes = (n - 7, 7)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState(
+            "topk", comm=comm, density=density, momentum=momentum, momentum_masking=masking
+        )
+        names = ("w", "b")
+        outs, known = [], []
+        for t, nnz in enumerate(plan):
+            g = _sparse_grads(comm.rank, t, n, nnz)
+            outs.append(reduce_bucket(state, Bucket(names, sizes, g, t)))
+            known.append(state.groups[0].feedback.known_zero(names, sizes, g))
+        return outs, known, dict(state.residuals)
+
+    out = run_ranks(world, fn)
+    for outs, _, _ in out:
+        for a, b in zip(outs, out[0][0], strict=True):
+            assert torch.equal(a, b)
+    eps = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
+    u = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
+    for t, nnz in enumerate(plan):
+        total = torch.zeros(n, dtype=torch.float64)
+        for r in range(world):
+            u[r] = momentum * u[r] + _sparse_grads(r, t, n, nnz)
+            acc = eps[r] + u[r]
+            sel = _topk(acc, k)
+            eps[r] = acc - sel
+            if masking:
+                u[r][sel != 0] = 0.0  # momentum factor masking
+            total += sel
+        assert torch.allclose(out[0][0][t], total / world, rtol=0, atol=1e-12), t
+    for r, (_, known, residuals) in enumerate(out):
+        # a step that sends every non-zero of its accumulator leaves the residual
+        # known to be zero; without masking, momentum keeps the k // 4 it did not send
+        # in u, and every later accumulator holds k or more non-zeros
+        expect = [True, True, False, False, False, False]
+        if not momentum or masking:
+            expect[3] = True
+        assert known == expect, (r, known)
+        kept = torch.cat([residuals["w"], residuals["b"]])
+        assert torch.equal(kept, eps[r])

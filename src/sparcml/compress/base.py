@@ -264,6 +264,14 @@ class Selector(Compressor):
     def select(self, tensor: torch.Tensor) -> SparseStream:
         """The selected entries, exact values, as a sparse stream over the flattened tensor."""
 
+    def select_covering(self, tensor: torch.Tensor) -> tuple[SparseStream, bool]:
+        """:meth:`select`, and whether the selection holds every non-zero of
+        ``tensor``: then ``tensor`` minus the selection is zero, and error feedback
+        knows its residual is zero without reading it (beyond the papers: a
+        sparse-feature gradient with fewer non-zeros than ``k`` leaves no residual).
+        False unless the selector knows it without another pass (this default)."""
+        return self.select(tensor), False
+
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
         from ..wire import encode
 

@@ -228,7 +228,7 @@ def above_positions(words: torch.Tensor, mask: int, tb: int, offset: int, out: t
     written into ``out`` (int64, as long as ``words``), in one compiled pass; returns
     how many. The threshold scan of :func:`sparcml.compress.selection.select_above`
     on IEEE bit patterns (``mask`` drops the sign bit)."""
-    return int(compiled().above_positions(words.numpy(), mask, tb, offset, out.numpy()))
+    return compiled().above_positions(words.numpy(), mask, tb, offset, out.numpy())
 
 
 def bracket_band(

@@ -111,8 +111,8 @@ def top_k_exact(x: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
     from those few. No magnitude tensor is written, so the selection reads ``x``
     once where :func:`kth_largest` + :func:`top_k_positions` wrote ``|x|`` and read
     it twice (``benchmarks/topk_one_pass.py`` times both). When the sample's top
-    reaches zeros, a count of the non-zeros decides: fewer than ``k``, and ``t =
-    0`` with the non-zeros as positions (two passes). The general path answers
+    reaches zeros, one scan for the non-zeros decides: fewer than ``k``, and ``t =
+    0`` with them as positions. The general path answers
     everything else: a sample that misses (fewer than ``k`` at or above
     ``t_lo``, infinities counted as the largest finite value), a sample reaching
     zeros with ``k`` non-zeros or more, other sizes, dtypes and devices; the same
@@ -149,10 +149,12 @@ def _by_bits(x: torch.Tensor, k: int, positions: bool) -> tuple[float, torch.Ten
     n = x.numel()
     t_lo, _ = _bracket(magnitude(x[:: _stride(n)]), k, n)
     if t_lo == 0:  # the sample's top reaches zeros: the scan would keep every entry
-        if int(torch.count_nonzero(x)) >= k:  # (NaN counts, as |x| > 0 does)
-            return None
+        # one scan for the non-zeros (NaN counts, as |x| > 0 does): fewer than k, and
         # the top-k holds zeros: t = 0, and top_k_positions's answer, the non-zeros
-        return 0.0, select_above(x, 0.0) if positions else None
+        nonzero = select_above(x, 0.0)
+        if nonzero.numel() >= k:
+            return None
+        return 0.0, nonzero if positions else None
     cand = select_above(x, t_lo, strict=False)  # sorted; NaN and +-inf included
     if cand.numel() < k:
         return None  # the sample missed

@@ -56,3 +56,10 @@ class TopK(Selector):
         if x.device.type == "cpu":  # (a mask's size on a GPU would cost a device sync)
             idx = idx[x[idx] != 0]  # (NaN != 0: kept)
         return stream_of(x, idx)
+
+    def select_covering(self, tensor: torch.Tensor) -> tuple[SparseStream, bool]:
+        """:meth:`select`; on the CPU, fewer than ``k`` entries are the non-zeros, all
+        of them (a top-k that reached zeros). On a GPU the zeros stay: never known."""
+        selected = self.select(tensor)
+        k = self.spec.of(selected.size)
+        return selected, selected.device.type == "cpu" and selected.nnz < k

@@ -38,6 +38,10 @@ class NamedBuffers:
         # the flat tensor of each bucket's last scatter, with the views it stored: a
         # bucket whose buffers are still those views is read without a copy
         self._flats: dict[tuple[str, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        # buckets whose flat tensor is known to hold zeros only: the tensor's version
+        # counter when that was last true (any in-place write since, e.g. a checkpoint
+        # loaded into the buffers, bumps it, and the mark no longer holds)
+        self._zero: dict[tuple[str, ...], int] = {}
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -48,6 +52,43 @@ class NamedBuffers:
     def buffers(self, value: dict[str, torch.Tensor]) -> None:
         self._residuals = dict(value)
         self._flats.clear()
+        self._zero.clear()
+
+    def _stored_flat(
+        self, names: Sequence[str], sizes: Sequence[int], like: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The flat tensor of the bucket's last :meth:`scatter`, when its buffers are
+        still the views it stored (and of ``like``'s dtype and device); else None."""
+        hit = self._flats.get(tuple(names))
+        if hit is None:
+            return None
+        flat, views = hit
+        if (
+            flat.dtype == like.dtype
+            and flat.device == like.device
+            and all(v.numel() == n for v, n in zip(views, sizes, strict=True))
+            and all(self._residuals.get(k) is v for k, v in zip(names, views, strict=True))
+        ):
+            return flat
+        return None
+
+    def known_zero(self, names: Sequence[str], sizes: Sequence[int], like: torch.Tensor) -> bool:
+        """Whether the bucket's buffers are known to hold zeros only (marked by
+        :meth:`mark_zero` and not written since), without reading them."""
+        version = self._zero.get(tuple(names))
+        if version is None:
+            return False
+        flat = self._stored_flat(names, sizes, like)
+        return flat is not None and _version_of(flat) == version
+
+    def mark_zero(self, names: Sequence[str]) -> None:
+        """Note that the bucket's last :meth:`scatter` stored zeros only (the caller
+        knows: its residual is ``acc - sent`` with every non-zero sent)."""
+        key = tuple(names)
+        hit = self._flats.get(key)
+        version = _version_of(hit[0]) if hit is not None else None
+        if version is not None:
+            self._zero[key] = version
 
     def gather(
         self, names: Sequence[str], sizes: Sequence[int], like: torch.Tensor
@@ -59,16 +100,9 @@ class NamedBuffers:
         :meth:`scatter` stored (every step of a training run after the first), this
         is that flat tensor itself, not a copy (one pass over the bucket less).
         """
-        hit = self._flats.get(tuple(names))
-        if hit is not None:
-            flat, views = hit
-            if (
-                flat.dtype == like.dtype
-                and flat.device == like.device
-                and all(v.numel() == n for v, n in zip(views, sizes, strict=True))
-                and all(self._residuals.get(k) is v for k, v in zip(names, views, strict=True))
-            ):
-                return flat
+        flat = self._stored_flat(names, sizes, like)
+        if flat is not None:
+            return flat
         parts = []
         for name, n in zip(names, sizes, strict=True):
             t = self._residuals.get(name)
@@ -90,11 +124,14 @@ class NamedBuffers:
         mine = set(key)
         for other in [k for k in self._flats if k != key and mine.intersection(k)]:
             del self._flats[other]  # (a rebuilt bucket: its old flat tensor is stale)
+            self._zero.pop(other, None)
         self._flats[key] = (flat, views)
+        self._zero.pop(key, None)
 
     def reset(self, name: str | None = None) -> None:
         """Forget one buffer, or all."""
         self._flats.clear()
+        self._zero.clear()
         if name is None:
             self._residuals.clear()
         else:
@@ -106,6 +143,7 @@ class NamedBuffers:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
         self._flats.clear()
+        self._zero.clear()
 
     def __len__(self) -> int:
         return len(self._residuals)
@@ -230,7 +268,13 @@ class ErrorFeedback(NamedBuffers):
     def compensate_bucket(
         self, names: Sequence[str], sizes: Sequence[int], g: torch.Tensor
     ) -> torch.Tensor:
-        """A bucket's ``acc = residual + g`` (``g`` flat; a new tensor)."""
+        """A bucket's ``acc = residual + g`` (``g`` flat): a new tensor, or ``g``
+        itself when the residual is known to be zero (:meth:`known_zero`: the last
+        step sent every non-zero), which the caller must then not change. ``0 + g``
+        is ``g``'s value, bit for bit, except a ``-0.0`` that stays ``-0.0``: a zero
+        either way, never selected, summed or kept."""
+        if self.known_zero(names, sizes, g):
+            return g
         return self.gather(names, sizes, g) + g
 
     def update_bucket(
@@ -239,6 +283,7 @@ class ErrorFeedback(NamedBuffers):
         sizes: Sequence[int],
         acc: torch.Tensor,
         sent: torch.Tensor | SparseStream,
+        covering: bool = False,
     ) -> None:
         """A bucket's ``residual = acc - sent``, stored by name.
 
@@ -246,10 +291,23 @@ class ErrorFeedback(NamedBuffers):
         stream: ``acc`` itself becomes the residual, the sent entries subtracted in
         place (O(k) instead of two passes over the bucket); the caller gives ``acc``
         up. Either way the same arithmetic: unsent entries keep ``acc``'s value.
+        ``covering``: ``sent`` holds every non-zero of ``acc`` with its exact value,
+        so the residual is zero, and the next :meth:`compensate_bucket` skips it.
         """
         if isinstance(sent, SparseStream) and not sent.is_dense:
             acc[sent.indices] -= sent.values.to(acc.dtype)
             self.scatter(names, sizes, acc)
-            return
-        dense = sent.to_dense() if isinstance(sent, SparseStream) else sent
-        self.scatter(names, sizes, acc - dense.to(acc.dtype))
+        else:
+            dense = sent.to_dense() if isinstance(sent, SparseStream) else sent
+            self.scatter(names, sizes, acc - dense.to(acc.dtype))
+        if covering:
+            self.mark_zero(names)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write to it or a view of
+    it); None for an inference-mode tensor, which keeps none."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None

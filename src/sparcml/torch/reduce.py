@@ -310,8 +310,9 @@ def reduce_group(
         names, sizes = bucket.names, bucket.sizes
         work = g.to(_work_dtype(group, g))
         after = bool(settings.momentum) and spec.lossless  # momentum after the exact sum
+        source = work  # (acc is source itself when the residual is known to be zero)
         if settings.momentum and not after:
-            u = group.momentum_correction.accumulate(names, sizes, work)
+            u = source = group.momentum_correction.accumulate(names, sizes, work)
             acc = group.feedback.compensate_bucket(names, sizes, u) if group.error_feedback else u
         elif group.error_feedback:
             acc = group.feedback.compensate_bucket(names, sizes, work)
@@ -335,12 +336,19 @@ def reduce_group(
         sent, total = result.sent, result.total
         compress_s += result.select_s
         # Step 6: residuals (and momentum factor masking), in place on acc where
-        # only the sent entries change (acc is ours unless the sum is a view of it).
+        # only the sent entries change (acc is ours unless the sum is a view of it,
+        # or acc is the gradient or momentum itself: a residual known to be zero).
+        # Every non-zero sent with its exact value (covering): the residual is zero;
+        # one that already was is left as it is, and the next step skips reading it.
         if group.error_feedback:
             assert sent is not None
-            if _shares_memory(acc, total) or _shares_memory(acc, sent):
-                acc = acc.clone()
-            group.feedback.update_bucket(names, sizes, acc, sent)
+            covering = result.covering and send is acc
+            if covering and acc is source:
+                pass  # zero before, zero after: nothing to write
+            else:
+                if acc is source or _shares_memory(acc, total) or _shares_memory(acc, sent):
+                    acc = acc.clone()
+                group.feedback.update_bucket(names, sizes, acc, sent, covering)
             if settings.momentum:
                 group.momentum_correction.keep(names, sizes, u, sent)
         elif settings.momentum and not after:

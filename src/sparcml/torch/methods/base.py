@@ -82,12 +82,15 @@ class MethodResult:
     """What a method did with one bucket: this rank's sent part (dense, a stream
     over the bucket, or None when nothing is fed back), the sum over ranks (flat, or
     a stream over the bucket, which the pipeline averages on its entries before
-    densifying; this rank's dense chunk for a reduce-scatter) and the seconds its
-    selection took (statistics: compress vs communicate)."""
+    densifying; this rank's dense chunk for a reduce-scatter), the seconds its
+    selection took (statistics: compress vs communicate) and whether ``sent`` holds
+    every non-zero of what the method was given, exactly (the residual is then zero:
+    :meth:`~sparcml.compress.base.Selector.select_covering`)."""
 
     sent: torch.Tensor | SparseStream | None
     total: torch.Tensor | SparseStream
     select_s: float = 0.0
+    covering: bool = False
 
 
 class GroupView(Protocol):

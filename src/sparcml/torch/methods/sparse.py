@@ -139,10 +139,11 @@ def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodRes
     # own; a flagged rank selects nothing (its selector never sees them), and every
     # rank raises NonFiniteError, on which the bucket goes dense for this step
     nonfinite = group.settings.nan_policy == "propagate" and not all_finite(acc)
+    covering = False
     if nonfinite:
         selected = SparseStream.empty(acc.numel(), acc.dtype, acc.device)
     else:
-        selected = selector.select(acc)
+        selected, covering = selector.select_covering(acc)
     select_s = time.perf_counter() - t0
     cfg = group.config
     assert isinstance(cfg, TopK)
@@ -162,7 +163,8 @@ def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodRes
         nonfinite=nonfinite,
         **extra,
     )
-    return MethodResult(selected, total, select_s)  # (the pipeline averages the stream)
+    # (the pipeline averages the stream)
+    return MethodResult(selected, total, select_s, covering)
 
 
 def scatter_sparse(
@@ -173,14 +175,15 @@ def scatter_sparse(
     op = group.operator(bucket.key)
     selector: Selector = op.selector if isinstance(op, Composed) else op
     t0 = time.perf_counter()
-    selected = selector.select(acc)
+    selected, covering = selector.select_covering(acc)
     select_s = time.perf_counter() - t0
     codec = EXACT
     if isinstance(op, Composed):
         cfg = group.config
         assert isinstance(cfg, TopK)
         codec = StreamCodec(op.quantizer, "contributions", index_coding=cfg.index_coding)
-    return MethodResult(selected, scatter(selected, group.comm, codec, bounds), select_s)
+    total = scatter(selected, group.comm, codec, bounds)
+    return MethodResult(selected, total, select_s, covering)
 
 
 def scatter(
