@@ -894,3 +894,48 @@ def test_topk_residual_known_zero_after_every_non_zero_was_sent(
         assert known == expect, (r, known)
         kept = torch.cat([residuals["w"], residuals["b"]])
         assert torch.equal(kept, eps[r])
+
+
+@pytest.mark.parametrize("n", [1547, 70_001])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_in_a_sparse_feature_gradient_found_in_the_selection(n: int, bad: float) -> None:
+    """``topk`` selects before its NaN/Inf check (a stateless selector): a selection
+    holding every non-zero holds every NaN/Inf, and the check reads only it. A
+    sparse-feature gradient with NaN or Inf on one rank (another rank's gradient
+    dense that step) still goes dense on every rank (dense's sum there), the
+    residuals untouched, and the next clean step is Alg. 1's again."""
+    density = 0.05
+    k = _k(density, n)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState("topk", comm=comm, density=density)
+        names, sizes = ("w", "b"), (n - 7, 7)
+        outs = []
+        for t in range(3):
+            g = _sparse_grads(comm.rank, t, n, None if (t, comm.rank) == (1, 0) else k // 3)
+            if t == 1 and comm.rank == 1:
+                g[int(g.nonzero()[0])] = bad  # a non-zero turned bad: still fewer than k
+            outs.append(reduce_bucket(state, Bucket(names, sizes, g, t)))
+        return outs, {k: v.clone() for k, v in state.residuals.items()}
+
+    out = run_ranks(3, fn)
+    for outs, _ in out:
+        for a, b in zip(outs, out[0][0], strict=True):  # bit for bit, NaN included
+            assert torch.equal(a.view(torch.int64), b.view(torch.int64))
+    grads = [
+        [_sparse_grads(r, t, n, None if (t, r) == (1, 0) else k // 3) for r in range(3)]
+        for t in range(3)
+    ]
+    spot = int(grads[1][1].nonzero()[0])
+    grads[1][1][spot] = bad
+    # steps 0 and 2 send every non-zero: the plain mean; step 1 goes dense, where
+    # rank 0's dense gradient would otherwise have sent k entries and kept the rest
+    for t in range(3):
+        ref = sum(grads[t]) / 3
+        got = out[0][0][t]
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), t
+        finite = torch.isfinite(ref)
+        assert int((~finite).sum()) == (1 if t == 1 else 0)
+        assert torch.equal(got[~finite].nan_to_num(), ref[~finite].nan_to_num()), t
+        assert torch.allclose(got[finite], ref[finite], rtol=0, atol=1e-12), t
+    assert all(float(v.abs().max()) == 0.0 for _, res in out for v in res.values())

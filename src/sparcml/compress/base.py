@@ -259,6 +259,9 @@ class Selector(Compressor):
     """Picks entries of a tensor: ``select(t)`` is a :class:`SparseStream` of ``t.numel()``."""
 
     code = 6
+    #: ``select`` keeps nothing between calls (no threshold, no random stream): a
+    #: selection the caller then throws away changes no later one
+    stateless: ClassVar[bool] = False
 
     @abc.abstractmethod
     def select(self, tensor: torch.Tensor) -> SparseStream:

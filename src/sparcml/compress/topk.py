@@ -39,6 +39,8 @@ class TopK(Selector):
         [1, 2]
     """
 
+    stateless = True
+
     def __init__(self, k: int | None = None, density: float | None = None) -> None:
         self.spec = KSpec(k, density, "topk")
         self.k, self.density = k, density

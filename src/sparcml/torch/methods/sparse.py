@@ -136,14 +136,21 @@ def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodRes
     t0 = time.perf_counter()
     # nan_policy="propagate": NaN/Inf in the accumulator are flagged in the
     # collective's own header (checks_nonfinite), not agreed in a round of their
-    # own; a flagged rank selects nothing (its selector never sees them), and every
-    # rank raises NonFiniteError, on which the bucket goes dense for this step
-    nonfinite = group.settings.nan_policy == "propagate" and not all_finite(acc)
+    # own; a flagged rank selects nothing, and every rank raises NonFiniteError, on
+    # which the bucket goes dense for this step. A selector with state never sees
+    # them; a stateless one selects first: NaN/Inf are non-zeros, so a selection
+    # holding every non-zero holds them all, and the check reads it (O(k)) instead
+    # of the bucket
+    propagate = group.settings.nan_policy == "propagate"
+    nonfinite = propagate and not selector.stateless and not all_finite(acc)
+    selected: SparseStream | None = None
     covering = False
-    if nonfinite:
-        selected = SparseStream.empty(acc.numel(), acc.dtype, acc.device)
-    else:
+    if not nonfinite:
         selected, covering = selector.select_covering(acc)
+        if propagate and selector.stateless:
+            nonfinite = not all_finite(selected.values if covering else acc)
+    if nonfinite or selected is None:
+        selected, covering = SparseStream.empty(acc.numel(), acc.dtype, acc.device), False
     select_s = time.perf_counter() - t0
     cfg = group.config
     assert isinstance(cfg, TopK)
