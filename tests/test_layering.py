@@ -170,6 +170,7 @@ _THIRD_PARTY = {
     "_get_fsdp_state", "_fsdp_param_group",  # FSDP2: which modules have gradients
     "_execution_engine",  # autograd: the callback at the end of backward
     "_SubParsersAction", "_actions",  # argparse: listing the subcommands
+    "_version",  # Tensor: its version counter (a residual known to be zero, until written)
 }  # fmt: skip
 
 
