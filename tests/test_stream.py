@@ -180,14 +180,23 @@ def test_equal_is_bitwise() -> None:
     assert not b.equal(c)
 
 
+@pytest.mark.parametrize("width", [4, 1, (2, 1)])  # 1: a linear model's EmbeddingBag(F, 1)
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
-def test_torch_sparse_round_trip_of_an_embedding_gradient(dtype: torch.dtype) -> None:
-    emb = torch.nn.Embedding(50, 4, sparse=True).to(dtype)
+def test_torch_sparse_round_trip_of_an_embedding_gradient(dtype: torch.dtype, width) -> None:  # type: ignore[no-untyped-def]
+    if isinstance(width, tuple):  # trailing dimensions (2, 1): a sparse tensor built by hand
+        g = torch.sparse_coo_tensor(
+            [[3, 17]], torch.ones(2, *width, dtype=dtype), (50, *width), check_invariants=True
+        )
+        s = SparseStream.from_torch_sparse(g)
+        back = s.to_torch_sparse(g.shape, sparse_dim=1)
+        assert back.is_coalesced() and torch.equal(back.to_dense(), g.to_dense())
+        return
+    emb = torch.nn.Embedding(50, width, sparse=True).to(dtype)
     emb(torch.tensor([[3, 17, 3], [40, 0, 17]])).float().sum().backward()
     g = emb.weight.grad
     assert g.layout == torch.sparse_coo
     s = SparseStream.from_torch_sparse(g)
-    assert s.size == 200 and not s.is_dense
+    assert s.size == 50 * width and not s.is_dense
     assert torch.equal(s.to_dense(), g.to_dense().reshape(-1))  # duplicates (row 3, 17) summed
     back = s.to_torch_sparse(g.shape, sparse_dim=1)
     assert back.is_coalesced() and torch.equal(back.to_dense(), g.to_dense())

@@ -94,6 +94,22 @@ def test_sparse_gradient_method_refused_up_front() -> None:
 
 
 @pytest.mark.spawn
+def test_ddp_sparse_embedding_of_width_one_nonzeros_equals_plain_ddp() -> None:
+    """A linear model's EmbeddingBag(F, 1, sparse=True): a gradient with a trailing
+    dimension of size 1 (its rows back into COO failed once)."""
+    configs = [(None, {}), ("nonzeros", {}), ("dense", {}), ("topk", {"density": 0.1})]
+    out = run_processes(2, train_workers.ddp_sparse_embedding, configs, 8, 1, timeout=120)
+    for r in range(2):
+        plain, nonzeros, dense, topk = out[r]
+        for res in (nonzeros, dense):
+            assert res["sparse_grad"]
+            assert torch.allclose(res["params"], plain["params"], rtol=0, atol=1e-6)
+        assert topk["losses"][-1] < topk["losses"][0]
+        for j in (1, 2, 3):
+            assert torch.equal(out[r][j]["params"], out[0][j]["params"])
+
+
+@pytest.mark.spawn
 def test_ddp_sparse_embedding_nonzeros_equals_plain_ddp_and_topk_trains() -> None:
     configs = [
         (None, {}), ("nonzeros", {}), ("topk", {"density": 1.0}), ("topk", {"density": 0.1}),

@@ -245,17 +245,18 @@ def sparse_lr_losses(comm: Any, method: str, steps: int) -> dict[str, Any]:
 
 
 def ddp_sparse_embedding(
-    comm: Any, configs: list[tuple[str | None, dict[str, Any]]], steps: int
+    comm: Any, configs: list[tuple[str | None, dict[str, Any]]], steps: int, width: int = 8
 ) -> list[dict[str, Any]]:
     """An EmbeddingBag(sparse=True) model under DDP, once per (method, hyper) config
-    (``None``: plain DDP, PyTorch's own sparse-gradient allreduce)."""
+    (``None``: plain DDP, PyTorch's own sparse-gradient allreduce); ``width`` 1 is a
+    linear model's (``newsgroups --recipe-option sparse=1``)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     out = []
     for method, hyper in configs:
         g = torch.Generator().manual_seed(3)
         module = torch.nn.Sequential(
-            torch.nn.EmbeddingBag(300, 8, mode="sum", sparse=True), torch.nn.Linear(8, 3)
+            torch.nn.EmbeddingBag(300, width, mode="sum", sparse=True), torch.nn.Linear(width, 3)
         )
         with torch.no_grad():
             for p in module.parameters():

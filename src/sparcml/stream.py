@@ -348,6 +348,8 @@ class SparseStream:
             dense_rows = torch.zeros(rows.numel(), inner, dtype=self.dtype, device=self.device)
             dense_rows[inverse, idx % inner] = vals
             idx, vals = rows, dense_rows.reshape(rows.numel(), *shape[sd:])
+        elif sd < len(shape):  # trailing dimensions of size 1 (an embedding of width 1)
+            vals = vals.reshape(vals.numel(), *shape[sd:])
         coords = []
         rest = idx
         for d in reversed(shape[:sd]):

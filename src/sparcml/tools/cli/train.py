@@ -70,7 +70,7 @@ def train(args: argparse.Namespace) -> int:
     hyper = _hyper(args)
     options: dict = {"limit": args.limit} if args.limit else {}
     try:
-        options.update(_recipe_options(args))
+        options.update(_recipe_options(args, chosen))
     except ValueError as e:
         print(f"sparcml train: {e}", file=sys.stderr)
         return 2
@@ -128,11 +128,12 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipe_options(args: argparse.Namespace) -> dict[str, Any]:
+def _recipe_options(args: argparse.Namespace, methods: list[str]) -> dict[str, Any]:
     """``--recipe-option KEY=VALUE`` (repeated) as the recipe's options, numbers parsed.
 
     Raises:
-        ValueError: not KEY=VALUE, or a key the recipe does not take.
+        ValueError: not KEY=VALUE, a key the recipe does not take, or options the
+            recipe cannot train ``methods`` with (its ``check_methods``).
     """
     from ..recipes import RECIPES
 
@@ -156,6 +157,7 @@ def _recipe_options(args: argparse.Namespace) -> dict[str, Any]:
             except ValueError:
                 continue
         out[key] = parsed
+    RECIPES[args.recipe].check_methods(methods, out)
     return out
 
 
@@ -410,7 +412,7 @@ def train_tta(args: argparse.Namespace, chosen: list[str]) -> int:
                         stream=sys.stdout)  # fmt: skip
     options: dict = {"limit": args.limit} if args.limit else {}
     try:
-        options.update(_recipe_options(args))
+        options.update(_recipe_options(args, chosen))
     except ValueError as e:
         print(f"sparcml train: {e}", file=sys.stderr)
         return 2

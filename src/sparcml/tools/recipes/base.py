@@ -44,6 +44,12 @@ class Recipe(abc.ABC):
         return data
 
     @classmethod
+    def check_methods(cls, methods: list[str], options: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if these methods cannot train with these options
+        (before any rank starts); every combination can, unless a recipe says."""
+        return None
+
+    @classmethod
     def check_data(cls) -> None:
         """Raise :class:`~sparcml.tools.recipes.data.DataMissingError` if the data is absent."""
         return None

@@ -57,10 +57,17 @@ class _Bags:
         return self.ids[idx], self.weights[idx], offs
 
 
+def _flag(value: Any, name: str) -> bool:
+    """A 0/1 recipe option (``--recipe-option sparse=1``)."""
+    if value in (0, 1, "0", "1", True, False):
+        return bool(int(value))
+    raise ValueError(f"newsgroups option {name} takes 0 or 1, got {value!r}")
+
+
 class LogReg(torch.nn.Module):
-    def __init__(self, features: int = FEATURES) -> None:
+    def __init__(self, features: int = FEATURES, sparse: bool = False) -> None:
         super().__init__()
-        self.w = torch.nn.EmbeddingBag(features, 1, mode="sum")
+        self.w = torch.nn.EmbeddingBag(features, 1, mode="sum", sparse=sparse)
         torch.nn.init.zeros_(self.w.weight)
         self.b = torch.nn.Parameter(torch.zeros(1))
 
@@ -71,7 +78,14 @@ class LogReg(torch.nn.Module):
 
 class Newsgroups(Recipe):
     """Binary logistic regression, 4.2 M features (option ``features``: another
-    number of hash buckets), plain SGD."""
+    number of hash buckets), plain SGD.
+
+    Option ``sparse=1``: the weights' gradient is a sparse COO tensor
+    (``EmbeddingBag(sparse=True)``), the rows a batch touches: backward writes no
+    dense gradient, DDP's own allreduce sums it sparsely (gloo's sparse
+    allreduce), and sparcml's ``nonzeros`` and ``dense`` reduce it as a sparse
+    stream (SparCML sec. 8.2's setting). PyTorch's compression hooks (fp16, bf16,
+    PowerSGD) take dense buckets only: refused with it."""
 
     name = "newsgroups"
     epochs = 4
@@ -80,7 +94,7 @@ class Newsgroups(Recipe):
     batch = 16
     lr = 4.0
     momentum = 0.0
-    options_taken = ("features",)
+    options_taken = ("features", "sparse")
 
     def __init__(self, rank: int, world: int, seed: int = 0, **options: Any) -> None:
         super().__init__(rank, world, seed, **options)
@@ -88,6 +102,7 @@ class Newsgroups(Recipe):
         vocab: dict[str, int] = {}
         limit = options.get("limit")
         self.features = int(options.get("features") or FEATURES)
+        self.sparse = _flag(options.get("sparse", 0), "sparse")
         train = data["train"]
         if limit and limit < len(train):
             # the file is sorted by newsgroup: a uniform subset, the same in every run
@@ -103,8 +118,19 @@ class Newsgroups(Recipe):
     def check_data(cls) -> None:
         newsgroups_archive()
 
+    @classmethod
+    def check_methods(cls, methods: list[str], options: dict[str, Any]) -> None:
+        if _flag(options.get("sparse", 0), "sparse"):
+            dense_only = [m for m in methods if m in ("fp16", "bf16") or m.startswith("powersgd")]
+            if dense_only:
+                raise ValueError(
+                    f"newsgroups with sparse=1: {', '.join(dense_only)} (PyTorch's "
+                    "compression hooks) take dense gradients only; compare ddp (PyTorch's "
+                    "sparse allreduce) with nonzeros, dense, topk, or drop sparse=1"
+                )
+
     def model(self) -> torch.nn.Module:
-        return LogReg(self.features)
+        return LogReg(self.features, self.sparse)
 
     def optimizer(self, params: Any, momentum: bool = True) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.lr)
