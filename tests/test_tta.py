@@ -214,6 +214,16 @@ def test_pytorch_peer_hooks_train_on_two_gloo_ranks() -> None:
         _check_peer(method, [both[0][method], both[1][method]])
 
 
+def test_plain_ddp_counts_a_sparse_gradient_as_gloo_gathers_it() -> None:
+    """Plain DDP sums a sparse gradient with gloo's sparse allreduce (an allgather of
+    indices and values): (P - 1) / P of the summed rows, 8 bytes of index and 4 of
+    value each, not the ring of the dense weight (``sparse=1`` runs)."""
+    out = run_processes(2, tta_workers.sparse_ddp_bytes, timeout=60)
+    rows = out[0]["rows"]
+    assert rows == 11  # 5 + 5 rows of the ranks' own, row 50 shared
+    assert out[0]["bytes"] == [round(2 * 0.5 * 4 + 0.5 * rows * 12)]  # the bias by the ring
+
+
 def _check_peer(method: str, out: list[dict[str, Any]]) -> None:
     params = 32 * 32 + 32 + 32 * 4 + 4
     dense = 2 * (2 - 1) / 2 * 4 * params

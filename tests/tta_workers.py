@@ -33,3 +33,27 @@ def _steps(comm: Any, method: str, steps: int, start_iter: int) -> dict[str, Any
         losses.append(float(loss))
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"losses": losses, "bytes": list(state.step_bytes), "params": flat, "hyper": state.hyper}
+
+
+class _SparseLinear(torch.nn.Module):
+    """A logistic regression's shape: an EmbeddingBag(100, 1, sparse=True) and a bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(100, 1, mode="sum", sparse=True)
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids, torch.tensor([0])).sum() + self.bias.sum()
+
+
+def sparse_ddp_bytes(comm: Any) -> dict[str, Any]:
+    """Plain DDP (PyTorch's sparse allreduce) of :class:`_SparseLinear`: rank r's batch
+    touches rows r, r + 2, ..., r + 8 and row 50 (shared)."""
+    torch.manual_seed(0)
+    model = DDP(_SparseLinear())
+    state = register_peer(model, "ddp")
+    model(torch.tensor([comm.rank + 2 * i for i in range(5)] + [50])).backward()
+    state.after_backward()
+    rows = int(model.module.emb.weight.grad.coalesce().indices().shape[1])
+    return {"bytes": list(state.step_bytes), "rows": rows}

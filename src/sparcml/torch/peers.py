@@ -67,12 +67,32 @@ class PeerState:
         self.step_bytes: list[int] = []
         self.hook_state: Any = None
         self.fixed_step_bytes: float | None = None  # plain DDP: no hook to count in
+        self.params: list[torch.Tensor] = []  # plain DDP: its parameters
         self._pending = 0.0
 
     def after_backward(self) -> None:
-        """Called by the harness after every backward (counts plain DDP's bytes)."""
-        if self.fixed_step_bytes is not None:
-            self.add(self.fixed_step_bytes, True)
+        """Called by the harness after every backward (counts plain DDP's bytes).
+
+        A dense gradient costs what gloo's ring allreduce sends for it; a sparse one
+        (``nn.EmbeddingBag(..., sparse=True)``) goes through gloo's sparse allreduce,
+        an allgather of every rank's indices and values: ``(P - 1) / P`` of the
+        gathered entries, estimated from the summed gradient's entries (a lower
+        bound where the ranks' rows overlap)."""
+        if self.fixed_step_bytes is None:
+            return
+        nbytes = self.fixed_step_bytes
+        for p in self.params:
+            g = p.grad
+            if g is None or not g.is_sparse:
+                continue
+            nbytes -= _ring(p.numel() * p.element_size(), self.world)
+            g = g.coalesce()
+            values = g.values()
+            entry = (
+                8 * g.sparse_dim() + values[0].numel() * values.element_size() if len(values) else 0
+            )
+            nbytes += (self.world - 1) / self.world * g.indices().shape[1] * entry
+        self.add(nbytes, True)
 
     def add(self, nbytes: float, last: bool) -> None:
         self._pending += nbytes
@@ -130,8 +150,10 @@ def register_peer(
     state = PeerState(method, world, hyper)
     if method == "ddp":
         # no hook: count what gloo's ring sends for the float32 gradient, once per step
-        n = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        state.fixed_step_bytes = _ring(n, world)
+        state.params = [p for p in model.parameters() if p.requires_grad]
+        state.fixed_step_bytes = _ring(
+            sum(p.numel() * p.element_size() for p in state.params), world
+        )
         return state
     if method in ("fp16", "bf16"):
         hooks = default_hooks
