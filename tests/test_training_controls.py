@@ -80,6 +80,56 @@ def test_sparse_gradients_in_process_match_the_dense_average() -> None:
             assert 0 < out[0][2] < 2 * 1200 * 8
 
 
+def test_topk_of_a_sparse_gradient_below_k_is_reduced_as_it_is(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``topk`` of a sparse gradient with fewer stored entries than ``k``, once its
+    residual is known to be zero, sends it as it is, through the exact sparse path
+    (no dense bucket): the step's average is the exact one, like ``nonzeros``'s, the
+    residual stays zero, and only the first step (no residual yet) densifies. A
+    gradient with ``k`` entries or more goes the dense way again."""
+    import sparcml.torch.reduce as red
+
+    world, steps = 3, 4
+    densified: list[int] = []
+    dense_way = red.reduce_group
+
+    def counted(group, bucket, *a, **kw):  # type: ignore[no-untyped-def]
+        if bucket.names == ("emb.weight",):
+            densified.append(bucket.step)
+        return dense_way(group, bucket, *a, **kw)
+
+    monkeypatch.setattr(red, "reduce_group", counted)
+
+    def fn(comm, method, hyper, ids_per_bag):  # type: ignore[no-untyped-def]
+        model = _Bag().double()
+        state = SparcmlState(method, comm=comm, **hyper)
+        got, mine = [], []
+        for t in range(steps):
+            g = torch.Generator().manual_seed(100 * comm.rank + t)
+            ids = torch.randint(0, 200, (8, ids_per_bag), generator=g)
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(
+                model(ids), torch.zeros(8, dtype=torch.long)
+            ).backward()
+            mine.append(model.emb.weight.grad.to_dense().clone())
+            st.sync_gradients(model, state)
+            got.append(model.emb.weight.grad.to_dense().clone())
+        residual = state.residuals.get("emb.weight")
+        return mine, got, None if residual is None else float(residual.abs().max())
+
+    # 8 bags of 2 ids: at most 16 rows of 6, 96 entries, below k = 600 of 1200
+    out = run_ranks(world, fn, "topk", {"density": 0.5}, 2)
+    for t in range(steps):
+        ref = sum(o[0][t] for o in out) / world
+        for _, got, residual in out:
+            assert torch.allclose(got[t], ref, rtol=0, atol=1e-12), t
+            assert torch.equal(got[t], out[0][1][t]) and residual == 0.0
+    assert densified == [0] * world  # the first step only, on every rank
+    densified.clear()
+    # 8 bags of 40 ids: most of the 200 rows, more entries than k = 12 of 1200
+    out = run_ranks(world, fn, "topk", {"density": 0.01}, 40)
+    assert sorted(densified) == sorted(list(range(steps)) * world)
+
+
 def test_sparse_gradient_method_refused_up_front() -> None:
     model = _Bag()
     state = SparcmlState("natural", comm=SelfCommunicator())

@@ -275,6 +275,13 @@ class Selector(Compressor):
         False unless the selector knows it without another pass (this default)."""
         return self.select(tensor), False
 
+    def takes_all_nonzeros(self, nonzeros: int, numel: int) -> bool:
+        """Whether a tensor of ``numel`` entries with at most ``nonzeros`` non-zeros
+        would have every one of them selected (a top-k below ``k``): its selection is
+        then the tensor itself, which an exact reduction sends without densifying it
+        (beyond the papers: a sparse gradient). False unless the selector knows."""
+        return False
+
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Context]:
         from ..wire import encode
 

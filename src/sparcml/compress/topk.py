@@ -65,3 +65,7 @@ class TopK(Selector):
         selected = self.select(tensor)
         k = self.spec.of(selected.size)
         return selected, selected.device.type == "cpu" and selected.nnz < k
+
+    def takes_all_nonzeros(self, nonzeros: int, numel: int) -> bool:
+        """Fewer non-zeros than ``k``: a top-k takes them all."""
+        return nonzeros < self.spec.of(numel)

@@ -50,6 +50,7 @@ import torch
 
 from ..collectives import sparse_allreduce
 from ..comm import Communicator
+from ..compress.base import Selector
 from ..compress.selection import k_of
 from ..errors import NonFiniteError
 from ..finite import all_finite
@@ -193,11 +194,30 @@ def reduce_sparse_gradient(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
         count_bytes(state, bucket.step, comm.stats.bytes_sent - before)
 
 
+def _selection_is_the_gradient(group: Group, bucket: Bucket, g: torch.Tensor) -> bool:
+    """A selector method (no momentum, no quantizer) whose residual is known to be
+    zero, given a sparse gradient with fewer stored entries than it keeps: it would
+    select every non-zero and keep a zero residual, so its sum is the exact sum of
+    the gradients, which the sparse path gives without densifying (beyond the
+    papers; the same sum, in the sparse allreduce's order)."""
+    if group.settings.momentum or not group.error_feedback:
+        return False
+    op = group.operator(bucket.key)
+    values = g.values()  # (the stored entries: rows times the dense dimensions)
+    if not isinstance(op, Selector) or not op.takes_all_nonzeros(values.numel(), g.numel()):
+        return False
+    return group.feedback.known_zero(bucket.names, bucket.sizes, values)
+
+
 def _reduce_sparse(group: Group, bucket: Bucket) -> torch.Tensor:
     g = bucket.grad.detach().coalesce()
     shape, sparse_dim = tuple(g.shape), g.sparse_dim()
     settings = group.settings
-    if settings.momentum or (not group.spec.lossless and bucket.step >= settings.warmup_steps):
+    if settings.momentum or (
+        not group.spec.lossless
+        and bucket.step >= settings.warmup_steps
+        and not _selection_is_the_gradient(group, bucket, g)
+    ):
         flat = g.to_dense().reshape(-1)
         avg = reduce_group(group, Bucket(bucket.names, bucket.sizes, flat, bucket.step))
         return SparseStream.from_dense(avg).to_torch_sparse(shape, sparse_dim)
