@@ -128,6 +128,10 @@ def test_topk_of_a_sparse_gradient_below_k_is_reduced_as_it_is(monkeypatch) -> N
     # 8 bags of 40 ids: most of the 200 rows, more entries than k = 12 of 1200
     out = run_ranks(world, fn, "topk", {"density": 0.01}, 40)
     assert sorted(densified) == sorted(list(range(steps)) * world)
+    densified.clear()
+    # gtopk keeps k of the sum, not the exact sum: never the exact path
+    out = run_ranks(world, fn, "topk", {"density": 0.5, "algorithm": "gtopk"}, 2)
+    assert sorted(densified) == sorted(list(range(steps)) * world)
 
 
 def test_sparse_gradient_method_refused_up_front() -> None:

@@ -49,6 +49,7 @@ import time
 import torch
 
 from ..collectives import sparse_allreduce
+from ..collectives.registry import get_algorithm, options_of
 from ..comm import Communicator
 from ..compress.base import Selector
 from ..compress.selection import k_of
@@ -202,6 +203,9 @@ def _selection_is_the_gradient(group: Group, bucket: Bucket, g: torch.Tensor) ->
     papers; the same sum, in the sparse allreduce's order)."""
     if group.settings.momentum or not group.error_feedback:
         return False
+    algorithm = getattr(group.config, "algorithm", "auto")
+    if algorithm != "auto" and "k" in options_of(get_algorithm(algorithm)):
+        return False  # (an algorithm that keeps k of the sum, gtopk: not the exact sum)
     op = group.operator(bucket.key)
     values = g.values()  # (the stored entries: rows times the dense dimensions)
     if not isinstance(op, Selector) or not op.takes_all_nonzeros(values.numel(), g.numel()):
@@ -213,10 +217,13 @@ def _reduce_sparse(group: Group, bucket: Bucket) -> torch.Tensor:
     g = bucket.grad.detach().coalesce()
     shape, sparse_dim = tuple(g.shape), g.sparse_dim()
     settings = group.settings
-    if settings.momentum or (
+    whole = (
         not group.spec.lossless
         and bucket.step >= settings.warmup_steps
-        and not _selection_is_the_gradient(group, bucket, g)
+        and _selection_is_the_gradient(group, bucket, g)
+    )
+    if settings.momentum or (
+        not group.spec.lossless and bucket.step >= settings.warmup_steps and not whole
     ):
         flat = g.to_dense().reshape(-1)
         avg = reduce_group(group, Bucket(bucket.names, bucket.sizes, flat, bucket.step))
@@ -232,7 +239,9 @@ def _reduce_sparse(group: Group, bucket: Bucket) -> torch.Tensor:
                 comm, Bucket(bucket.names, (stream.nnz,), stream.values, bucket.step), stream.values
             )
         # warm-up steps of a selector method are exact too: its algorithm may not be
-        algorithm = getattr(group.config, "algorithm", "auto") if group.spec.lossless else "auto"
+        # (a selection that is the gradient as it is was checked to have an exact one)
+        exact = group.spec.lossless or whole
+        algorithm = getattr(group.config, "algorithm", "auto") if exact else "auto"
         total = sparse_allreduce(stream, comm, algorithm=algorithm, call_id=bucket.step)
         if total.is_dense:
             total = SparseStream.from_dense(total.to_dense())
