@@ -26,7 +26,8 @@ leaves them), times the scan those take:
 * ``count + scan``: what it ran before: ``torch.count_nonzero``, then the scan;
 * ``scan, int64 scalars``: the compiled scan given the mask and threshold as
   Python ints (compared as int64: every 32-bit word widened), as before, against
-  ``scan``, the same kernel given scalars of the words' own type.
+  ``scan``, the same kernel given scalars of the words' own type (as
+  :func:`~sparcml.compress.selection.above_positions` gives them now).
 
     .venv/bin/python benchmarks/topk_one_pass.py -N 262144,1323280,16M -d 0.01,0.001
     .venv/bin/python benchmarks/topk_one_pass.py -N 1M,4M -d 0.01 --nonzeros 6000
@@ -85,12 +86,13 @@ def _sparse_features(args: argparse.Namespace, g: torch.Generator) -> None:
             one = 1e3 * median_seconds(lambda: top_k_exact(x, k), args.repeats)  # noqa: B023
             old = 1e3 * median_seconds(lambda: _count_and_scan(x, k), args.repeats)  # noqa: B023
             # the kernel alone, |x| > 0: scalars of the words' type, or Python ints
+            mask, tb = words.dtype.type(0x7FFF_FFFF), words.dtype.type(1)
             own = 1e3 * median_seconds(
-                lambda: kernel.above_positions(words, 0x7FFF_FFFF, 1, 0, out),  # noqa: B023
+                lambda: kernel.above_positions(words, mask, tb, 0, out),  # noqa: B023
                 args.repeats,
             )
             wide = 1e3 * median_seconds(
-                lambda: kernel._above_positions(words, 0x7FFF_FFFF, 1, 0, out),  # noqa: B023
+                lambda: kernel.above_positions(words, 0x7FFF_FFFF, 1, 0, out),  # noqa: B023
                 args.repeats,
             )
             print(

@@ -311,19 +311,8 @@ def narrow_bytes(indices: Any, c: int, out: Any) -> None:  # pragma: no cover - 
             out[i * c + b] = (x >> (8 * b)) & 0xFF
 
 
-def above_positions(words: Any, mask: int, tb: int, offset: int, out: Any) -> int:
-    """:func:`_above_positions` with ``mask`` and ``tb`` as scalars of the words' own
-    integer type: compared as Python ints (int64), the loop widens every 32-bit word
-    first and runs about 1.5x slower (``benchmarks/topk_one_pass.py``)."""
-    info = np.iinfo(words.dtype)
-    if tb > info.max:  # no word reaches it
-        return 0
-    kind = words.dtype.type
-    return int(_above_positions(words, kind(mask), kind(max(tb, info.min)), offset, out))
-
-
 @numba.njit(cache=True, nogil=True)
-def _above_positions(  # pragma: no cover - compiled
+def above_positions(  # pragma: no cover - compiled
     words: Any, mask: Any, tb: Any, offset: int, out: Any
 ) -> int:
     # the threshold scan and compaction in one pass: positions (plus offset)

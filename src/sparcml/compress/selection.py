@@ -227,8 +227,18 @@ def above_positions(words: torch.Tensor, mask: int, tb: int, offset: int, out: t
     """CPU only: positions (plus ``offset``) of the ``words`` with ``words & mask >= tb``
     written into ``out`` (int64, as long as ``words``), in one compiled pass; returns
     how many. The threshold scan of :func:`sparcml.compress.selection.select_above`
-    on IEEE bit patterns (``mask`` drops the sign bit)."""
-    return compiled().above_positions(words.numpy(), mask, tb, offset, out.numpy())
+    on IEEE bit patterns (``mask`` drops the sign bit).
+
+    ``mask`` and ``tb`` go in as scalars of the words' own integer type: as Python
+    ints, numba compares in int64 and widens every 32-bit word first, about 1.4x
+    slower (``benchmarks/topk_one_pass.py --nonzeros``)."""
+    info = torch.iinfo(words.dtype)
+    if tb > info.max:  # no word reaches it
+        return 0
+    w = words.numpy()
+    kind = w.dtype.type
+    kernel = compiled().above_positions
+    return int(kernel(w, kind(mask), kind(max(tb, info.min)), offset, out.numpy()))
 
 
 def bracket_band(
