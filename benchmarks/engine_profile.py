@@ -33,10 +33,15 @@ def _rank(comm: Any, args: argparse.Namespace, profile: bool) -> tuple[float, fl
     torch.set_num_threads(1)
     import sparcml.torch as st
     from sparcml.comm.engine import Engine
+    from sparcml.tools.recipes.train import method_hyper
 
     n = args.features
     p = torch.nn.Parameter(torch.zeros(n))
-    state = st.SparcmlState(args.method, comm=comm, density=args.density, index_coding="delta")
+    # what sparcml train gives the method (plain SGD, as the newsgroups recipe)
+    hyper = method_hyper(
+        args.method, {"density": args.density, "index_coding": "delta"}, momentum=0
+    )
+    state = st.SparcmlState(args.method, comm=comm, **hyper)
     gen = torch.Generator().manual_seed(comm.rank)
     grads = []
     for _ in range(16):

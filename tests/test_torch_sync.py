@@ -939,3 +939,36 @@ def test_nan_in_a_sparse_feature_gradient_found_in_the_selection(n: int, bad: fl
         assert torch.equal(got[~finite].nan_to_num(), ref[~finite].nan_to_num()), t
         assert torch.allclose(got[finite], ref[finite], rtol=0, atol=1e-12), t
     assert all(float(v.abs().max()) == 0.0 for _, res in out for v in res.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_nonzeros_of_is_from_dense_in_one_scan(dtype: torch.dtype) -> None:
+    """``nonzeros``'s stream (one compiled scan on the CPU) is ``from_dense``'s, bit for
+    bit: NaN and infinities kept, ``-0.0`` dropped, dense past SparCML's ``delta``."""
+    from sparcml import SparseStream
+    from sparcml.torch.methods.sparse import nonzeros_of
+
+    g = torch.Generator().manual_seed(5)
+    for n, nnz in [(0, 0), (1, 1), (1000, 10), (70_001, 300), (70_001, 60_000), (300_000, 4000)]:
+        x = torch.zeros(n, dtype=torch.float64)
+        x[torch.randperm(n, generator=g)[:nnz]] = torch.randn(nnz, generator=g, dtype=torch.float64)
+        x = x.to(dtype)
+        if nnz >= 4:
+            special = torch.tensor([float("nan"), -float("inf"), 1e-30], dtype=dtype)
+            x[torch.nonzero(x).flatten()[:3]] = special
+        if n >= 3:
+            x[n - 1] = -0.0
+        want = SparseStream.from_dense(x)
+        got = nonzeros_of(x.clone())
+        assert got.is_dense == want.is_dense, (n, nnz)
+        if not want.is_dense:
+            assert torch.equal(got.indices, want.indices), (n, nnz)
+        same = got.values.view(
+            torch.int16
+            if dtype.itemsize == 2
+            else torch.int64
+            if dtype.itemsize == 8
+            else torch.int32
+        )
+        ref = want.values.view(same.dtype)
+        assert torch.equal(same, ref), (n, nnz)

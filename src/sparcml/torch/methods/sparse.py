@@ -23,15 +23,24 @@ from ...collectives.codec import EXACT, QUANTIZE_MODES, StreamCodec, check_index
 from ...collectives.registry import algorithm_info, get_algorithm, options_of
 from ...comm import Communicator
 from ...compress.base import Composed, Selector, check_kind, split_composition
+from ...compress.selection import MAGNITUDE_BITS, select_above
 from ...finite import all_finite
-from ...stream import SparseStream
+from ...stream import SparseStream, dense_threshold
 from ..rules import Density
 from .base import GroupView, MethodConfig, MethodResult, MethodSpec, register_method
 
 if TYPE_CHECKING:
     from ..bucket import Bucket
 
-__all__ = ["NONZEROS", "SPARSE", "Nonzeros", "TopK", "scatter", "valid_algorithms"]
+__all__ = [
+    "NONZEROS",
+    "SPARSE",
+    "Nonzeros",
+    "TopK",
+    "nonzeros_of",
+    "scatter",
+    "valid_algorithms",
+]
 
 
 def valid_algorithms(kind: str, method: str) -> list[str]:
@@ -231,13 +240,27 @@ class Nonzeros(MethodConfig):
         check_algorithm("nonzeros", "nonzeros", self.algorithm)
 
 
+def nonzeros_of(acc: torch.Tensor) -> SparseStream:
+    """``SparseStream.from_dense(acc)`` of a flat ``acc`` the caller gives up: on the
+    CPU the non-zeros (NaN included, ``-0.0`` not, as ``count_nonzero`` counts them)
+    in one compiled scan, where ``from_dense`` counts them, then finds them with
+    ``torch.nonzero`` (two passes, the second slow: ``benchmarks/engine_profile.py
+    --method nonzeros``); past SparCML's ``delta`` the stream is dense."""
+    if acc.device.type != "cpu" or acc.dtype not in MAGNITUDE_BITS:
+        return SparseStream.from_dense(acc)
+    idx = select_above(acc, 0.0)
+    if idx.numel() > dense_threshold(acc.numel(), acc.dtype):
+        return SparseStream.dense(acc)
+    return SparseStream.from_sorted(idx, acc[idx], acc.numel())
+
+
 def run_nonzeros(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
     cfg = group.config
     assert isinstance(cfg, Nonzeros)
     total = sparse_allreduce(
-        SparseStream.from_dense(acc), group.comm, algorithm=cfg.algorithm, call_id=bucket.step
+        nonzeros_of(acc), group.comm, algorithm=cfg.algorithm, call_id=bucket.step
     )
-    return MethodResult(None, total.to_dense())
+    return MethodResult(None, total)  # (the pipeline averages the stream on its entries)
 
 
 def scatter_nonzeros(
