@@ -182,7 +182,9 @@ def test_equal_is_bitwise() -> None:
 
 @pytest.mark.parametrize("width", [4, 1, (2, 1)])  # 1: a linear model's EmbeddingBag(F, 1)
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
-def test_torch_sparse_round_trip_of_an_embedding_gradient(dtype: torch.dtype, width) -> None:  # type: ignore[no-untyped-def]
+def test_torch_sparse_round_trip_of_an_embedding_gradient(
+    dtype: torch.dtype, width: int | tuple[int, int]
+) -> None:
     if isinstance(width, tuple):  # trailing dimensions (2, 1): a sparse tensor built by hand
         g = torch.sparse_coo_tensor(
             [[3, 17]], torch.ones(2, *width, dtype=dtype), (50, *width), check_invariants=True

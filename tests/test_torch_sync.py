@@ -898,14 +898,22 @@ def test_topk_residual_known_zero_after_every_non_zero_was_sent(
 
 @pytest.mark.parametrize("n", [1547, 70_001])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_nan_in_a_sparse_feature_gradient_found_in_the_selection(n: int, bad: float) -> None:
+def test_nan_in_a_sparse_feature_gradient_found_in_the_selection(
+    n: int, bad: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``topk`` selects before its NaN/Inf check (a stateless selector): a selection
     holding every non-zero holds every NaN/Inf, and the check reads only it. A
     sparse-feature gradient with NaN or Inf on one rank (another rank's gradient
     dense that step) still goes dense on every rank (dense's sum there), the
     residuals untouched, and the next clean step is Alg. 1's again."""
+    import importlib
+
+    sparse = importlib.import_module("sparcml.torch.methods.sparse")
     density = 0.05
     k = _k(density, n)
+    checked: list[int] = []  # the sizes the method's NaN/Inf check reads
+    check = sparse.all_finite
+    monkeypatch.setattr(sparse, "all_finite", lambda t: checked.append(t.numel()) or check(t))
 
     def fn(comm):  # type: ignore[no-untyped-def]
         state = SparcmlState("topk", comm=comm, density=density)
@@ -939,6 +947,8 @@ def test_nan_in_a_sparse_feature_gradient_found_in_the_selection(n: int, bad: fl
         assert torch.equal(got[~finite].nan_to_num(), ref[~finite].nan_to_num()), t
         assert torch.allclose(got[finite], ref[finite], rtol=0, atol=1e-12), t
     assert all(float(v.abs().max()) == 0.0 for _, res in out for v in res.values())
+    # the whole bucket read once: rank 0's dense gradient at step 1; else the selection
+    assert len(checked) == 9 and checked.count(n) == 1 and max(checked) == n, checked
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])

@@ -134,6 +134,78 @@ def test_topk_of_a_sparse_gradient_below_k_is_reduced_as_it_is(monkeypatch) -> N
     assert sorted(densified) == sorted(list(range(steps)) * world)
 
 
+def _rows_grad(rank: int, step: int, rows: int, nan: bool = False) -> torch.Tensor:
+    """A sparse (300, 1) gradient of ``rows`` seeded rows, float64; ``nan``: one NaN."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    idx = torch.randperm(300, generator=g)[:rows].sort().values
+    vals = torch.randn(rows, 1, generator=g, dtype=torch.float64)
+    if nan:
+        vals[0, 0] = float("nan")
+    return torch.sparse_coo_tensor(idx[None], vals, (300, 1)).coalesce()
+
+
+def test_ranks_that_straddle_k_take_both_sparse_paths_and_agree(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """In one step a rank whose sparse gradient is below ``k`` sends it as it is, while
+    another densifies and selects (``k`` or more entries, or a residual left): the
+    same collectives on both paths, results bit for bit the same on every rank and
+    Alg. 1's sum; a NaN on a rank that sends as it is takes every rank dense
+    (``nan_policy="propagate"``), the residuals untouched."""
+    import sparcml.torch.reduce as red
+    from sparcml.torch.reduce import reduce_sparse_gradient
+
+    k = 30  # density 0.1 of 300
+    # rows per (step, rank): below k everywhere; rank 1 above; rank 1 below with a
+    # residual left; rank 2 below with a NaN; below everywhere
+    plan = [(5, 8, 6), (5, 60, 7), (4, 9, 5), (6, 5, 4), (3, 3, 3)]
+    nan_at = (3, 2)
+    whole: list[tuple[int, int]] = []
+    sent_whole = red._reduce_whole_selection
+
+    def counted(group, bucket, *a):  # type: ignore[no-untyped-def]
+        whole.append((bucket.step, group.comm.rank))
+        return sent_whole(group, bucket, *a)
+
+    monkeypatch.setattr(red, "_reduce_whole_selection", counted)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState("topk", comm=comm, density=0.1)
+        outs = []
+        for t, rows in enumerate(plan):
+            g = _rows_grad(comm.rank, t, rows[comm.rank], (t, comm.rank) == nan_at)
+            outs.append(reduce_sparse_gradient(state, Bucket(("w",), (300,), g, t)))
+        return outs, state.residuals["w"].clone()
+
+    out = run_ranks(3, fn)
+    for t in range(len(plan)):
+        dense = [o[0][t].to_dense().reshape(-1) for o in out]
+        for r in range(3):
+            assert torch.equal(out[r][0][t].indices(), out[0][0][t].indices()), (t, r)
+            assert torch.equal(dense[r].view(torch.int64), dense[0].view(torch.int64)), (t, r)
+    # Alg. 1 in one process (the NaN step: dense everywhere, residuals kept)
+    eps = [torch.zeros(300, dtype=torch.float64) for _ in range(3)]
+    for t, rows in enumerate(plan):
+        grads = [
+            _rows_grad(r, t, rows[r], (t, r) == nan_at).to_dense().reshape(-1) for r in range(3)
+        ]
+        got = out[0][0][t].to_dense().reshape(-1)
+        if t == nan_at[0]:
+            ref = sum(grads) / 3
+            assert torch.equal(torch.isnan(got), torch.isnan(ref))
+            assert torch.allclose(got[~torch.isnan(ref)], ref[~torch.isnan(ref)], atol=1e-12)
+            continue
+        total = torch.zeros(300, dtype=torch.float64)
+        for r in range(3):
+            acc = eps[r] + grads[r]
+            sel = _topk_dense(acc, k)
+            eps[r] = acc - sel
+            total += sel
+        assert torch.allclose(got, total / 3, rtol=0, atol=1e-12), t
+    for r in range(3):
+        assert torch.allclose(out[r][1], eps[r], atol=1e-12)
+    # who sent as it is: every rank below k whose residual was zero, from step 1 on
+    assert sorted(whole) == [(1, 0), (1, 2), (2, 0), (2, 2), (3, 0), (3, 2), (4, 0), (4, 2)]
+
+
 def test_sparse_gradient_method_refused_up_front() -> None:
     model = _Bag()
     state = SparcmlState("natural", comm=SelfCommunicator())

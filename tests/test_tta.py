@@ -244,6 +244,18 @@ def _check_peer(method: str, out: list[dict[str, Any]]) -> None:
         assert out[0]["hyper"]["matrix_approximation_rank"] == 2
 
 
+def test_cli_refuses_dense_only_methods_with_sparse_gradients(capsys) -> None:  # type: ignore[no-untyped-def]
+    """newsgroups with sparse=1: methods that take dense gradients only (PyTorch's
+    compression hooks, sparcml's quantizers) are refused before any rank starts."""
+    for methods, named in [("ddp,bf16", "bf16"), ("nonzeros,natural", "natural")]:
+        argv = ["train", "newsgroups", "--methods", methods, "--recipe-option", "sparse=1"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"sparse=1: {named} take dense gradients only" in err, err
+    assert main(["train", "newsgroups", "--recipe-option", "sparse=2"]) == 2
+    assert "sparse takes 0 or 1, got 2" in capsys.readouterr().err
+
+
 def test_cli_checks_cluster_arguments(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["train", "fmnist", "--cluster", "4", "--rate", "100mbps"]) == 2
     assert "not a link rate" in capsys.readouterr().err

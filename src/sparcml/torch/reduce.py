@@ -49,15 +49,15 @@ import time
 import torch
 
 from ..collectives import sparse_allreduce
-from ..collectives.registry import get_algorithm, options_of
 from ..comm import Communicator
 from ..compress.base import Selector
 from ..compress.selection import k_of
 from ..errors import NonFiniteError
 from ..finite import all_finite
-from ..stream import SparseStream
+from ..stream import SparseStream, dense_threshold
 from .bucket import Bucket
 from .methods.dense import scatter_dense
+from .methods.sparse import allreduce_selection, keeps_k, run_sparse
 from .runtime import Group
 from .state import SparcmlState
 
@@ -196,35 +196,87 @@ def reduce_sparse_gradient(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
 
 
 def _selection_is_the_gradient(group: Group, bucket: Bucket, g: torch.Tensor) -> bool:
-    """A selector method (no momentum, no quantizer) whose residual is known to be
-    zero, given a sparse gradient with fewer stored entries than it keeps: it would
-    select every non-zero and keep a zero residual, so its sum is the exact sum of
-    the gradients, which the sparse path gives without densifying (beyond the
-    papers; the same sum, in the sparse allreduce's order)."""
-    if group.settings.momentum or not group.error_feedback:
+    """A selector method (no momentum, clipping or quantizer; an algorithm that sums
+    exactly) whose residual is known to be zero, given a sparse gradient with fewer
+    stored entries than it keeps: it would select every non-zero and keep a zero
+    residual, so this rank may send the gradient's non-zeros as they are, without
+    densifying (beyond the papers). A rank-local decision: the collective it then
+    calls is the one every other rank calls (:func:`_reduce_whole_selection`)."""
+    settings = group.settings
+    if settings.momentum or settings.clip_norm is not None or not group.error_feedback:
         return False
-    algorithm = getattr(group.config, "algorithm", "auto")
-    if algorithm != "auto" and "k" in options_of(get_algorithm(algorithm)):
-        return False  # (an algorithm that keeps k of the sum, gtopk: not the exact sum)
+    if group.spec.run is not run_sparse or keeps_k(getattr(group.config, "algorithm", "auto")):
+        return False
     op = group.operator(bucket.key)
     values = g.values()  # (the stored entries: rows times the dense dimensions)
     if not isinstance(op, Selector) or not op.takes_all_nonzeros(values.numel(), g.numel()):
         return False
+    if settings.nan_policy == "unchecked" and not all_finite(values):
+        return False  # (NaN - NaN is the residual reduce_group keeps: not zero)
     return group.feedback.known_zero(bucket.names, bucket.sizes, values)
+
+
+def _reduce_whole_selection(
+    group: Group, bucket: Bucket, g: torch.Tensor, shape: tuple[int, ...], sparse_dim: int
+) -> torch.Tensor:
+    """Steps 2-7 of :func:`reduce_group` for a sparse gradient whose selection is
+    all of its non-zeros (:func:`_selection_is_the_gradient`), on the gradient's
+    entries: the same NaN/Inf agreement, the same collective
+    (:func:`~sparcml.torch.methods.sparse.allreduce_selection`, this rank's selection
+    being its non-zeros), the residual left zero, and the average with the entries
+    :func:`reduce_group`'s dense result would keep (no zeros), bit for bit: a rank
+    may take this path while another densifies."""
+    comm, settings, p = group.comm, group.settings, group.comm.world_size
+    before = comm.stats.bytes_sent
+    t0 = time.perf_counter()
+    stream = SparseStream.from_torch_sparse(g)
+    keep = stream.values != 0  # (NaN kept, -0.0 not: what a top-k selects)
+    selected = SparseStream.from_sorted(stream.indices[keep], stream.values[keep], stream.size)
+    try:
+        # Step 2 as reduce_group takes it (raise: one flag allreduce; propagate: the
+        # collective's header)
+        if settings.nan_policy == "raise":
+            _check_finite(
+                comm, Bucket(bucket.names, (selected.nnz,), selected.values, bucket.step),
+                selected.values,
+            )  # fmt: skip
+        nonfinite = settings.nan_policy == "propagate" and not all_finite(selected.values)
+        if nonfinite:
+            selected = SparseStream.empty(stream.size, stream.dtype, stream.device)
+        try:
+            total = allreduce_selection(group, bucket, selected, nonfinite)
+        except NonFiniteError:
+            if settings.nan_policy != "propagate":
+                raise
+            avg = _dense_for_nonfinite(comm, bucket, g.to_dense().reshape(-1)) / p
+            return SparseStream.from_dense(avg).to_torch_sparse(shape, sparse_dim)
+        # Step 7 as reduce_group does it, and the non-zeros _reduce_sparse keeps of it
+        if total.is_dense:
+            avg = SparseStream.from_dense(total.to_dense() / p)
+        else:
+            values = total.values / p
+            nz = values != 0
+            avg = SparseStream.from_sorted(total.indices[nz], values[nz], total.size)
+            if avg.nnz > dense_threshold(avg.size, avg.dtype):
+                avg = SparseStream.from_dense(avg.to_dense())  # (from_dense's dense case)
+        return avg.to_torch_sparse(shape, sparse_dim)
+    finally:
+        group.stats.record(
+            bucket.step, g.numel(), comm.stats.bytes_sent - before,
+            2 * (p - 1) / p * g.numel() * g.element_size(), 0.0,
+            time.perf_counter() - t0, selected.nnz, k_of(group.density, g.numel())
+            if group.density is not None else None,
+        )  # fmt: skip
 
 
 def _reduce_sparse(group: Group, bucket: Bucket) -> torch.Tensor:
     g = bucket.grad.detach().coalesce()
     shape, sparse_dim = tuple(g.shape), g.sparse_dim()
     settings = group.settings
-    whole = (
-        not group.spec.lossless
-        and bucket.step >= settings.warmup_steps
-        and _selection_is_the_gradient(group, bucket, g)
-    )
-    if settings.momentum or (
-        not group.spec.lossless and bucket.step >= settings.warmup_steps and not whole
-    ):
+    selects = not group.spec.lossless and bucket.step >= settings.warmup_steps
+    if selects and _selection_is_the_gradient(group, bucket, g):
+        return _reduce_whole_selection(group, bucket, g, shape, sparse_dim)
+    if settings.momentum or selects:
         flat = g.to_dense().reshape(-1)
         avg = reduce_group(group, Bucket(bucket.names, bucket.sizes, flat, bucket.step))
         return SparseStream.from_dense(avg).to_torch_sparse(shape, sparse_dim)
@@ -239,9 +291,7 @@ def _reduce_sparse(group: Group, bucket: Bucket) -> torch.Tensor:
                 comm, Bucket(bucket.names, (stream.nnz,), stream.values, bucket.step), stream.values
             )
         # warm-up steps of a selector method are exact too: its algorithm may not be
-        # (a selection that is the gradient as it is was checked to have an exact one)
-        exact = group.spec.lossless or whole
-        algorithm = getattr(group.config, "algorithm", "auto") if exact else "auto"
+        algorithm = getattr(group.config, "algorithm", "auto") if group.spec.lossless else "auto"
         total = sparse_allreduce(stream, comm, algorithm=algorithm, call_id=bucket.step)
         if total.is_dense:
             total = SparseStream.from_dense(total.to_dense())
@@ -371,7 +421,10 @@ def reduce_group(
         # one that already was is left as it is, and the next step skips reading it.
         if group.error_feedback:
             assert sent is not None
+            # (NaN/Inf sent under nan_policy="unchecked" leave NaN - NaN behind)
             covering = result.covering and send is acc
+            if covering and isinstance(sent, SparseStream):
+                covering = all_finite(sent.values)
             if covering and acc is source:
                 pass  # zero before, zero after: nothing to write
             else:

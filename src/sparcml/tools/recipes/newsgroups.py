@@ -120,13 +120,20 @@ class Newsgroups(Recipe):
 
     @classmethod
     def check_methods(cls, methods: list[str], options: dict[str, Any]) -> None:
+        from ...torch.methods import method_spec
+        from ...torch.peers import is_peer
+
         if _flag(options.get("sparse", 0), "sparse"):
-            dense_only = [m for m in methods if m in ("fp16", "bf16") or m.startswith("powersgd")]
+            dense_only = [
+                m
+                for m in methods
+                if (m != "ddp" if is_peer(m) else not method_spec(m).sparse_gradients)
+            ]
             if dense_only:
                 raise ValueError(
-                    f"newsgroups with sparse=1: {', '.join(dense_only)} (PyTorch's "
-                    "compression hooks) take dense gradients only; compare ddp (PyTorch's "
-                    "sparse allreduce) with nonzeros, dense, topk, or drop sparse=1"
+                    f"newsgroups with sparse=1: {', '.join(dense_only)} take dense gradients "
+                    "only; compare ddp (PyTorch's sparse allreduce) with dense, nonzeros, "
+                    "topk or topk+natural, or drop sparse=1"
                 )
 
     def model(self) -> torch.nn.Module:

@@ -37,6 +37,8 @@ __all__ = [
     "SPARSE",
     "Nonzeros",
     "TopK",
+    "allreduce_selection",
+    "keeps_k",
     "nonzeros_of",
     "scatter",
     "valid_algorithms",
@@ -141,7 +143,6 @@ class TopK(MethodConfig):
 def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
     op = group.operator(bucket.key)
     selector: Selector = op.selector if isinstance(op, Composed) else op
-    quantizer = op.quantizer if isinstance(op, Composed) else None
     t0 = time.perf_counter()
     # nan_policy="propagate": NaN/Inf in the accumulator are flagged in the
     # collective's own header (checks_nonfinite), not agreed in a round of their
@@ -161,14 +162,40 @@ def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodRes
     if nonfinite or selected is None:
         selected, covering = SparseStream.empty(acc.numel(), acc.dtype, acc.device), False
     select_s = time.perf_counter() - t0
+    total = allreduce_selection(group, bucket, selected, nonfinite)
+    # (the pipeline averages the stream)
+    return MethodResult(selected, total, select_s, covering)
+
+
+def keeps_k(algorithm: str) -> bool:
+    """Whether the sparse allreduce ``algorithm`` keeps ``k`` entries of the sum
+    (``gtopk``'s tree) rather than summing exactly."""
+    return algorithm != "auto" and "k" in options_of(get_algorithm(algorithm))
+
+
+def allreduce_selection(
+    group: GroupView, bucket: Bucket, selected: SparseStream, nonfinite: bool
+) -> SparseStream:
+    """Step 5's collective of the ``sparse`` method: this rank's selection through
+    the configured sparse allreduce (quantized by the method's quantizer), with the
+    accumulator's NaN/Inf flag in its header. Every rank calls it with the same
+    arguments but its own selection, also one that skipped the selector (a sparse
+    gradient sent as it is: :func:`sparcml.torch.reduce.reduce_sparse_gradient`).
+
+    Raises:
+        NonFiniteError: a rank flagged NaN/Inf (on every rank).
+    """
+    op = group.operator(bucket.key)
+    selector: Selector = op.selector if isinstance(op, Composed) else op
+    quantizer = op.quantizer if isinstance(op, Composed) else None
     cfg = group.config
     assert isinstance(cfg, TopK)
     # an algorithm that keeps k entries (gtopk) is told the selector's k: a selection
     # leaves the zeros out of a tensor with fewer non-zeros than k
     spec = getattr(selector, "spec", None)
-    takes_k = cfg.algorithm != "auto" and "k" in options_of(get_algorithm(cfg.algorithm))
-    extra = {"k": spec.of(acc.numel())} if takes_k and spec is not None else {}
-    total = sparse_allreduce(
+    takes_k = keeps_k(cfg.algorithm)
+    extra = {"k": spec.of(selected.size)} if takes_k and spec is not None else {}
+    return sparse_allreduce(
         selected,
         group.comm,
         algorithm=cfg.algorithm,
@@ -179,8 +206,6 @@ def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodRes
         nonfinite=nonfinite,
         **extra,
     )
-    # (the pipeline averages the stream)
-    return MethodResult(selected, total, select_s, covering)
 
 
 def scatter_sparse(
