@@ -344,3 +344,27 @@ def test_exchanges_in_either_order_give_the_same_bits(world: int) -> None:
     b = run_ranks(world, lambda comm: fn(comm, False))
     assert a == b
     assert all(r[3] == a[0][3] for r in a)  # the same sum on every rank
+
+
+def test_the_store_host_waits_for_marks_of_this_failure_not_an_earlier_one() -> None:
+    """The store's host lingers until the other survivors have read the record of
+    *this* failure: a mark a survivor left at an earlier failure (an error every rank
+    raised alike) once let it leave at once, and a survivor slower to see a later
+    death found the store gone and blamed the host (a flaky fault test under load)."""
+    import torch.distributed as dist
+
+    from sparcml.comm.faults import FailureRecord, StoreFaults
+    from sparcml.comm.launch import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
+    faults = StoreFaults(lambda: store, "t", 0, 3, grace=0.1, store_host=0, linger=0.6)
+    died = FailureRecord(2, "died", 0, "closed its connection")
+    faults.acknowledge(1, call=0)  # rank 0's own mark of the earlier failure
+    store.set("t/seen/1", "call 0")  # rank 1's, of that earlier failure
+    t0 = time.monotonic()
+    faults._wait_for_readers(died, 3)
+    assert time.monotonic() - t0 >= 0.5  # the stale mark did not count: it lingered
+    store.set("t/seen/1", "call 3")  # rank 1 has read the record of call 3
+    t0 = time.monotonic()
+    faults._wait_for_readers(died, 3)
+    assert time.monotonic() - t0 < 0.3

@@ -334,25 +334,34 @@ class StoreFaults:
         """The root cause of ``error``, seen by this rank while waiting for ``peer`` in
         ``what``, in collective call ``call`` (whose own-error records count)."""
         record = self._resolve(error, peer, what, call)
-        self._set(f"seen/{self.rank}", "1")
+        self._set(f"seen/{self.rank}", _seen(call))
         if self.rank == self.store_host and self._store_ok and self.linger > 0:
-            self._wait_for_readers(record)
+            self._wait_for_readers(record, call)
         return record
 
-    def acknowledge(self, origin: int) -> None:
-        """This rank failed a call that ``origin`` failed first (an abort note): say so
-        (the others learn from the notes themselves, on their way before the error
-        leaves, so the store's host need not stay up for them)."""
-        self._set(f"seen/{self.rank}", "1")
+    def acknowledge(self, origin: int, call: int | None = None) -> None:
+        """This rank failed call ``call``, which ``origin`` failed first (an abort
+        note): say so (the others learn from the notes themselves, on their way
+        before the error leaves, so the store's host need not stay up for them)."""
+        self._set(f"seen/{self.rank}", _seen(call))
 
-    def _wait_for_readers(self, record: FailureRecord) -> None:
-        """On the store's host: let the other survivors read the record before this
-        process (and the store with it) goes away."""
+    def _wait_for_readers(self, record: FailureRecord, call: int | None) -> None:
+        """On the store's host: let the other survivors read the record of the
+        failure of ``call`` before this process (and the store with it) goes away.
+        A mark left by an earlier failure does not count: after an error every rank
+        raised alike, the host once found the survivors' marks of that error, left
+        at once, and a survivor slower to see a later death found the store gone
+        and blamed its host."""
         others = [r for r in range(self.world_size) if r not in (self.rank, record.rank)]
         keys = [self._key(f"seen/{r}") for r in others]
+        want = _seen(call).encode()
+
+        def all_read(store: Any) -> bool:
+            return all(store.check([k]) and bytes(store.get(k)) == want for k in keys)
+
         deadline = time.monotonic() + self.linger
         while time.monotonic() < deadline and self._store_ok:
-            if self._op(lambda store: all(store.check([k]) for k in keys)):
+            if self._op(all_read):
                 return
             time.sleep(_POLL_S)
 
@@ -504,3 +513,8 @@ def store_client(store: Any, timeout: float) -> Callable[[], Any] | None:
 
         return connect
     return lambda: store
+
+
+def _seen(call: int | None) -> str:
+    """The value of a rank's ``seen`` mark: which failure it saw."""
+    return f"call {call}"

@@ -243,7 +243,7 @@ class TorchDistCommunicator(Communicator):
             raise self._fail(e, peer, what) from e
 
     def _after_failure(self, origin: int) -> None:
-        self.faults.acknowledge(origin)
+        self.faults.acknowledge(origin, self.failing_call())
 
     def _send_note(self, payload: torch.Tensor, dst: int) -> Handle:
         # a body held for dst goes first: its receive is posted, or will be once its
