@@ -245,6 +245,39 @@ def test_merge_positions_match_a_sort(span: int, runs: int) -> None:
     assert torch.equal(union[pos], cat)
 
 
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+@pytest.mark.parametrize("sizes", [(0, 0), (0, 40), (40, 0), (1, 1), (300, 250), (2_000, 1_999)])
+def test_merge_sum_of_two_runs_is_the_run_ordered_index_add(
+    dtype: torch.dtype, sizes: tuple[int, int]
+) -> None:
+    """Two runs merged and added in one compiled pass (float32/float64 on the CPU)
+    give the bits of the positions-and-``index_add_`` path every other case takes:
+    ``-0.0 + a``, ``(-0.0 + a) + b``; signed zeros, NaN and infinities included,
+    indices beyond 2^32, runs overlapping in part, and empty runs."""
+    from sparcml.merge import merge_positions, merge_sum
+
+    g = torch.Generator().manual_seed(sum(sizes))
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40])
+    runs, vals = [], []
+    for n in sizes:
+        runs.append(torch.randperm(3 * max(sizes) + 1, generator=g)[:n].sort().values + (1 << 33))
+        v = torch.randn(n, generator=g, dtype=torch.float64)
+        hit = torch.randint(0, 3, (n,), generator=g) == 0  # a third of them special
+        v[hit] = special[torch.randint(0, 6, (int(hit.sum()),), generator=g)].double()
+        vals.append(v.to(dtype))
+    union, pos = merge_positions(runs)
+    ref = torch.full((union.numel(),), -0.0, dtype=dtype)
+    ref.index_add_(0, pos[: sizes[0]], vals[0]).index_add_(0, pos[sizes[0] :], vals[1])
+    got_i, got_v = merge_sum(runs, vals)
+    assert torch.equal(got_i, union)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[ref.element_size()]
+    assert torch.equal(got_v.view(bits), ref.view(bits))
+    # strided inputs: a view every other entry
+    got_i, got_v = merge_sum([r[::2] for r in runs], [v[::2] for v in vals])
+    want_i, want_v = merge_sum([r[::2].clone() for r in runs], [v[::2].clone() for v in vals])
+    assert torch.equal(got_i, want_i) and torch.equal(got_v.view(bits), want_v.view(bits))
+
+
 _CACHE_PROBE = """
 from sparcml import cpu_kernels as k
 from sparcml.compress.warmup import warm_kernels

@@ -15,7 +15,8 @@ and NaN/Inf propagate as in a dense sum.
 One implementation per device:
 
 * CPU: compiled kernels (numba, ``nogil``: in-process ranks merge in parallel)
-  compute each input's position in the union: two runs by a linear merge; more
+  compute each input's position in the union: two runs by a linear merge (of
+  float32/float64 values: merged and added in the same pass); more
   runs, when they span at most 64 positions per entry (a split phase's pieces of
   one range), by a bitmap of the span (set a bit per entry, read the union off
   the set bits, each position = the set bits before it; cache-resident, and no
@@ -34,6 +35,9 @@ import torch
 from .kernels import compiled
 
 __all__ = ["merge_positions", "merge_sum"]
+
+#: value dtypes whose two-run sums the CPU merges and adds in one compiled pass
+_FUSED = (torch.float32, torch.float64)
 
 
 def merge_positions(runs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +95,8 @@ def merge_sum(
         >>> i.tolist(), v.tolist()
         ([1, 5], [1.0, 5.0])
     """
+    if len(indices) == 2 and indices[0].device.type == "cpu" and values[0].dtype in _FUSED:
+        return _merge2_sum(indices, values)
     union, pos = merge_positions(indices)
     out = torch.full((union.numel(),), -0.0, dtype=values[0].dtype, device=union.device)
     start = 0
@@ -100,3 +106,21 @@ def merge_sum(
             out.index_add_(0, pos[start : start + n], v)
         start += n
     return union, out
+
+
+def _merge2_sum(
+    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two CPU runs merged and added in one pass (``cpu_kernels.merge2_sum``): the
+    union and the sums :func:`merge_sum` gives, bit for bit, without the positions
+    array and the two ``index_add_`` passes (``benchmarks/merge_fused.py``: 0.90 -> 0.52 ms for two runs of 65k)."""
+    a, b = (r.contiguous() for r in indices)
+    av, bv = (v.contiguous() for v in values)
+    total = a.numel() + b.numel()
+    union = torch.empty(total, dtype=torch.int64)
+    out = torch.empty(total, dtype=av.dtype)
+    neg0 = torch.full((1,), -0.0, dtype=av.dtype)
+    n = compiled().merge2_sum(
+        a.numpy(), av.numpy(), b.numpy(), bv.numpy(), union.numpy(), out.numpy(), neg0.numpy()
+    )
+    return union[:n], out[:n]

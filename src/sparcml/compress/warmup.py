@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..indexcode import elias_fano_nbytes, read_elias_fano, write_elias_fano
-from ..merge import merge_positions
+from ..merge import merge_positions, merge_sum
 from ..reinterpret import index_low_bytes
 from ..wire import widen_increasing, write_index_field
 from .natural import natural9_decode, natural9_encode
@@ -34,6 +34,8 @@ def warm_kernels() -> None:
     merge_positions(runs[:2])  # two runs
     merge_positions(runs)  # a bitmap of their span
     merge_positions([torch.tensor([1, 1000]), *runs[1:]])  # a k-way merge
+    for dtype in (torch.float32, torch.float64):  # two runs merged and summed in one pass
+        merge_sum(runs[:2], [torch.ones(2, dtype=dtype), torch.ones(2, dtype=dtype)])
     out = torch.empty(2, dtype=torch.int64)
     for c in (1, 2, 3, 4, 8):  # 3: the compiled pass of every width that is not a word
         widen_increasing(index_low_bytes(torch.tensor([1, 2]), c), c, 4, out)
