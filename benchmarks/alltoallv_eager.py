@@ -9,7 +9,7 @@ times (slowest rank per call, after a barrier) for pieces of a few sizes:
 
 * gloo's ``all_to_all_single`` (sizes known everywhere);
 * ``TorchDistCommunicator.alltoallv`` with ``--eager`` bytes of first message
-  (default: the library's ``EAGER_BYTES``; every rank sets the same);
+  (default: the library's, ``eager_bytes(P)``; every rank sets the same);
 * plain ``isend``/``irecv`` of the known sizes.
 
     sparcml cluster -P 8 --rate 1gbit -- \
@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from transport_floor import slowest_rank_timer  # this folder, on sys.path when run as a script
 
-import sparcml.comm.torchdist as torchdist
 from sparcml.comm import TorchDistCommunicator
 
 
@@ -34,17 +33,17 @@ def main() -> None:
     ap.add_argument("--sizes", default="16000,84000,200000", help="bytes a peer, comma-separated")
     ap.add_argument("--calls", type=int, default=9)
     args = ap.parse_args()
-    if args.eager is not None:
-        torchdist.EAGER_BYTES = args.eager
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     p, me = dist.get_world_size(), dist.get_rank()
     comm = TorchDistCommunicator()
+    if args.eager is not None:
+        comm.eager_bytes = args.eager
 
     timeit = slowest_rank_timer(args.calls)
 
     if me == 0:
-        print(f"P={p}, EAGER_BYTES={torchdist.EAGER_BYTES}", flush=True)
+        print(f"P={p}, first message {comm.eager_bytes} bytes", flush=True)
     for nbytes in (int(x) for x in args.sizes.split(",")):
         parts = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(p)]
         flat_in = torch.zeros(nbytes * p, dtype=torch.uint8)

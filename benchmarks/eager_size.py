@@ -14,8 +14,9 @@ Every round runs each row once (:class:`transport_floor.Rounds`: after a barrier
 the slowest rank's time): gloo's ``all_to_all_single`` and
 ``all_gather_into_tensor`` of the split allgather's bytes, at P = 2 one
 ``irecv``/``isend`` exchange of recursive doubling's bytes, and both algorithms with
-first messages of 256 KiB (the library's), 1 MiB and 4 MiB, every rank switching
-``EAGER_BYTES`` together. Rank 0 prints each row's p50, min and max.
+first messages of 256 KiB (the library's before), 1 MiB (its size now up to P = 9,
+:func:`sparcml.comm.torchdist.eager_bytes`) and 4 MiB, every rank switching its
+communicator's ``eager_bytes`` together. Rank 0 prints each row's p50, min and max.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from sparcml.collectives import sparse_allreduce
 from sparcml.compress.selection import k_of
 from sparcml.indexcode import index_field_nbytes
 
-LIBRARY = torchdist.EAGER_BYTES  # 256 KiB
-SIZES = (LIBRARY, 1024 * 1024, 4096 * 1024)
+SIZES = (torchdist.EAGER_BYTES, 1024 * 1024, 4096 * 1024)  # 256 KiB, 1 MiB, 4 MiB
 
 
 def main() -> None:
@@ -73,13 +73,15 @@ def main() -> None:
 
         rows.add(f"floor: gloo irecv + isend, {send.numel() / 1e6:.2f} MB", exchange)
 
+    library = comm.eager_bytes
+
     def call(eager: int, algorithm: str) -> Callable[[], object]:
         def run() -> object:
-            torchdist.EAGER_BYTES = eager
+            comm.eager_bytes = eager
             try:
                 return sparse_allreduce(stream, comm, algorithm)
             finally:
-                torchdist.EAGER_BYTES = LIBRARY
+                comm.eager_bytes = library
 
         return run
 

@@ -125,7 +125,7 @@ def raises_on_rank_one(comm):  # type: ignore[no-untyped-def]
 def message_sizes(comm):  # type: ignore[no-untyped-def]
     """Point-to-point messages around the eager protocol's boundary, and an alltoallv
     of mixed sizes: what each rank received, with what it should have been."""
-    from sparcml.comm.torchdist import EAGER_BYTES
+    EAGER_BYTES = comm.eager_bytes  # the first message's size in this group
 
     p, me = comm.world_size, comm.rank
     sizes = [
@@ -354,7 +354,7 @@ def exchange_order(comm):  # type: ignore[no-untyped-def]
             log.append(("recv", t.numel()))
             return dist.irecv(t, *a, **k)
 
-    big = torch.full((1 << 20,), comm.rank, dtype=torch.uint8)
+    big = torch.full((2 * comm.eager_bytes,), comm.rank, dtype=torch.uint8)
     peer = 1 - comm.rank
     torchdist.dist = Recording()  # type: ignore[assignment]
     try:

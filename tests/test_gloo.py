@@ -111,6 +111,22 @@ def test_messages_of_every_size_around_the_eager_boundary() -> None:
     assert run_processes(3, gloo_workers.message_sizes, timeout=60) == [[], [], []]
 
 
+def test_the_first_message_shrinks_with_the_group() -> None:
+    """1 MiB up to P = 9, then ``EAGER_BUDGET / (P - 1)`` in 4 KiB steps, never below
+    256 KiB (from P = 33): what a rank's receives post for one message from every
+    peer stays within the budget, and both ends of a pair compute the same size."""
+    from sparcml.comm.torchdist import EAGER_BUDGET, EAGER_BYTES, EAGER_MAX, eager_bytes
+
+    assert eager_bytes(1) == EAGER_BYTES
+    assert [eager_bytes(p) for p in (2, 3, 8, 9)] == [EAGER_MAX] * 4
+    assert eager_bytes(10) == 908 * 1024 and eager_bytes(17) == EAGER_BUDGET // 16
+    assert eager_bytes(33) == EAGER_BYTES and eager_bytes(4096) == EAGER_BYTES
+    for p in range(2, 200):
+        e = eager_bytes(p)
+        assert e % 4096 == 0 and EAGER_BYTES <= e <= EAGER_MAX
+        assert e * (p - 1) <= max(EAGER_BUDGET, EAGER_BYTES * (p - 1))
+
+
 def test_allgather_direct_and_ring_give_every_piece() -> None:
     # pieces up to DIRECT_ALLGATHER_BYTES travel as one all-to-all, larger ones by
     # gloo's ring all_gather: both give every rank's piece, in rank order, with its
@@ -237,9 +253,10 @@ def test_an_exchange_posts_its_receive_before_its_body() -> None:
     ahead of a later "ready to receive" note, and the other direction's body then
     waits for all of it (two 4 MB bodies at 100 Mbit/s: 601.66 against 369.38 ms;
     ``benchmarks/link_burst.py --transport sparcml``)."""
-    from sparcml.comm.torchdist import EAGER_BYTES
+    from sparcml.comm.torchdist import eager_bytes
 
-    body = (1 << 20) - (EAGER_BYTES - 8)
+    EAGER_BYTES = eager_bytes(2)
+    body = 2 * EAGER_BYTES - (EAGER_BYTES - 8)  # the worker's message: twice the first
     for per_rank in run_processes(2, gloo_workers.exchange_order, timeout=60):
         for name, log in per_rank.items():
             # the peer's head is received before anything is sent; the own body is

@@ -113,7 +113,8 @@ def _merge2_sum(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two CPU runs merged and added in one pass (``cpu_kernels.merge2_sum``): the
     union and the sums :func:`merge_sum` gives, bit for bit, without the positions
-    array and the two ``index_add_`` passes (``benchmarks/merge_fused.py``: 0.90 -> 0.52 ms for two runs of 65k)."""
+    array and the two ``index_add_`` passes (``benchmarks/merge_fused.py``: 0.90 -> 0.52 ms
+    for two runs of 65k entries)."""
     a, b = (r.contiguous() for r in indices)
     av, bv = (v.contiguous() for v in values)
     total = a.numel() + b.numel()

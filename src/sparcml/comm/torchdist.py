@@ -1,8 +1,9 @@
 """torch.distributed backend: gloo with CPU tensors, NCCL with CUDA tensors.
 
 Messages of unknown size, on CPU backends (gloo), use an eager protocol: the
-receiver posts a buffer of ``EAGER_BYTES`` at once; the first message carries an
-int64 length and up to ``EAGER_BYTES - 8`` payload bytes, and only a longer
+receiver posts a buffer of :func:`eager_bytes` of the group's size at once (1 MiB
+up to P = 9, down to ``EAGER_BYTES``, 256 KiB, from P = 33); the first message
+carries an int64 length and up to that less 8 payload bytes, and only a longer
 payload's remainder follows in a second message, received straight into the
 result. A small message is then one message and one wait instead of two
 (a length, then the payload the receiver can only post once it knows the
@@ -51,15 +52,40 @@ from .abort import AbortNote
 from .base import Communicator, Handle
 from .faults import StoreFaults, agent_store, make_error, store_address, store_client
 
-__all__ = ["DIRECT_ALLGATHER_BYTES", "EAGER_BYTES", "TorchDistCommunicator"]
+__all__ = ["DIRECT_ALLGATHER_BYTES", "EAGER_BYTES", "TorchDistCommunicator", "eager_bytes"]
 
 EAGER_BYTES = 256 * 1024
-"""Size of the first message of the eager protocol (length word included): a message
+"""The smallest first message of the eager protocol (length word included): a message
 of up to this many bytes travels in one message, a longer one waits for the length to
 arrive before its body's receive is posted (one round trip more: with 64 KiB the
 all-to-all of 84 kB pieces, the split phase of ``ssar_split_allgather`` at P = 8,
 N = 16M, d = 0.78%, took 12.6 ms where gloo's ``all_to_all_single`` took 7.4 ms;
 with 256 KiB 6.9 ms against 4.9, ``benchmarks/alltoallv_eager.py``, docs/cluster.md)."""
+
+EAGER_MAX = 1024 * 1024
+"""The largest first message (:func:`eager_bytes`)."""
+
+EAGER_BUDGET = 8 * 1024 * 1024
+"""Bytes of first messages a rank posts at most for one message from every peer."""
+
+
+def eager_bytes(world_size: int) -> int:
+    """The first message's size in a group of ``world_size`` ranks (both ends of a
+    pair agree: they are in the same group): ``EAGER_BUDGET / (P - 1)`` between
+    ``EAGER_BYTES`` and ``EAGER_MAX``, a multiple of 4 KiB: 1 MiB up to P = 9, 256 KiB from P = 33.
+
+    With a core per rank (P = 2, N = 16M, d = 0.781%, 1 Gbit/s) the split allgather's
+    0.34 MB pieces and 0.65 MB ranges then go in one message each instead of a
+    head and a body sent after a round trip: p50 15.6 -> 13.3 ms (12.4 -> 10.2 ms
+    and 17.0 -> 14.9 ms in earlier jobs; ``benchmarks/eager_size.py``); at P = 4 and
+    8 on two cores, where the ranks wait for the CPU, no difference. The budget
+    bounds what a rank's receives hold at once in an all-to-all as P grows.
+    """
+    if world_size < 2:
+        return EAGER_BYTES
+    share = EAGER_BUDGET // (world_size - 1) // 4096 * 4096
+    return max(EAGER_BYTES, min(EAGER_MAX, share))
+
 
 #: seconds ``close`` and exit wait for the abort record's connection still being opened
 _SETTLE_S = 2.0
@@ -136,6 +162,8 @@ class TorchDistCommunicator(Communicator):
         self._td = datetime.timedelta(seconds=self.timeout)
         # a receive may be posted larger than the message on CPU backends, not on NCCL
         self._eager = backend != "nccl" and self.device.type == "cpu"
+        #: the eager protocol's first message, length word included (gloo)
+        self.eager_bytes = eager_bytes(world)
         self.receives_first = self._eager  # (gloo's rendezvous; NCCL: send first)
         # bodies held for an exchange (_isend_after), by destination: an abort note
         # to that rank sends them first, so that the note meets the right receive
@@ -283,7 +311,7 @@ class TorchDistCommunicator(Communicator):
         size = buf.numel()
         word = -(size + 1) if note else size
         if self._eager:
-            inline = min(size, EAGER_BYTES - 8)
+            inline = min(size, self.eager_bytes - 8)
             first = torch.empty(8 + inline, dtype=torch.uint8, device=self.device)
             first[:8].view(torch.int64).fill_(word)
             first[8:].copy_(buf[:inline])
@@ -330,8 +358,9 @@ class TorchDistCommunicator(Communicator):
 
     def _irecv(self, src: int, tag: int) -> Handle:
         eager = self._eager
+        capacity = self.eager_bytes
         head = torch.empty(
-            EAGER_BYTES if eager else 1,
+            capacity if eager else 1,
             dtype=torch.uint8 if eager else torch.int64,
             device=self.device,
         )
@@ -354,11 +383,11 @@ class TorchDistCommunicator(Communicator):
             note = size < 0  # an abort note of -(size + 1) bytes (sparcml.comm.abort)
             if note:
                 size = -size - 1
-            inline = min(size, EAGER_BYTES - 8) if eager else 0
+            inline = min(size, capacity - 8) if eager else 0
             if size == inline:
                 # a small message gets its own bytes: a view would keep the whole
-                # EAGER_BYTES receive buffer alive as long as the message is used
-                small = size <= EAGER_BYTES // 4
+                # first message's receive buffer alive as long as the message is used
+                small = size <= capacity // 4
                 got = head[8 : 8 + size]
                 body.append((got.clone() if small else got, note, None))
                 handle[0].mark_posted()
