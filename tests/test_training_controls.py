@@ -144,6 +144,49 @@ def _rows_grad(rank: int, step: int, rows: int, nan: bool = False) -> torch.Tens
     return torch.sparse_coo_tensor(idx[None], vals, (300, 1)).coalesce()
 
 
+@pytest.mark.parametrize("quantizer", ["natural", "qsgd"])
+def test_a_quantized_topk_sends_a_sparse_gradient_below_k_as_it_is(monkeypatch, quantizer) -> None:  # type: ignore[no-untyped-def]
+    """``topk+natural`` (a selector with a value quantizer) takes the exact sparse path
+    too when the gradient is below ``k`` and the residual zero: every step's result
+    and residual bit for bit those of the same run with every rank densifying (the
+    same selection, quantized alike in the same collective), and the ranks agree,
+    also in a step where one rank is above ``k``."""
+    import sparcml.torch.reduce as red
+    from sparcml.torch.reduce import reduce_sparse_gradient
+
+    plan = [(5, 8, 6), (5, 60, 7), (4, 9, 5), (3, 3, 3)]  # rows per (step, rank); k = 30
+    whole: list[tuple[int, int]] = []
+    sent_whole = red._reduce_whole_selection
+
+    def counted(group, bucket, *a):  # type: ignore[no-untyped-def]
+        whole.append((bucket.step, group.comm.rank))
+        return sent_whole(group, bucket, *a)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState(f"topk+{quantizer}", comm=comm, density=0.1)
+        outs = []
+        for t, rows in enumerate(plan):
+            g = _rows_grad(comm.rank, t, rows[comm.rank]).float()
+            outs.append(reduce_sparse_gradient(state, Bucket(("w",), (300,), g, t)))
+        return outs, state.residuals["w"].clone()
+
+    monkeypatch.setattr(red, "_reduce_whole_selection", counted)
+    out = run_ranks(3, fn)
+    # ranks 0 and 2 from step 1 on; rank 1 keeps a residual from its step above k
+    assert sorted(whole) == [(1, 0), (1, 2), (2, 0), (2, 2), (3, 0), (3, 2)]
+    monkeypatch.setattr(red, "_selection_is_the_gradient", lambda *a: False)
+    dense = run_ranks(3, fn)  # every rank densifies every step
+    for t in range(len(plan)):
+        for r in range(3):
+            got = out[r][0][t].to_dense().reshape(-1).view(torch.int32)
+            assert torch.equal(got, out[0][0][t].to_dense().reshape(-1).view(torch.int32))
+            assert torch.equal(got, dense[r][0][t].to_dense().reshape(-1).view(torch.int32))
+            assert torch.equal(out[r][0][t].indices(), dense[r][0][t].indices()), (t, r)
+    for r in range(3):
+        assert torch.equal(out[r][1], dense[r][1])
+    assert float(out[0][1].abs().max()) == 0.0 and float(out[2][1].abs().max()) == 0.0
+
+
 def test_ranks_that_straddle_k_take_both_sparse_paths_and_agree(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """In one step a rank whose sparse gradient is below ``k`` sends it as it is, while
     another densifies and selects (``k`` or more entries, or a residual left): the

@@ -50,7 +50,7 @@ import torch
 
 from ..collectives import sparse_allreduce
 from ..comm import Communicator
-from ..compress.base import Selector
+from ..compress.base import Composed, Selector
 from ..compress.selection import k_of
 from ..errors import NonFiniteError
 from ..finite import all_finite
@@ -196,20 +196,25 @@ def reduce_sparse_gradient(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
 
 
 def _selection_is_the_gradient(group: Group, bucket: Bucket, g: torch.Tensor) -> bool:
-    """A selector method (no momentum, clipping or quantizer; an algorithm that sums
-    exactly) whose residual is known to be zero, given a sparse gradient with fewer
-    stored entries than it keeps: it would select every non-zero and keep a zero
-    residual, so this rank may send the gradient's non-zeros as they are, without
-    densifying (beyond the papers). A rank-local decision: the collective it then
-    calls is the one every other rank calls (:func:`_reduce_whole_selection`)."""
+    """A selector method (no momentum or clipping; an algorithm that sums exactly;
+    with or without a value quantizer) whose residual is known to be zero, given a
+    sparse gradient with fewer stored entries than it keeps: it would select every
+    non-zero and keep a zero residual, so this rank may send the gradient's non-zeros
+    as they are, without densifying (beyond the papers). A rank-local decision: the
+    collective it then calls is the one every other rank calls, quantizing the same
+    selection alike (:func:`_reduce_whole_selection`; the residual never holds a
+    quantizer's error: ``acc - TopK(acc)``, as :func:`reduce_group` keeps it)."""
     settings = group.settings
     if settings.momentum or settings.clip_norm is not None or not group.error_feedback:
         return False
     if group.spec.run is not run_sparse or keeps_k(getattr(group.config, "algorithm", "auto")):
         return False
     op = group.operator(bucket.key)
+    selector = op.selector if isinstance(op, Composed) else op
     values = g.values()  # (the stored entries: rows times the dense dimensions)
-    if not isinstance(op, Selector) or not op.takes_all_nonzeros(values.numel(), g.numel()):
+    if not isinstance(selector, Selector) or not selector.takes_all_nonzeros(
+        values.numel(), g.numel()
+    ):
         return False
     if settings.nan_policy == "unchecked" and not all_finite(values):
         return False  # (NaN - NaN is the residual reduce_group keeps: not zero)
