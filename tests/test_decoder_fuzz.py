@@ -48,7 +48,7 @@ def _decoders() -> list[tuple[str, torch.Tensor, object]]:
         )
         for qname in ["natural", "qsgd", "dithering", "natural_dithering"]:
             q = compress.get(qname)
-            for coding in ["fixed", "delta"]:
+            for coding in ["fixed", "delta", "elias-fano"]:
                 msg = encode_quantized_stream(s, q, index_coding=coding)
                 out.append(
                     (

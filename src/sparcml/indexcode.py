@@ -40,6 +40,7 @@ import dataclasses
 
 import torch
 
+from .errors import WireFormatError
 from .kernels import compiled
 from .reinterpret import (
     dense_1d,
@@ -58,6 +59,7 @@ __all__ = [
     "index_field_nbytes",
     "layout",
     "read_elias_fano",
+    "read_elias_fano_checked",
     "write_elias_fano",
 ]
 
@@ -240,6 +242,33 @@ def read_elias_fano(
             )
         )
     return _read_torch(raw, size, low_bits, out, offset, parts)
+
+
+def read_elias_fano_checked(
+    raw: torch.Tensor,
+    size: int,
+    low_bits: int,
+    out: torch.Tensor,
+    offset: int = 0,
+    what: str = "message",
+) -> None:
+    """:func:`read_elias_fano`, raising what it finds wrong.
+
+    Raises:
+        WireFormatError: naming ``what``: a field that does not hold ``len(out)``
+            indices, an index out of range, or indices not strictly increasing.
+    """  # fmt: skip
+    stop = read_elias_fano(raw, size, low_bits, out, offset)
+    if stop == -1:
+        return
+    if stop == -2:
+        raise WireFormatError(
+            f"the Elias-Fano index field of {what} does not hold {out.numel()} indices"
+        )
+    if stop == out.numel():
+        last = int(out[-1]) - offset
+        raise WireFormatError(f"index {last} in {what} out of range for size {size}")
+    raise WireFormatError(f"indices in {what} are not strictly increasing")
 
 
 def _read_torch(

@@ -45,7 +45,7 @@ from .indexcode import (
     MAX_LOW_BITS,
     elias_fano_nbytes,
     layout,
-    read_elias_fano,
+    read_elias_fano_checked,
     write_elias_fano,
 )
 from .kernels import compiled
@@ -243,17 +243,7 @@ def _read_index_field(
     if not head.ef:
         widen_checked(raw, head.width, head.size, out, offset, what)
         return
-    stop = read_elias_fano(raw, head.size, head.width, out, offset)
-    if stop == -1:
-        return
-    if stop == -2:
-        raise WireFormatError(
-            f"the Elias-Fano index field of {what} does not hold {head.nnz} indices"
-        )
-    if stop == out.numel():
-        last = int(out[-1]) - offset
-        raise WireFormatError(f"index {last} in {what} out of range for size {head.size}")
-    raise WireFormatError(f"indices in {what} are not strictly increasing")
+    read_elias_fano_checked(raw, head.size, head.width, out, offset, what)
 
 
 def _checked_header(

@@ -214,13 +214,13 @@ def sparse_allreduce(
             depend on the algorithm) or ``"all"`` (every message, partial sums
             re-quantized at each stage). See :mod:`sparcml.collectives.codec`.
         index_coding: how indices travel, lossless whatever it is (results are
-            unchanged): ``"auto"`` (default) codes the indices of exact messages
-            of CPU streams Elias--Fano where that is smaller than sec. 5.1's
-            ``c``-byte fields (9 bits an index instead of 24 at ``N = 2^24`` and
-            0.78% density; :mod:`sparcml.indexcode`); ``"fixed"`` keeps the
-            ``c``-byte fields everywhere; ``"elias-fano"`` is ``"auto"`` on every
-            device; ``"delta"`` is ``"auto"`` and sends the indices of quantized
-            sparse messages as varints of their gaps.
+            unchanged): ``"auto"`` (default) codes the indices of messages of CPU
+            streams (exact and quantized) Elias--Fano where that is smaller than
+            sec. 5.1's ``c``-byte fields (9 bits an index instead of 24 at
+            ``N = 2^24`` and 0.78% density; :mod:`sparcml.indexcode`); ``"fixed"``
+            keeps the ``c``-byte fields everywhere; ``"elias-fano"`` is ``"auto"`` on
+            every device; ``"delta"`` is ``"auto"`` and sends the indices of
+            quantized sparse messages on other devices as varints of their gaps.
         cost_model: the model ``auto`` decides with (default: the stored calibration;
             without one, ``auto`` measures the candidates on first use).
         call_id: your own number for this call (e.g. the training step), compared

@@ -35,6 +35,14 @@ import torch
 
 from ..errors import WireFormatError
 from ..finite import all_finite
+from ..indexcode import (
+    ELIAS_FANO,
+    MAX_LOW_BITS,
+    elias_fano_nbytes,
+    layout,
+    read_elias_fano_checked,
+    write_elias_fano,
+)
 from ..reinterpret import as_bytes, bytes_as, dense_1d, index_low_bytes, indices_from_low_bytes
 from ..stream import SUPPORTED_DTYPES, SparseStream, index_bytes
 from ..wire import check_indices
@@ -336,6 +344,12 @@ class Composed(Compressor):
         return stream.to_dense().reshape(ctx.shape)
 
 
+#: header flags of a quantized stream: dense values; varint gaps; Elias--Fano indices
+_Q_DENSE, _Q_DELTA, _Q_ELIAS_FANO = 1, 2, 4
+#: the index codings a quantized stream may be asked for
+QUANTIZED_INDEX_CODINGS = ("fixed", "delta", "elias-fano")
+
+
 def encode_quantized_stream(
     stream: SparseStream,
     quantizer: Quantizer,
@@ -344,24 +358,36 @@ def encode_quantized_stream(
 ) -> torch.Tensor:
     """A sparse stream with quantized values: header, nnz, indices, values payload.
 
-    Indices are ``c`` bytes each (``index_coding="fixed"``) or LEB128 varints of
+    Indices are ``c`` bytes each (``index_coding="fixed"``), LEB128 varints of
     their gaps (``"delta"``, header flag 2: about 1.3 bytes at 1% density; see
-    :func:`~sparcml.compress.packing.encode_index_deltas`). The smaller form is
-    sent (sec. 5.1's ``delta`` with the quantized value size in place of
-    ``isize``: at 9-bit natural compression and 3-byte indices, pairs below 27%
-    density; delta-coded indices counted at their least, a byte each): the dense
-    form is the header (flag 1) and the quantized vector, and a dense stream with
-    enough zeros goes as pairs (one counting pass decides). Zeros quantize to
-    zeros, so either form holds the same vector.
+    :func:`~sparcml.compress.packing.encode_index_deltas`), or, with
+    ``"elias-fano"``, an Elias--Fano field (:mod:`sparcml.indexcode`, header flag 4:
+    a word holding its low bits ``l``, then the field; about ``l + 2`` bits an index,
+    ``l = floor(log2(N / nnz))``, and one compiled pass each way on the CPU) where it
+    is smaller than the fixed fields, else the fixed fields (beyond the paper, as
+    for exact messages). The smaller form is sent (sec. 5.1's ``delta`` with the
+    quantized value size in place of ``isize``: at 9-bit natural compression and
+    3-byte indices, pairs below 27% density; delta-coded indices counted at their
+    least, a byte each): the dense form is the header (flag 1) and the quantized
+    vector, and a dense stream with enough zeros goes as pairs (one counting pass
+    decides). Zeros quantize to zeros, so either form holds the same vector.
     """
-    if index_coding not in ("fixed", "delta"):
-        raise ValueError(f"index_coding must be 'fixed' or 'delta', got {index_coding!r}")
+    if index_coding not in QUANTIZED_INDEX_CODINGS:
+        raise ValueError(
+            f"index_coding must be one of {', '.join(map(repr, QUANTIZED_INDEX_CODINGS))}, "
+            f"got {index_coding!r}"
+        )
     device = stream.device
     n = stream.size
-    per_index = index_bytes(n) if index_coding == "fixed" else 1
+
+    def index_nbytes(nnz: int) -> int:
+        if index_coding == "delta":
+            return nnz
+        fixed = nnz * index_bytes(n)
+        return fixed if index_coding == "fixed" else min(fixed, _elias_fano_nbytes(n, nnz))
 
     def sparse_is_smaller(nnz: int) -> bool:
-        return nnz * per_index + quantizer.expected_nbytes(nnz) < quantizer.expected_nbytes(n)
+        return index_nbytes(nnz) + quantizer.expected_nbytes(nnz) < quantizer.expected_nbytes(n)
 
     if stream.is_dense:
         # a dense stream (a split piece of a dense gradient, say) with enough zeros
@@ -372,19 +398,33 @@ def encode_quantized_stream(
     elif stream.nnz and not sparse_is_smaller(stream.nnz):
         stream = SparseStream.dense(stream.to_dense())
     if stream.is_dense:
-        parts = [make_header(QUANTIZED_STREAM_CODE, n, flags=1, device=device)]
+        parts = [make_header(QUANTIZED_STREAM_CODE, n, flags=_Q_DENSE, device=device)]
     else:
         nnz = as_bytes(torch.tensor([stream.nnz], dtype=torch.int64)).to(device)
+        k, c = stream.nnz, index_bytes(n)
         if index_coding == "delta":
             idx = encode_index_deltas(stream.indices)
-            flags = 2
+            flags = _Q_DELTA
+        elif index_coding == "elias-fano" and _elias_fano_nbytes(n, k) < k * c:
+            fields = layout(n, k)
+            field = torch.empty(8 + fields.nbytes, dtype=torch.uint8, device=device)
+            field[:8].view(torch.int64).fill_(fields.width)
+            write_elias_fano(field[8:], stream.indices, n, fields.width)
+            idx, flags = field, _Q_ELIAS_FANO
         else:
-            c = index_bytes(n)
             idx = index_low_bytes(stream.indices, c)
             flags = 0
         parts = [make_header(QUANTIZED_STREAM_CODE, n, flags=flags, device=device), nnz, idx]
     parts.append(quantizer.quantize(stream.values, generator))
     return torch.cat(parts)
+
+
+def _elias_fano_nbytes(n: int, nnz: int) -> int:
+    """Bytes of a quantized stream's Elias--Fano indices: the low bits' word and the
+    field :func:`~sparcml.indexcode.layout` picks (more than the fixed fields where
+    it picks those, so that they win)."""
+    fields = layout(n, nnz)
+    return 8 + fields.nbytes if fields.coding == ELIAS_FANO else nnz * index_bytes(n) + 1
 
 
 def decode_quantized_stream(
@@ -397,9 +437,9 @@ def decode_quantized_stream(
     """
     what = f"stream with {quantizer.name} values"
     n, flags, body = read_header(payload, QUANTIZED_STREAM_CODE, what)
-    if flags & ~3 or flags == 3:
+    if flags not in (0, _Q_DENSE, _Q_DELTA, _Q_ELIAS_FANO):
         raise WireFormatError(f"{what}: unknown flags {flags:#x}")
-    if flags & 1:
+    if flags & _Q_DENSE:
         values = quantizer.dequantize(body, dtype, device)
         if values.numel() != n:
             raise WireFormatError(f"{what}: dense payload holds {values.numel()} of {n} values")
@@ -407,21 +447,29 @@ def decode_quantized_stream(
     if body.numel() < 8:
         raise WireFormatError(f"{what}: truncated payload")
     nnz = int(bytes_as(body[:8].cpu(), torch.int64)[0])
-    if flags & 2:
-        if nnz < 0 or nnz > n:
-            raise WireFormatError(f"{what}: malformed payload (nnz={nnz}, n={n})")
+    if nnz < 0 or nnz > n:
+        raise WireFormatError(f"{what}: malformed payload (nnz={nnz}, n={n})")
+    if flags & _Q_DELTA:
         indices, used = decode_index_deltas(body[8:].to(device), nnz)
         check_indices(indices, n, what)
-        values = quantizer.dequantize(body[8 + used :], dtype, device)
-        if values.numel() != nnz:
-            raise WireFormatError(f"{what}: {values.numel()} values for {nnz} indices")
-        return SparseStream.from_sorted(indices, _values_of(values, dtype), n)
-    c = index_bytes(n)
-    if nnz < 0 or nnz > n or body.numel() < 8 + nnz * c:
-        raise WireFormatError(f"{what}: malformed payload (nnz={nnz}, n={n})")
-    indices = indices_from_low_bytes(body[8 : 8 + nnz * c].to(device), c)
-    check_indices(indices, n, what)
-    values = quantizer.dequantize(body[8 + nnz * c :], dtype, device)
+        used += 8
+    elif flags & _Q_ELIAS_FANO:
+        low_bits = int(bytes_as(body[8:16].cpu(), torch.int64)[0]) if body.numel() >= 16 else -1
+        if not 0 <= low_bits <= MAX_LOW_BITS:
+            raise WireFormatError(f"{what}: malformed payload (Elias-Fano low bits {low_bits})")
+        used = 16 + elias_fano_nbytes(n, nnz, low_bits)
+        if body.numel() < used:
+            raise WireFormatError(f"{what}: truncated Elias-Fano index field")
+        indices = torch.empty(nnz, dtype=torch.int64, device=device)
+        read_elias_fano_checked(body[16:used].to(device), n, low_bits, indices, what=what)
+    else:
+        c = index_bytes(n)
+        used = 8 + nnz * c
+        if body.numel() < used:
+            raise WireFormatError(f"{what}: malformed payload (nnz={nnz}, n={n})")
+        indices = indices_from_low_bytes(body[8:used].to(device), c)
+        check_indices(indices, n, what)
+    values = quantizer.dequantize(body[used:], dtype, device)
     if values.numel() != nnz:
         raise WireFormatError(f"{what}: {values.numel()} values for {nnz} indices")
     return SparseStream.from_sorted(indices, _values_of(values, dtype), n)
