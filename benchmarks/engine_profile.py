@@ -3,12 +3,15 @@
 ``P`` local gloo processes each reduce one parameter's gradient with
 :func:`sparcml.torch.sync_gradients` every step, as a training step's hook would;
 the gradient has ``--nonzeros`` uniform random non-zeros (a sparse-feature layer:
-hashed bag-of-words, embedding inputs), or is dense with ``--nonzeros 0``. After
+hashed bag-of-words, embedding inputs), or is dense with ``--nonzeros 0``; with
+``--sparse-gradient`` it is a sparse COO tensor of those rows, as
+``EmbeddingBag(features, 1, sparse=True)`` gives. After
 a few warm-up steps, every call the engine thread runs is profiled (cProfile),
 and rank 0's functions are printed by their own time per step. The wall and
 process CPU per step are printed for each rank, unprofiled, from a first pass.
 
     .venv/bin/python benchmarks/engine_profile.py --features 1M --nonzeros 6000
+    .venv/bin/python benchmarks/engine_profile.py --features 1M --nonzeros 6000 --sparse-gradient
 
 Times depend on the machine: run it on a quiet one (the load average is printed).
 """
@@ -36,7 +39,8 @@ def _rank(comm: Any, args: argparse.Namespace, profile: bool) -> tuple[float, fl
     from sparcml.tools.recipes.train import method_hyper
 
     n = args.features
-    p = torch.nn.Parameter(torch.zeros(n))
+    # a sparse gradient is an EmbeddingBag(n, 1, sparse=True)'s: rows of one entry
+    p = torch.nn.Parameter(torch.zeros(n, 1) if args.sparse_gradient else torch.zeros(n))
     # what sparcml train gives the method (plain SGD, as the newsgroups recipe)
     hyper = method_hyper(
         args.method, {"density": args.density, "index_coding": "delta"}, momentum=0
@@ -45,7 +49,12 @@ def _rank(comm: Any, args: argparse.Namespace, profile: bool) -> tuple[float, fl
     gen = torch.Generator().manual_seed(comm.rank)
     grads = []
     for _ in range(16):
-        if args.nonzeros:
+        if args.nonzeros and args.sparse_gradient:
+            rows = torch.randint(0, n, (args.nonzeros,), generator=gen)
+            x = torch.sparse_coo_tensor(
+                rows[None], torch.randn(args.nonzeros, 1, generator=gen), (n, 1)
+            ).coalesce()
+        elif args.nonzeros:
             x = torch.zeros(n)
             x[torch.randint(0, n, (args.nonzeros,), generator=gen)] = torch.randn(
                 args.nonzeros, generator=gen
@@ -83,6 +92,11 @@ def main() -> None:
     ap.add_argument("--method", default="topk")
     ap.add_argument("--features", type=size_arg, default=size_arg("1M"))
     ap.add_argument("--nonzeros", type=int, default=6000, help="0: a dense gradient")
+    ap.add_argument(
+        "--sparse-gradient",
+        action="store_true",
+        help="the gradient as a sparse COO tensor of (features, 1), as EmbeddingBag(sparse=True)",
+    )
     ap.add_argument("-d", "--density", type=float, default=0.01)
     ap.add_argument("-P", "--world-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300)
@@ -91,6 +105,10 @@ def main() -> None:
     args = ap.parse_args()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     what = f"{args.nonzeros} non-zeros" if args.nonzeros else "dense"
+    if args.sparse_gradient:
+        if not args.nonzeros:
+            ap.error("--sparse-gradient needs --nonzeros above 0")
+        what += ", a sparse COO gradient"
     print(
         f"{args.method}, density {args.density:g}, one parameter of {args.features} entries "
         f"({what}), {args.world_size} gloo processes, {args.steps} steps after "
