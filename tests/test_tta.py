@@ -279,3 +279,37 @@ def test_runs_stopped_at_a_given_target_are_timed_to_that_target() -> None:
     assert targets(result) == pytest.approx((0.85, 0.80))
     rows = {r["method"]: r for r in tta_rows(result)}
     assert rows["topk"]["to_within_s"] == pytest.approx(4.0)  # (was "never": 0.84 asked)
+
+
+def test_seeds_rotate_the_methods_after_the_baseline(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each method runs as its own job; with ``rotate`` the methods after the
+    baseline run in a rotated order (the baseline first, its final figure the
+    target), and the result lists them in the order given, with ``run_order``."""
+    import sparcml.tools.cluster as cluster
+    from sparcml.tools.recipes import RECIPES
+    from sparcml.tools.recipes.tta import rotated, run_on_cluster
+
+    ran: list[str] = []
+
+    def job(hosts, argv, **kw):  # type: ignore[no-untyped-def]
+        method = argv[argv.index("--methods") + 1]
+        ran.append(method)
+        run = {"evals": [{"step": 1, "accuracy": 0.5, "train_s": 1.0}], "step_bytes": [1]}
+        doc = {"recipe": "fmnist", "runs": {method: run}}
+        Path(argv[argv.index("--run-json") + 1]).write_text(json.dumps(doc))
+        return 0
+
+    monkeypatch.setattr(cluster, "run_on_cluster", job)
+    monkeypatch.setattr(RECIPES["fmnist"], "check_data", classmethod(lambda cls: None))
+    methods = ["topk", "ddp", "nonzeros", "fp16"]
+    expected = [
+        ["ddp", "topk", "nonzeros", "fp16"],  # seed 0
+        ["ddp", "nonzeros", "fp16", "topk"],  # seed 1: each method last once
+        ["ddp", "fp16", "topk", "nonzeros"],
+    ]
+    for place, order in enumerate(expected):
+        ran.clear()
+        out = run_on_cluster("fmnist", methods, 2, "1gbit", [], stop_after=2, rotate=place)
+        assert ran == order and out["run_order"] == order
+        assert list(out["runs"]) == ["ddp", "topk", "nonzeros", "fp16"]
+    assert rotated(["a", "b"], 3) == ["b", "a"] and rotated(["x"], 2, keep_first=True) == ["x"]

@@ -482,21 +482,23 @@ def _train_seeds(
     rate_bps: float | None, predict: list[str],
 ) -> int:  # fmt: skip
     """``--cluster --seeds``: the comparison once per seed (``DIR/seedS``), then the
-    medians and ranges over the seeds (``DIR/results.md``, ``DIR/seeds.json``)."""
+    medians and ranges over the seeds (``DIR/results.md``, ``DIR/seeds.json``). The
+    methods after the baseline run in an order rotated by one place per seed
+    (:func:`~sparcml.tools.recipes.tta.run_on_cluster`'s ``rotate``)."""
     from pathlib import Path
 
     from ..recipes.tta import format_tta_table, run_on_cluster, write_seeds_report, write_tta_report
 
     out = Path(args.out)
     results = []
-    for seed in seeds:
+    for place, seed in enumerate(seeds):
         child = _child_args(args)
         child[child.index("--seed") + 1] = str(seed)
         result = run_on_cluster(
             args.recipe, chosen, args.cluster, args.rate, child, timeout=args.timeout,
             log_dir=f"{args.log_dir}/seed{seed}" if args.log_dir else None,
             stop_after=args.stop_after or 0, target=args.target,
-            ranks_per_node=args.ranks_per_node,
+            ranks_per_node=args.ranks_per_node, rotate=place,
         )  # fmt: skip
         result["seed"] = seed
         print(f"seed {seed}:")

@@ -395,6 +395,9 @@ def write_tta_report(
             "Failed (no result): " + "; ".join(f"{m}: {w}" for m, w in result["failed"].items()),
             "",
         ]
+    order = result.get("run_order")
+    if order and order != list(result["runs"]):
+        md += ["Run in this order (rotated per seed): " + ", ".join(order), ""]
     loads = {m: r["loadavg"] for m, r in result["runs"].items() if r.get("loadavg")}
     if loads:
         md += [
@@ -453,6 +456,21 @@ def load_result(path: str | Path) -> dict[str, Any]:
     return result
 
 
+def rotated(methods: Sequence[str], places: int, keep_first: bool = False) -> list[str]:
+    """``methods`` rotated left by ``places`` (the first kept in place with
+    ``keep_first``: the baseline whose final figure sets the target).
+
+    Example:
+        >>> rotated(["ddp", "a", "b", "c"], 1, keep_first=True)
+        ['ddp', 'b', 'c', 'a']
+    """
+    head, rest = (list(methods[:1]), list(methods[1:])) if keep_first else ([], list(methods))
+    if not rest:
+        return head
+    k = places % len(rest)
+    return head + rest[k:] + rest[:k]
+
+
 def run_on_cluster(
     recipe: str,
     methods: Sequence[str],
@@ -464,9 +482,18 @@ def run_on_cluster(
     stop_after: int = 0,
     target: float | None = None,
     ranks_per_node: int = 1,
+    rotate: int = 0,
 ) -> dict[str, Any]:
     """Run each method as its own job on a fresh ``hosts``-rank cluster at ``rate``
     (``hosts / ranks_per_node`` hosts of ``ranks_per_node`` ranks sharing one NIC).
+
+    ``rotate``: the methods after the baseline (all of them when no baseline runs
+    first) run in their order rotated by this many places (``--seeds`` passes the
+    seed's position), so that a drift of the machine over a job (its load, another
+    tenant) does not fall on the same method in every seed. A precaution: two jobs
+    with the order reversed found no effect of the order beyond the noise
+    (docs/training.md). The result lists the runs in the order given;
+    ``run_order`` says the order they ran in.
 
     ``stop_after``: a method stops once that many evaluations in a row reached
     ``target`` (default: the "within" figure of the dense baseline, which then runs
@@ -491,10 +518,11 @@ def run_on_cluster(
     if ranks_per_node < 1 or hosts % ranks_per_node:
         raise ValueError(f"{hosts} ranks cannot form hosts of {ranks_per_node} ranks each")
     recipe_cls = RECIPES[recipe]
-    methods = stop_order(list(methods), {"stop_after": stop_after, "target": target})
+    listed = stop_order(list(methods), {"stop_after": stop_after, "target": target})
     # the run whose final figure sets the target: the baseline stop_order put first
     # (a later method never does: were the baseline's job to fail, the rest run whole)
-    baseline = methods[0] if stop_after and target is None else None
+    baseline = listed[0] if stop_after and target is None else None
+    methods = rotated(listed, rotate, keep_first=baseline is not None)
     parse_rate(rate)
     env_data = os.environ.get("SPARCML_DATA")
     os.environ["SPARCML_DATA"] = str(Path(env_data or data_dir()).resolve())
@@ -543,6 +571,8 @@ def run_on_cluster(
         os.environ["SPARCML_DATA"] = env_data
     if merged is None:
         raise RuntimeError("every job failed: " + "; ".join(f"{m}: {w}" for m, w in failed.items()))
+    merged["runs"] = {m: merged["runs"][m] for m in listed if m in merged["runs"]}
+    merged["run_order"] = [m for m in methods if m in merged["runs"]]
     merged["link_rate"] = rate
     if stop_after:
         merged["options"] = {**merged.get("options", {}), "stop_after": stop_after,
@@ -658,6 +688,14 @@ def write_seeds_report(
         + ", ".join(f"[seed {r.get('seed')}](seed{r.get('seed')}/results.md)" for r in results),
         "",
     ]
+    orders = [(r.get("seed"), r["run_order"]) for r in results if r.get("run_order")]
+    if orders:
+        md += [
+            "The order the methods ran in, per seed (the methods after the baseline "
+            "rotated by one place a seed): "
+            + "; ".join(f"seed {seed}: {', '.join(order)}" for seed, order in orders),
+            "",
+        ]
     loads = [
         max(run["loadavg"][0] for run in r["runs"].values() if run.get("loadavg"))
         for r in results
