@@ -18,21 +18,18 @@ the load average. Uniform random indices, the default index coding, explicit cal
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from own_range import rounds_job  # this folder, on sys.path when run as a script
 
 import sparcml.merge as merge
 from sparcml import SparseStream
 from sparcml.collectives import sparse_allreduce
 from sparcml.collectives._common import partition_boundaries
-from sparcml.comm import TorchDistCommunicator
-from sparcml.compress.selection import k_of
-from sparcml.tools.cli.common import size_arg
 
 #: the variants: which value dtypes the fused two-run sum takes
 VARIANTS = {"one pass (now)": merge._FUSED, "positions + index_add_ (before)": ()}
@@ -40,20 +37,8 @@ ALGORITHMS = ("ssar_split_allgather", "ssar_recursive_double")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-N", "--size", type=size_arg, default=16 << 20)
-    ap.add_argument("-d", "--density", type=float, default=0.00781)
-    ap.add_argument("--rounds", type=int, default=41)
-    args = ap.parse_args()
-    if args.rounds < 2:
-        ap.error("--rounds must be at least 2 (quartiles of the rounds)")
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    comm = TorchDistCommunicator()
-    n, k = args.size, k_of(args.density, args.size)
-    g = torch.Generator().manual_seed(comm.rank)
-    idx = torch.randperm(n, generator=g)[:k]
-    stream = SparseStream(idx, torch.randn(k, generator=g), n)
+    args, comm, stream, g = rounds_job(__doc__)
+    n, k = stream.size, stream.nnz
     keys = [(alg, name) for alg in ALGORITHMS for name in VARIANTS]
     for alg in ALGORITHMS:  # warm-up, and the same bits both ways
         got = []

@@ -31,8 +31,14 @@ from sparcml.compress.selection import k_of
 from sparcml.tools.cli.common import size_arg
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def rounds_job(
+    doc: str,
+) -> tuple[argparse.Namespace, TorchDistCommunicator, SparseStream, torch.Generator]:
+    """Parse ``-N``, ``-d``, ``--rounds``; join the gloo job (one thread per rank);
+    return the arguments, the communicator, this rank's stream of ``k = d N``
+    uniform random indices and the generator that drew it (also used by
+    ``merge_fused.py``)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("-N", "--size", type=size_arg, default=16 << 20)
     ap.add_argument("-d", "--density", type=float, default=0.00781)
     ap.add_argument("--rounds", type=int, default=41)
@@ -45,7 +51,12 @@ def main() -> None:
     n, k = args.size, k_of(args.density, args.size)
     g = torch.Generator().manual_seed(comm.rank)
     idx = torch.randperm(n, generator=g)[:k]
-    stream = SparseStream(idx, torch.randn(k, generator=g), n)
+    return args, comm, SparseStream(idx, torch.randn(k, generator=g), n), g
+
+
+def main() -> None:
+    args, comm, stream, _ = rounds_job(__doc__)
+    n, k = stream.size, stream.nnz
     copied = split_allgather.decode_ranges
 
     def decoded(*a, **kw):  # type: ignore[no-untyped-def]

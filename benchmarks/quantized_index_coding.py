@@ -17,27 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from split_local_work import p50_ms  # this folder, on sys.path when run as a script
 
 from sparcml import SparseStream, compress
 from sparcml.compress.base import decode_quantized_stream, encode_quantized_stream
 from sparcml.tools.cli.common import size_arg
 
 CODINGS = ("fixed", "delta", "elias-fano")
-
-
-def p50_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
