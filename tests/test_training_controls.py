@@ -144,13 +144,14 @@ def _rows_grad(rank: int, step: int, rows: int, nan: bool = False) -> torch.Tens
     return torch.sparse_coo_tensor(idx[None], vals, (300, 1)).coalesce()
 
 
-@pytest.mark.parametrize("quantizer", ["natural", "qsgd"])
+@pytest.mark.parametrize("quantizer", [None, "natural", "qsgd"])
 def test_a_quantized_topk_sends_a_sparse_gradient_below_k_as_it_is(monkeypatch, quantizer) -> None:  # type: ignore[no-untyped-def]
     """``topk+natural`` (a selector with a value quantizer) takes the exact sparse path
     too when the gradient is below ``k`` and the residual zero: every step's result
     and residual bit for bit those of the same run with every rank densifying (the
     same selection, quantized alike in the same collective), and the ranks agree,
-    also in a step where one rank is above ``k``."""
+    also in a step where one rank is above ``k`` and in one whose gradient stores
+    zeros (0.0 and -0.0, which a top-k does not select)."""
     import sparcml.torch.reduce as red
     from sparcml.torch.reduce import reduce_sparse_gradient
 
@@ -163,10 +164,15 @@ def test_a_quantized_topk_sends_a_sparse_gradient_below_k_as_it_is(monkeypatch, 
         return sent_whole(group, bucket, *a)
 
     def fn(comm):  # type: ignore[no-untyped-def]
-        state = SparcmlState(f"topk+{quantizer}", comm=comm, density=0.1)
+        method = "topk" if quantizer is None else f"topk+{quantizer}"
+        state = SparcmlState(method, comm=comm, density=0.1)
         outs = []
         for t, rows in enumerate(plan):
             g = _rows_grad(comm.rank, t, rows[comm.rank]).float()
+            if t == 2:  # stored zeros
+                vals = g.values().clone()
+                vals[:2] = torch.tensor([[0.0], [-0.0]])
+                g = torch.sparse_coo_tensor(g.indices(), vals, g.shape).coalesce()
             outs.append(reduce_sparse_gradient(state, Bucket(("w",), (300,), g, t)))
         return outs, state.residuals["w"].clone()
 

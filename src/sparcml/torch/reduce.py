@@ -235,8 +235,8 @@ def _reduce_whole_selection(
     before = comm.stats.bytes_sent
     t0 = time.perf_counter()
     stream = SparseStream.from_torch_sparse(g)
-    keep = stream.values != 0  # (NaN kept, -0.0 not: what a top-k selects)
-    selected = SparseStream.from_sorted(stream.indices[keep], stream.values[keep], stream.size)
+    # (NaN kept, -0.0 not: what a top-k selects)
+    selected = _without_zeros(stream.indices, stream.values, stream.size)
     try:
         # Step 2 as reduce_group takes it (raise: one flag allreduce; propagate: the
         # collective's header)
@@ -259,9 +259,7 @@ def _reduce_whole_selection(
         if total.is_dense:
             avg = SparseStream.from_dense(total.to_dense() / p)
         else:
-            values = total.values / p
-            nz = values != 0
-            avg = SparseStream.from_sorted(total.indices[nz], values[nz], total.size)
+            avg = _without_zeros(total.indices, total.values / p, total.size)
             if avg.nnz > dense_threshold(avg.size, avg.dtype):
                 avg = SparseStream.from_dense(avg.to_dense())  # (from_dense's dense case)
         return avg.to_torch_sparse(shape, sparse_dim)
@@ -272,6 +270,16 @@ def _reduce_whole_selection(
             time.perf_counter() - t0, selected.nnz, k_of(group.density, g.numel())
             if group.density is not None else None,
         )  # fmt: skip
+
+
+def _without_zeros(indices: torch.Tensor, values: torch.Tensor, size: int) -> SparseStream:
+    """The pairs whose value is not zero (NaN kept, -0.0 not), as a stream; without
+    the two masked copies when none is zero (the usual case)."""
+    zero = values == 0
+    if bool(zero.any()):
+        keep = ~zero
+        indices, values = indices[keep], values[keep]
+    return SparseStream.from_sorted(indices, values, size)
 
 
 def _reduce_sparse(group: Group, bucket: Bucket) -> torch.Tensor:
