@@ -32,9 +32,11 @@ a fresh user without a calibration file would often get the wrong algorithm.
   earlier candidate) is the class's algorithm for the rest of the process, on
   every rank alike (every rank computes the class and the winner from the same
   agreed numbers). When the runner-up's figure is within :data:`CLOSE_FACTOR`
-  of the winner's, the two run :data:`CLOSE_ROUNDS` more rounds each and the best
-  of all their rounds decides: on a noisy machine two rounds cannot tell apart
-  algorithms whose spreads overlap (docs/cluster.md, "auto at 0.1% and 5%").
+  of the winner's, the two run :data:`CLOSE_ROUNDS` more rounds each and the
+  median of all their rounds decides: on a noisy machine two rounds cannot tell
+  apart algorithms whose spreads overlap (docs/cluster.md, "auto at 0.1% and 5%"),
+  and the best of them would favour the one with the wider spread
+  (:meth:`AutoChoice.score`).
 
 On nodes of several ranks (the two-level algorithms among the candidates) small
 calls are measured too: without a calibration file the two levels' constants
@@ -214,7 +216,7 @@ class AutoChoice:
     rechecks: int = 0  # times the class was measured again
     checks: int = 0  # checks of the winner so far (see :func:`observe`)
     rounds: int = ROUNDS  # rounds per candidate of the measurement under way
-    prior: dict[str, float] = dataclasses.field(default_factory=dict)  # earlier rounds' best
+    prior: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # earlier rounds
     extended: bool = False  # the close call's extra rounds ran in this measurement
 
     def __post_init__(self) -> None:
@@ -225,15 +227,26 @@ class AutoChoice:
     def calls(self) -> int:
         return len(self.running) * self.rounds
 
-    def best(self) -> dict[str, float]:
-        """Each candidate's best agreed time (seconds), once decided (a close call's
-        extra rounds counted with its first ones)."""
+    def rounds_of(self) -> dict[str, list[float]]:
+        """Each running candidate's agreed times (seconds), once decided (a close
+        call's extra rounds with its first ones)."""
         assert self.agreed is not None
         n = len(self.running)
-        return {
-            a: min([*self.agreed[i::n], self.prior.get(a, math.inf)])
-            for i, a in enumerate(self.running)
-        }
+        return {a: [*self.prior.get(a, []), *self.agreed[i::n]] for i, a in enumerate(self.running)}
+
+    def best(self) -> dict[str, float]:
+        """Each candidate's best agreed time (seconds), once decided."""
+        return {a: min(ts) for a, ts in self.rounds_of().items()}
+
+    def score(self) -> dict[str, float]:
+        """What decides: the best round, or after a close call's extra rounds the
+        median of all of a candidate's rounds (a best-of would pick the candidate
+        with the wider spread: at P = 8 on two cores ``ssar_recursive_double`` won
+        close calls on one lucky round, then ran 1.09x-1.16x slower than
+        ``ssar_split_allgather``; docs/cluster.md)."""
+        if not self.extended:
+            return self.best()
+        return {a: statistics.median(ts) for a, ts in self.rounds_of().items()}
 
 
 _CHOICES: weakref.WeakKeyDictionary[Communicator, dict[AutoClass, AutoChoice]] = (
@@ -416,7 +429,8 @@ def run_auto(
             agreed = comm.allreduce(torch.tensor(entry.times, dtype=torch.float64), op="max")
         entry.agreed = [float(t) for t in agreed]
         best = entry.best()
-        ranked = sorted(entry.running, key=lambda a: best[a])  # (ties: earlier first)
+        score = entry.score()
+        ranked = sorted(entry.running, key=lambda a: score[a])  # (ties: earlier first)
         if (
             len(ranked) > 1
             and not entry.extended
@@ -430,7 +444,7 @@ def run_auto(
                 CLOSE_FACTOR, CLOSE_ROUNDS,
             )  # fmt: skip
             entry.extended = True
-            entry.prior = {a: best[a] for a in ranked[:2]}
+            entry.prior = {a: entry.rounds_of()[a] for a in ranked[:2]}
             entry.running, entry.times, entry.agreed = ranked[:2], [], None
             entry.rounds = CLOSE_ROUNDS
             return out
@@ -438,11 +452,12 @@ def run_auto(
         if len(ranked) > 1:
             entry.runner_up, entry.runner_up_s = ranked[1], best[ranked[1]]
         log.info(
-            "sparse_allreduce auto: %s -> %s (slowest rank, best of %d: %s)",
+            "sparse_allreduce auto: %s -> %s (slowest rank, %s of %d: %s)",
             cls,
             entry.winner,
+            "median" if entry.extended else "best",
             entry.rounds + (ROUNDS if entry.prior else 0),
-            ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in best.items()),
+            ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in score.items()),
         )
     return out
 
