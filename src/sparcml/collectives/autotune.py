@@ -35,8 +35,7 @@ a fresh user without a calibration file would often get the wrong algorithm.
   of the winner's, the two run :data:`CLOSE_ROUNDS` more rounds each and the
   median of all their rounds decides: on a noisy machine two rounds cannot tell
   apart algorithms whose spreads overlap (docs/cluster.md, "auto at 0.1% and 5%"),
-  and the best of them would favour the one with the wider spread
-  (:meth:`AutoChoice.score`).
+  and the best of them would favour one lucky round (:meth:`AutoChoice.score`).
 
 On nodes of several ranks (the two-level algorithms among the candidates) small
 calls are measured too: without a calibration file the two levels' constants
@@ -240,10 +239,10 @@ class AutoChoice:
 
     def score(self) -> dict[str, float]:
         """What decides: the best round, or after a close call's extra rounds the
-        median of all of a candidate's rounds (a best-of would pick the candidate
-        with the wider spread: at P = 8 on two cores ``ssar_recursive_double`` won
-        close calls on one lucky round, then ran 1.09x-1.16x slower than
-        ``ssar_split_allgather``; docs/cluster.md)."""
+        median of all of a candidate's rounds (a best-of favours one lucky round: at
+        P = 8 on two cores ``ssar_recursive_double`` won three close calls in four
+        jobs that way, then ran 1.07x-1.16x slower than ``ssar_split_allgather``;
+        docs/cluster.md)."""
         if not self.extended:
             return self.best()
         return {a: statistics.median(ts) for a, ts in self.rounds_of().items()}
