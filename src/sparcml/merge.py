@@ -95,7 +95,12 @@ def merge_sum(
         >>> i.tolist(), v.tolist()
         ([1, 5], [1.0, 5.0])
     """
-    if len(indices) == 2 and indices[0].device.type == "cpu" and values[0].dtype in _FUSED:
+    if (
+        len(indices) == 2
+        and indices[0].device.type == "cpu"
+        and values[0].dtype in _FUSED
+        and values[1].dtype == values[0].dtype
+    ):
         return _merge2_sum(indices, values)
     union, pos = merge_positions(indices)
     out = torch.full((union.numel(),), -0.0, dtype=values[0].dtype, device=union.device)

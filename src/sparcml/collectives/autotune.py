@@ -125,7 +125,8 @@ CLOSE_ROUNDS = 2
 #: Settled calls of a class between two checks of its winner (one small allreduce).
 RECHECK_EVERY = 16
 #: A winner whose slowest-rank median over those calls exceeds this many times the
-#: runner-up's measured best is measured again against the runner-up.
+#: runner-up's measured figure (its best round, or its median after a close call)
+#: is measured again against the runner-up.
 RECHECK_FACTOR = 1.5
 
 
@@ -209,7 +210,7 @@ class AutoChoice:
     times: list[float] = dataclasses.field(default_factory=list)
     winner: str | None = None
     agreed: list[float] | None = None
-    runner_up: str | None = None  # the second best once decided, and its best time
+    runner_up: str | None = None  # the second best once decided, and the figure it lost on
     runner_up_s: float = math.inf
     recent: list[float] = dataclasses.field(default_factory=list)  # the winner's, since
     rechecks: int = 0  # times the class was measured again
@@ -449,7 +450,8 @@ def run_auto(
             return out
         entry.winner = ranked[0]
         if len(ranked) > 1:
-            entry.runner_up, entry.runner_up_s = ranked[1], best[ranked[1]]
+            # (the figure it lost on: its best round, or its median after a close call)
+            entry.runner_up, entry.runner_up_s = ranked[1], score[ranked[1]]
         log.info(
             "sparse_allreduce auto: %s -> %s (slowest rank, %s of %d: %s)",
             cls,

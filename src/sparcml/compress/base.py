@@ -437,6 +437,8 @@ def decode_quantized_stream(
     """
     what = f"stream with {quantizer.name} values"
     n, flags, body = read_header(payload, QUANTIZED_STREAM_CODE, what)
+    if n >= 1 << 63:  # (an int64 index could not address it)
+        raise WireFormatError(f"{what}: malformed payload (size {n})")
     if flags not in (0, _Q_DENSE, _Q_DELTA, _Q_ELIAS_FANO):
         raise WireFormatError(f"{what}: unknown flags {flags:#x}")
     if flags & _Q_DENSE:

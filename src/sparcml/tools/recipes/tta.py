@@ -691,8 +691,8 @@ def write_seeds_report(
     orders = [(r.get("seed"), r["run_order"]) for r in results if r.get("run_order")]
     if orders:
         md += [
-            "The order the methods ran in, per seed (the methods after the baseline "
-            "rotated by one place a seed): "
+            "The order the methods ran in, per seed (rotated by one place a seed, the "
+            "baseline first where it sets the target): "
             + "; ".join(f"seed {seed}: {', '.join(order)}" for seed, order in orders),
             "",
         ]
