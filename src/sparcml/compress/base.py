@@ -460,8 +460,10 @@ def decode_quantized_stream(
         if not 0 <= low_bits <= MAX_LOW_BITS:
             raise WireFormatError(f"{what}: malformed payload (Elias-Fano low bits {low_bits})")
         used = 16 + elias_fano_nbytes(n, nnz, low_bits)
-        if body.numel() < used:
-            raise WireFormatError(f"{what}: truncated Elias-Fano index field")
+        # (the values' bytes checked first: a field of about nnz/4 bytes must not
+        # make this rank allocate nnz indices for a message too short to hold them)
+        if body.numel() < used + quantizer.expected_nbytes(nnz):
+            raise WireFormatError(f"{what}: truncated Elias-Fano index field or values")
         indices = torch.empty(nnz, dtype=torch.int64, device=device)
         read_elias_fano_checked(body[16:used].to(device), n, low_bits, indices, what=what)
     else:
