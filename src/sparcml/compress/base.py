@@ -38,6 +38,7 @@ from ..finite import all_finite
 from ..indexcode import (
     ELIAS_FANO,
     MAX_LOW_BITS,
+    IndexLayout,
     elias_fano_nbytes,
     layout,
     read_elias_fano_checked,
@@ -61,6 +62,7 @@ __all__ = [
     "get",
     "operator_class",
     "register",
+    "selector_and_quantizer",
     "split_composition",
     "to_saturating",
 ]
@@ -344,6 +346,16 @@ class Composed(Compressor):
         return stream.to_dense().reshape(ctx.shape)
 
 
+def selector_and_quantizer(op: Compressor) -> tuple[Selector, Quantizer | None]:
+    """The selector of a selector method's operator and its value quantizer (None
+    for a plain selector): ``topk`` gives ``(TopK, None)``, ``topk+natural`` the
+    two parts of its :class:`Composed`."""
+    if isinstance(op, Composed):
+        return op.selector, op.quantizer
+    assert isinstance(op, Selector), f"{op.name} is not a selector"
+    return op, None
+
+
 #: header flags of a quantized stream: dense values; varint gaps; Elias--Fano indices
 _Q_DENSE, _Q_DELTA, _Q_ELIAS_FANO = 1, 2, 4
 #: the index codings a quantized stream may be asked for
@@ -380,11 +392,20 @@ def encode_quantized_stream(
     device = stream.device
     n = stream.size
 
+    def elias_fano(nnz: int) -> IndexLayout | None:
+        """The Elias--Fano field, where it and its low bits' word take fewer bytes
+        than the fixed fields."""
+        if index_coding != "elias-fano":
+            return None
+        fields = layout(n, nnz)
+        fits = fields.coding == ELIAS_FANO and 8 + fields.nbytes < nnz * index_bytes(n)
+        return fields if fits else None
+
     def index_nbytes(nnz: int) -> int:
         if index_coding == "delta":
             return nnz
-        fixed = nnz * index_bytes(n)
-        return fixed if index_coding == "fixed" else min(fixed, _elias_fano_nbytes(n, nnz))
+        fields = elias_fano(nnz)
+        return nnz * index_bytes(n) if fields is None else 8 + fields.nbytes
 
     def sparse_is_smaller(nnz: int) -> bool:
         return index_nbytes(nnz) + quantizer.expected_nbytes(nnz) < quantizer.expected_nbytes(n)
@@ -401,30 +422,21 @@ def encode_quantized_stream(
         parts = [make_header(QUANTIZED_STREAM_CODE, n, flags=_Q_DENSE, device=device)]
     else:
         nnz = as_bytes(torch.tensor([stream.nnz], dtype=torch.int64)).to(device)
-        k, c = stream.nnz, index_bytes(n)
+        fields = None if index_coding == "delta" else elias_fano(stream.nnz)
         if index_coding == "delta":
             idx = encode_index_deltas(stream.indices)
             flags = _Q_DELTA
-        elif index_coding == "elias-fano" and _elias_fano_nbytes(n, k) < k * c:
-            fields = layout(n, k)
+        elif fields is not None:
             field = torch.empty(8 + fields.nbytes, dtype=torch.uint8, device=device)
             field[:8].view(torch.int64).fill_(fields.width)
             write_elias_fano(field[8:], stream.indices, n, fields.width)
             idx, flags = field, _Q_ELIAS_FANO
         else:
-            idx = index_low_bytes(stream.indices, c)
+            idx = index_low_bytes(stream.indices, index_bytes(n))
             flags = 0
         parts = [make_header(QUANTIZED_STREAM_CODE, n, flags=flags, device=device), nnz, idx]
     parts.append(quantizer.quantize(stream.values, generator))
     return torch.cat(parts)
-
-
-def _elias_fano_nbytes(n: int, nnz: int) -> int:
-    """Bytes of a quantized stream's Elias--Fano indices: the low bits' word and the
-    field :func:`~sparcml.indexcode.layout` picks (more than the fixed fields where
-    it picks those, so that they win)."""
-    fields = layout(n, nnz)
-    return 8 + fields.nbytes if fields.coding == ELIAS_FANO else nnz * index_bytes(n) + 1
 
 
 def decode_quantized_stream(

@@ -50,7 +50,7 @@ import torch
 
 from ..collectives import sparse_allreduce
 from ..comm import Communicator
-from ..compress.base import Composed, Selector
+from ..compress.base import selector_and_quantizer
 from ..compress.selection import k_of
 from ..errors import NonFiniteError
 from ..finite import all_finite
@@ -209,12 +209,9 @@ def _selection_is_the_gradient(group: Group, bucket: Bucket, g: torch.Tensor) ->
         return False
     if group.spec.run is not run_sparse or keeps_k(getattr(group.config, "algorithm", "auto")):
         return False
-    op = group.operator(bucket.key)
-    selector = op.selector if isinstance(op, Composed) else op
+    selector, _ = selector_and_quantizer(group.operator(bucket.key))
     values = g.values()  # (the stored entries: rows times the dense dimensions)
-    if not isinstance(selector, Selector) or not selector.takes_all_nonzeros(
-        values.numel(), g.numel()
-    ):
+    if not selector.takes_all_nonzeros(values.numel(), g.numel()):
         return False
     if settings.nan_policy == "unchecked" and not all_finite(values):
         return False  # (NaN - NaN is the residual reduce_group keeps: not zero)

@@ -22,7 +22,7 @@ from ...collectives import algorithms, reduce_scatter, sparse_allreduce
 from ...collectives.codec import EXACT, QUANTIZE_MODES, StreamCodec, check_index_coding
 from ...collectives.registry import algorithm_info, get_algorithm, options_of
 from ...comm import Communicator
-from ...compress.base import Composed, Selector, check_kind, split_composition
+from ...compress.base import check_kind, selector_and_quantizer, split_composition
 from ...compress.selection import MAGNITUDE_BITS, select_above
 from ...finite import all_finite
 from ...stream import SparseStream, dense_threshold
@@ -141,8 +141,7 @@ class TopK(MethodConfig):
 
 
 def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodResult:
-    op = group.operator(bucket.key)
-    selector: Selector = op.selector if isinstance(op, Composed) else op
+    selector, _ = selector_and_quantizer(group.operator(bucket.key))
     t0 = time.perf_counter()
     # nan_policy="propagate": NaN/Inf in the accumulator are flagged in the
     # collective's own header (checks_nonfinite), not agreed in a round of their
@@ -185,9 +184,7 @@ def allreduce_selection(
     Raises:
         NonFiniteError: a rank flagged NaN/Inf (on every rank).
     """
-    op = group.operator(bucket.key)
-    selector: Selector = op.selector if isinstance(op, Composed) else op
-    quantizer = op.quantizer if isinstance(op, Composed) else None
+    selector, quantizer = selector_and_quantizer(group.operator(bucket.key))
     cfg = group.config
     assert isinstance(cfg, TopK)
     # an algorithm that keeps k entries (gtopk) is told the selector's k: a selection
@@ -213,16 +210,15 @@ def scatter_sparse(
 ) -> MethodResult:
     """FSDP2's reduce-scatter: ``TopK(acc)`` split by owner (quantized once with a
     quantizer), rank ``j`` summing chunk ``j`` (paper 000 sec. 5.3.2's split phase)."""
-    op = group.operator(bucket.key)
-    selector: Selector = op.selector if isinstance(op, Composed) else op
+    selector, quantizer = selector_and_quantizer(group.operator(bucket.key))
     t0 = time.perf_counter()
     selected, covering = selector.select_covering(acc)
     select_s = time.perf_counter() - t0
     codec = EXACT
-    if isinstance(op, Composed):
+    if quantizer is not None:
         cfg = group.config
         assert isinstance(cfg, TopK)
-        codec = StreamCodec(op.quantizer, "contributions", index_coding=cfg.index_coding)
+        codec = StreamCodec(quantizer, "contributions", index_coding=cfg.index_coding)
     total = scatter(selected, group.comm, codec, bounds)
     return MethodResult(selected, total, select_s, covering)
 
