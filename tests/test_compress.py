@@ -649,6 +649,48 @@ def test_top_k_exact_in_one_pass_equals_the_general_path(kind: str, dtype: torch
             assert _by_bits(x, k, positions=True) is not None, (kind, k)
 
 
+@pytest.mark.parametrize("kind", ["randn", "ties", "nan_inf", "few"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_topk_of_entries_is_the_dense_selection(kind: str, dtype: torch.dtype) -> None:
+    """``TopK.select_entries`` of a vector's non-zeros gives ``select_covering`` of
+    the dense vector bit for bit (positions, values, covering) at sizes of at least
+    ``BRACKET_MIN``: ties at the k-th magnitude broken by position, NaN and
+    infinities ranked as the dense selection ranks them, fewer than ``k`` non-zeros
+    all taken (covering), ``-0.0`` never an entry."""
+    from sparcml.compress.threshold_reuse import BRACKET_MIN
+    from sparcml.compress.topk import TopK
+    from sparcml.stream import SparseStream
+
+    n = BRACKET_MIN + 5
+    g = torch.Generator().manual_seed(5)
+    support = torch.randperm(n, generator=g)[: {"few": 40}.get(kind, 3000)].sort().values
+    vals = {
+        "randn": lambda m: torch.randn(m, generator=g),
+        "ties": lambda m: (
+            torch.randint(1, 4, (m,), generator=g).float()
+            * (1 - 2 * torch.randint(0, 2, (m,), generator=g))
+        ),
+        "nan_inf": lambda m: (
+            torch.randn(m, generator=g)
+            .index_fill_(0, torch.arange(3, m, 301), float("nan"))
+            .index_fill_(0, torch.arange(9, m, 307), float("-inf"))
+        ),
+        "few": lambda m: torch.randn(m, generator=g),
+    }[kind](support.numel()).to(dtype)
+    x = torch.zeros(n, dtype=dtype)
+    x[support] = vals
+    x[support[:5]] = -0.0  # stored zeros: not entries (the caller drops them)
+    keep = x[support] != 0
+    entries = SparseStream.from_sorted(support[keep], x[support][keep], n)
+    for density in (0.0001, 0.01, 0.04):
+        sel = TopK(density=density)
+        want, want_cov = sel.select_covering(x)
+        got, got_cov = sel.select_entries(entries)
+        assert torch.equal(got.indices, want.indices), (kind, density)
+        assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8))
+        assert got_cov == want_cov == (kind == "few" and sel.spec.of(n) > entries.nnz)
+
+
 def test_top_k_exact_falls_back_when_infinities_rank_below_the_sample() -> None:
     """NaN at 40 sampled positions makes the sample's t_lo = +inf; the scan keeps
     the NaN and the 80 infinities (k or more), but infinities rank with the largest

@@ -193,6 +193,89 @@ def test_a_quantized_topk_sends_a_sparse_gradient_below_k_as_it_is(monkeypatch, 
     assert float(out[0][1].abs().max()) == 0.0 and float(out[2][1].abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("quantizer", [None, "natural", "qsgd"])
+@pytest.mark.parametrize("nan_policy", ["propagate", "raise"])
+def test_topk_of_a_sparse_gradient_above_k_selects_from_its_entries(  # type: ignore[no-untyped-def]
+    monkeypatch, quantizer, nan_policy
+) -> None:
+    """A sparse gradient with ``k`` entries or more, or one that meets a residual left
+    by such a step, is selected from the entries of ``residual + g`` (no dense
+    bucket) at ``2^16`` rows and more: every step's average and residual are those of
+    the run in which every rank densifies, bit for bit (the residual as numbers: a
+    zero's sign may differ), on every rank, with ties at the k-th magnitude, stored
+    zeros, a rank that covers its residual again, and (``"propagate"``) a NaN that
+    sends every rank dense with the residuals untouched."""
+    import sparcml.torch.reduce as red
+    from sparcml.compress.threshold_reuse import BRACKET_MIN
+    from sparcml.torch.reduce import reduce_sparse_gradient
+
+    n = BRACKET_MIN
+    # rows per (step, rank); k = 66 (density 0.001): the first step has no residual
+    # yet (dense); then rank 1 above k; rank 1 with its residual; ties (every rank
+    # above k); every rank below k with a residual, ranks 0 and 2 covering theirs;
+    # rank 1 covering; a NaN on rank 2 (propagate only)
+    plan = [
+        (20, 30, 25), (20, 200, 30), (20, 40, 30), (90, 70, 100), (5, 3, 4), (5, 3, 4),
+        (80, 9, 70),
+    ]  # fmt: skip
+    if nan_policy == "raise":
+        plan = plan[:-1]
+    entries: list[tuple[int, int]] = []
+    from_entries = red._reduce_whole_selection
+
+    def counted(group, bucket, g, shape, sparse_dim, residual=None):  # type: ignore[no-untyped-def]
+        if residual is not None:
+            entries.append((bucket.step, group.comm.rank))
+        return from_entries(group, bucket, g, shape, sparse_dim, residual)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        method = "topk" if quantizer is None else f"topk+{quantizer}"
+        state = SparcmlState(method, comm=comm, density=0.001, nan_policy=nan_policy)
+        outs, residuals = [], []
+        for t, rows in enumerate(plan):
+            gen = torch.Generator().manual_seed(1000 * comm.rank + t)
+            idx = torch.randperm(n, generator=gen)[: rows[comm.rank]].sort().values
+            vals = torch.randn(idx.numel(), 1, generator=gen)
+            if t == 3:  # ties at every magnitude, and stored zeros
+                vals = torch.randint(-2, 3, (idx.numel(), 1), generator=gen).float()
+                vals[:2] = torch.tensor([[0.0], [-0.0]])
+            if t == 6 and comm.rank == 2:
+                vals[3, 0] = float("nan")
+            g = torch.sparse_coo_tensor(idx[None], vals, (n, 1)).coalesce()
+            outs.append(reduce_sparse_gradient(state, Bucket(("w",), (n,), g, t)))
+            residuals.append(state.residuals["w"].clone())
+        return outs, residuals
+
+    monkeypatch.setattr(red, "_reduce_whole_selection", counted)
+    out = run_ranks(3, fn)
+    # rank 1 from step 1 on (above k, then its residual) until it covers it in step
+    # 5; ranks 0 and 2 above k in step 3, covering their residuals in step 4, above
+    # k again in step 6
+    want = [(1, 1), (2, 1), (3, 0), (3, 1), (3, 2), (4, 0), (4, 1), (4, 2), (5, 1)]
+    if nan_policy == "propagate":
+        want += [(6, 0), (6, 2)]
+    assert sorted(entries) == want
+    entries.clear()
+    monkeypatch.setattr(red, "_selection_is_the_gradient", lambda *a: False)
+    monkeypatch.setattr(red, "_residual_for_entries", lambda *a: None)
+    dense = run_ranks(3, fn)  # every rank densifies every step
+    assert entries == []
+    for t in range(len(plan)):
+        for r in range(3):
+            got = out[r][0][t].to_dense().reshape(-1).view(torch.int32)
+            assert torch.equal(got, out[0][0][t].to_dense().reshape(-1).view(torch.int32))
+            assert torch.equal(got, dense[r][0][t].to_dense().reshape(-1).view(torch.int32))
+            assert torch.equal(out[r][0][t].indices(), dense[r][0][t].indices()), (t, r)
+            assert torch.equal(out[r][1][t], dense[r][1][t]), (t, r)
+    assert float(out[1][1][4].abs().max()) > 0  # a residual was kept
+    assert float(out[1][1][5].abs().max()) == 0  # and covered again
+    assert float(out[0][1][4].abs().max()) == 0
+    if nan_policy == "propagate":
+        assert bool(out[0][0][6].to_dense().isnan().any())
+        for r in range(3):
+            assert torch.equal(out[r][1][6], out[r][1][5])  # residuals untouched
+
+
 def test_ranks_that_straddle_k_take_both_sparse_paths_and_agree(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """In one step a rank whose sparse gradient is below ``k`` sends it as it is, while
     another densifies and selects (``k`` or more entries, or a residual left): the

@@ -66,6 +66,35 @@ class TopK(Selector):
         k = self.spec.of(selected.size)
         return selected, selected.device.type == "cpu" and selected.nnz < k
 
+    def select_entries(self, entries: SparseStream) -> tuple[SparseStream, bool]:
+        """:meth:`select_covering` of the vector whose non-zeros are ``entries`` (a
+        sorted sparse stream, without zeros; NaN and infinities are entries), from the
+        entries alone: O(nnz) instead of a pass over ``entries.size``.
+
+        Fewer than ``k`` entries: all of them (covering, as on the CPU). Otherwise
+        :func:`~.threshold_reuse.top_k_exact` of their values, whose order (magnitude,
+        ties at the ``k``-th broken by position) is the dense vector's, since the
+        entries keep the vector's order. So on the CPU, for ``entries.size`` of at
+        least ``BRACKET_MIN`` (where :meth:`select` takes ``top_k_exact`` too), the
+        bits of ``select_covering(entries.to_dense())``; below it ``select`` takes
+        ``torch.topk``, whose choice among ties at the ``k``-th magnitude is its own.
+        (Beyond paper 000 sec. 2.2: a sparse gradient's accumulator, whose dense
+        form is mostly zeros, selected without densifying.)
+
+        Example:
+            >>> s = SparseStream.from_sorted(torch.tensor([3, 9, 70]),
+            ...                              torch.tensor([1.0, -5.0, 2.0]), 100)
+            >>> sel, covering = TopK(k=2).select_entries(s)
+            >>> sel.indices.tolist(), covering
+            ([9, 70], False)
+        """
+        k = self.spec.of(entries.size)
+        if entries.nnz < k or entries.nnz == 0:
+            return entries, entries.nnz < k
+        _, pos = top_k_exact(entries.values, k)
+        chosen = SparseStream.from_sorted(entries.indices[pos], entries.values[pos], entries.size)
+        return chosen, False
+
     def takes_all_nonzeros(self, nonzeros: int, numel: int) -> bool:
         """Fewer non-zeros than ``k``: a top-k takes them all."""
         return nonzeros < self.spec.of(numel)

@@ -72,6 +72,15 @@ class NamedBuffers:
             return flat
         return None
 
+    def stored(
+        self, names: Sequence[str], sizes: Sequence[int], like: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The flat tensor of the bucket's last :meth:`scatter`, whose views its
+        buffers still are (of ``like``'s dtype and device), to read or update in
+        place; None when there is none (no step yet, a rebuilt bucket, a loaded
+        checkpoint)."""
+        return self._stored_flat(names, sizes, like)
+
     def known_zero(self, names: Sequence[str], sizes: Sequence[int], like: torch.Tensor) -> bool:
         """Whether the bucket's buffers are known to hold zeros only (marked by
         :meth:`mark_zero` and not written since), without reading them."""
@@ -300,6 +309,28 @@ class ErrorFeedback(NamedBuffers):
         else:
             dense = sent.to_dense() if isinstance(sent, SparseStream) else sent
             self.scatter(names, sizes, acc - dense.to(acc.dtype))
+        if covering:
+            self.mark_zero(names)
+
+    def update_entries(
+        self,
+        names: Sequence[str],
+        sizes: Sequence[int],
+        acc: SparseStream,
+        sent: SparseStream,
+        covering: bool = False,
+    ) -> None:
+        """:meth:`update_bucket` for an ``acc`` given by its entries: ``acc`` holds
+        ``residual + g`` wherever either is non-zero (zeros included where they
+        cancelled), so writing them into the stored residual (:meth:`stored`, which
+        must exist) and subtracting the sent entries leaves ``acc - sent`` there,
+        with :meth:`update_bucket`'s arithmetic, in O(nnz) writes."""
+        like = acc.values
+        flat = self.stored(names, sizes, like)
+        if flat is None:
+            raise RuntimeError(f"no stored residual for bucket {tuple(names)!r} to update")
+        flat[acc.indices] = acc.values
+        flat[sent.indices] -= sent.values.to(flat.dtype)
         if covering:
             self.mark_zero(names)
 

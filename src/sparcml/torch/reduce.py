@@ -50,10 +50,13 @@ import torch
 
 from ..collectives import sparse_allreduce
 from ..comm import Communicator
-from ..compress.base import selector_and_quantizer
-from ..compress.selection import k_of
+from ..compress.base import Selector, selector_and_quantizer
+from ..compress.selection import k_of, select_above
+from ..compress.threshold_reuse import BRACKET_MIN
+from ..compress.topk import TopK
 from ..errors import NonFiniteError
 from ..finite import all_finite
+from ..merge import merge_sum
 from ..stream import SparseStream, dense_threshold
 from .bucket import Bucket
 from .methods.dense import scatter_dense
@@ -195,54 +198,123 @@ def reduce_sparse_gradient(state: SparcmlState, bucket: Bucket) -> torch.Tensor:
         count_bytes(state, bucket.step, comm.stats.bytes_sent - before)
 
 
-def _selection_is_the_gradient(group: Group, bucket: Bucket, g: torch.Tensor) -> bool:
-    """A selector method (no momentum or clipping; an algorithm that sums exactly;
-    with or without a value quantizer) whose residual is known to be zero, given a
-    sparse gradient with fewer stored entries than it keeps: it would select every
-    non-zero and keep a zero residual, so this rank may send the gradient's non-zeros
-    as they are, without densifying (beyond the papers). A rank-local decision: the
-    collective it then calls is the one every other rank calls, quantizing the same
-    selection alike (:func:`_reduce_whole_selection`; the residual never holds a
-    quantizer's error: ``acc - TopK(acc)``, as :func:`reduce_group` keeps it)."""
+def _stream_selector(group: Group, bucket: Bucket) -> Selector | None:
+    """The selector of a method that may select from a sparse gradient's entries: no
+    momentum or clipping, error feedback, the ``sparse`` method's collective with an
+    algorithm that sums exactly (with or without a value quantizer); else None."""
     settings = group.settings
     if settings.momentum or settings.clip_norm is not None or not group.error_feedback:
-        return False
+        return None
     if group.spec.run is not run_sparse or keeps_k(getattr(group.config, "algorithm", "auto")):
+        return None
+    return selector_and_quantizer(group.operator(bucket.key))[0]
+
+
+def _selection_is_the_gradient(group: Group, bucket: Bucket, g: torch.Tensor) -> bool:
+    """A selector method (:func:`_stream_selector`) whose residual is known to be
+    zero, given a sparse gradient with fewer stored entries than it keeps: it would
+    select every non-zero and keep a zero residual, so this rank may send the
+    gradient's non-zeros as they are, without densifying (beyond the papers). A
+    rank-local decision: the collective it then calls is the one every other rank
+    calls, quantizing the same selection alike (:func:`_reduce_whole_selection`; the
+    residual never holds a quantizer's error: ``acc - TopK(acc)``, as
+    :func:`reduce_group` keeps it)."""
+    selector = _stream_selector(group, bucket)
+    if selector is None:
         return False
-    selector, _ = selector_and_quantizer(group.operator(bucket.key))
     values = g.values()  # (the stored entries: rows times the dense dimensions)
     if not selector.takes_all_nonzeros(values.numel(), g.numel()):
         return False
-    if settings.nan_policy == "unchecked" and not all_finite(values):
+    if group.settings.nan_policy == "unchecked" and not all_finite(values):
         return False  # (NaN - NaN is the residual reduce_group keeps: not zero)
     return group.feedback.known_zero(bucket.names, bucket.sizes, values)
 
 
+def _residual_for_entries(group: Group, bucket: Bucket, g: torch.Tensor) -> torch.Tensor | None:
+    """The stored residual of a ``topk`` bucket whose top-k may be taken from the
+    entries of ``residual + g`` (:meth:`~sparcml.compress.topk.TopK.select_entries`)
+    instead of the dense accumulator, with :func:`reduce_group`'s bits: a sparse
+    float32/float64 CPU gradient of at least ``BRACKET_MIN`` entries (where the
+    dense selection is ``top_k_exact`` too), a residual kept in its dtype; else None.
+
+    This is the step after a sparse gradient with ``k`` entries or more (or one with
+    a residual left from such a step): :func:`reduce_group` would write the dense
+    gradient, add the residual, select from all of it and scan the average back
+    into a sparse gradient, four passes over the bucket; here one read of the
+    residual finds its non-zeros and the rest is O(nnz) (beyond the papers). At
+    2^20 rows, 15,000 of them every step: 24.0-25.2 ms a step densifying, 14.2-14.9
+    ms from the entries (``benchmarks/engine_profile.py --sparse-gradient``,
+    docs/training.md "A sparse gradient above k")."""
+    selector = _stream_selector(group, bucket)
+    if type(selector) is not TopK:
+        return None
+    values = g.values()
+    if (
+        g.device.type != "cpu"
+        or values.dtype not in (torch.float32, torch.float64)
+        or _work_dtype(group, values) != values.dtype
+        or g.numel() < BRACKET_MIN
+        or not selector.spec.of(g.numel())
+    ):
+        return None
+    return group.feedback.stored(bucket.names, bucket.sizes, values)
+
+
 def _reduce_whole_selection(
-    group: Group, bucket: Bucket, g: torch.Tensor, shape: tuple[int, ...], sparse_dim: int
+    group: Group,
+    bucket: Bucket,
+    g: torch.Tensor,
+    shape: tuple[int, ...],
+    sparse_dim: int,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Steps 2-7 of :func:`reduce_group` for a sparse gradient whose selection is
-    all of its non-zeros (:func:`_selection_is_the_gradient`), on the gradient's
-    entries: the same NaN/Inf agreement, the same collective
-    (:func:`~sparcml.torch.methods.sparse.allreduce_selection`, this rank's selection
-    being its non-zeros), the residual left zero, and the average with the entries
-    :func:`reduce_group`'s dense result would keep (no zeros), bit for bit: a rank
-    may take this path while another densifies."""
+    """Steps 2-7 of :func:`reduce_group` for a sparse gradient, on its entries.
+
+    Without ``residual``: a selection that is all of the gradient's non-zeros
+    (:func:`_selection_is_the_gradient`), the residual left zero. With the stored
+    ``residual`` (:func:`_residual_for_entries`): step 4's ``acc = residual + g``
+    on the union of their non-zeros (summed in that order, as
+    :meth:`~sparcml.sgd.feedback.ErrorFeedback.compensate_bucket` adds them), its
+    top-k taken from those entries, and step 6's ``residual = acc - TopK(acc)``
+    written where ``acc`` has entries.
+
+    Either way the same NaN/Inf agreement, the same collective
+    (:func:`~sparcml.torch.methods.sparse.allreduce_selection`), and the average
+    with the entries :func:`reduce_group`'s dense result would keep (no zeros),
+    bit for bit: a rank may take this path while another densifies."""
     comm, settings, p = group.comm, group.settings, group.comm.world_size
     before = comm.stats.bytes_sent
     t0 = time.perf_counter()
     stream = SparseStream.from_torch_sparse(g)
-    # (NaN kept, -0.0 not: what a top-k selects)
-    selected = _without_zeros(stream.indices, stream.values, stream.size)
+    acc: SparseStream | None = None
+    covering = True
+    if residual is None:
+        # (NaN kept, -0.0 not: what a top-k selects)
+        selected = _without_zeros(stream.indices, stream.values, stream.size)
+    else:
+        # Step 4 on the entries: -0.0 + r + g is r + g, bit for bit (merge_sum); a
+        # residual known to be zero is not read
+        if group.feedback.known_zero(bucket.names, bucket.sizes, stream.values):
+            rows = torch.empty(0, dtype=torch.int64, device=stream.device)
+        else:
+            rows = select_above(residual, 0.0)
+        idx, vals = merge_sum([rows, stream.indices], [residual[rows], stream.values])
+        acc = SparseStream.from_sorted(idx, vals, stream.size)
+        selector = _stream_selector(group, bucket)
+        assert isinstance(selector, TopK)
+        selected, covering = selector.select_entries(_without_zeros(idx, vals, stream.size))
+    select_s = time.perf_counter() - t0
     try:
-        # Step 2 as reduce_group takes it (raise: one flag allreduce; propagate: the
-        # collective's header)
+        # Step 2 as reduce_group takes it (raise: one flag allreduce of the gradient;
+        # propagate: the collective's header, flagged where the accumulator is not
+        # finite, as run_sparse flags it)
         if settings.nan_policy == "raise":
             _check_finite(
-                comm, Bucket(bucket.names, (selected.nnz,), selected.values, bucket.step),
-                selected.values,
+                comm, Bucket(bucket.names, (stream.nnz,), stream.values, bucket.step),
+                stream.values,
             )  # fmt: skip
-        nonfinite = settings.nan_policy == "propagate" and not all_finite(selected.values)
+        checked = selected.values if acc is None else acc.values
+        nonfinite = settings.nan_policy == "propagate" and not all_finite(checked)
         if nonfinite:
             selected = SparseStream.empty(stream.size, stream.dtype, stream.device)
         try:
@@ -252,6 +324,13 @@ def _reduce_whole_selection(
                 raise
             avg = _dense_for_nonfinite(comm, bucket, g.to_dense().reshape(-1)) / p
             return SparseStream.from_dense(avg).to_torch_sparse(shape, sparse_dim)
+        if acc is not None:
+            # Step 6 (unsent entries keep acc's value; a covering selection of finite
+            # values leaves zeros, which the next step need not read)
+            group.feedback.update_entries(
+                bucket.names, bucket.sizes, acc, selected,
+                covering and all_finite(selected.values),
+            )  # fmt: skip
         # Step 7 as reduce_group does it, and the non-zeros _reduce_sparse keeps of it
         if total.is_dense:
             avg = SparseStream.from_dense(total.to_dense() / p)
@@ -263,9 +342,9 @@ def _reduce_whole_selection(
     finally:
         group.stats.record(
             bucket.step, g.numel(), comm.stats.bytes_sent - before,
-            2 * (p - 1) / p * g.numel() * g.element_size(), 0.0,
-            time.perf_counter() - t0, selected.nnz, k_of(group.density, g.numel())
-            if group.density is not None else None,
+            2 * (p - 1) / p * g.numel() * g.element_size(), select_s,
+            max(0.0, time.perf_counter() - t0 - select_s), selected.nnz,
+            k_of(group.density, g.numel()) if group.density is not None else None,
         )  # fmt: skip
 
 
@@ -286,6 +365,8 @@ def _reduce_sparse(group: Group, bucket: Bucket) -> torch.Tensor:
     selects = not group.spec.lossless and bucket.step >= settings.warmup_steps
     if selects and _selection_is_the_gradient(group, bucket, g):
         return _reduce_whole_selection(group, bucket, g, shape, sparse_dim)
+    if selects and (residual := _residual_for_entries(group, bucket, g)) is not None:
+        return _reduce_whole_selection(group, bucket, g, shape, sparse_dim, residual)
     if settings.momentum or selects:
         flat = g.to_dense().reshape(-1)
         avg = reduce_group(group, Bucket(bucket.names, bucket.sizes, flat, bucket.step))
