@@ -144,6 +144,17 @@ def _rows_grad(rank: int, step: int, rows: int, nan: bool = False) -> torch.Tens
     return torch.sparse_coo_tensor(idx[None], vals, (300, 1)).coalesce()
 
 
+def _assert_same_averages(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
+    """Every rank's sparse float32 averages (per rank, per step) bit for bit rank 0's
+    and ``want``'s, with the same stored indices."""
+    for r, steps in enumerate(got):
+        for t, avg in enumerate(steps):
+            bits = avg.to_dense().reshape(-1).view(torch.int32)
+            assert torch.equal(bits, got[0][t].to_dense().reshape(-1).view(torch.int32))
+            assert torch.equal(bits, want[r][t].to_dense().reshape(-1).view(torch.int32))
+            assert torch.equal(avg.indices(), want[r][t].indices()), (t, r)
+
+
 @pytest.mark.parametrize("quantizer", [None, "natural", "qsgd"])
 def test_a_quantized_topk_sends_a_sparse_gradient_below_k_as_it_is(monkeypatch, quantizer) -> None:  # type: ignore[no-untyped-def]
     """``topk+natural`` (a selector with a value quantizer) takes the exact sparse path
@@ -182,12 +193,7 @@ def test_a_quantized_topk_sends_a_sparse_gradient_below_k_as_it_is(monkeypatch, 
     assert sorted(whole) == [(1, 0), (1, 2), (2, 0), (2, 2), (3, 0), (3, 2)]
     monkeypatch.setattr(red, "_selection_is_the_gradient", lambda *a: False)
     dense = run_ranks(3, fn)  # every rank densifies every step
-    for t in range(len(plan)):
-        for r in range(3):
-            got = out[r][0][t].to_dense().reshape(-1).view(torch.int32)
-            assert torch.equal(got, out[0][0][t].to_dense().reshape(-1).view(torch.int32))
-            assert torch.equal(got, dense[r][0][t].to_dense().reshape(-1).view(torch.int32))
-            assert torch.equal(out[r][0][t].indices(), dense[r][0][t].indices()), (t, r)
+    _assert_same_averages([o[0] for o in out], [d[0] for d in dense])
     for r in range(3):
         assert torch.equal(out[r][1], dense[r][1])
     assert float(out[0][1].abs().max()) == 0.0 and float(out[2][1].abs().max()) == 0.0
@@ -260,12 +266,9 @@ def test_topk_of_a_sparse_gradient_above_k_selects_from_its_entries(  # type: ig
     monkeypatch.setattr(red, "_residual_for_entries", lambda *a: None)
     dense = run_ranks(3, fn)  # every rank densifies every step
     assert entries == []
+    _assert_same_averages([o[0] for o in out], [d[0] for d in dense])
     for t in range(len(plan)):
         for r in range(3):
-            got = out[r][0][t].to_dense().reshape(-1).view(torch.int32)
-            assert torch.equal(got, out[0][0][t].to_dense().reshape(-1).view(torch.int32))
-            assert torch.equal(got, dense[r][0][t].to_dense().reshape(-1).view(torch.int32))
-            assert torch.equal(out[r][0][t].indices(), dense[r][0][t].indices()), (t, r)
             assert torch.equal(out[r][1][t], dense[r][1][t]), (t, r)
     assert float(out[1][1][4].abs().max()) > 0  # a residual was kept
     assert float(out[1][1][5].abs().max()) == 0  # and covered again
