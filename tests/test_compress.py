@@ -649,21 +649,23 @@ def test_top_k_exact_in_one_pass_equals_the_general_path(kind: str, dtype: torch
             assert _by_bits(x, k, positions=True) is not None, (kind, k)
 
 
-@pytest.mark.parametrize("kind", ["randn", "ties", "nan_inf", "few"])
+@pytest.mark.parametrize("kind", ["randn", "ties", "nan_inf", "few", "many"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_topk_of_entries_is_the_dense_selection(kind: str, dtype: torch.dtype) -> None:
     """``TopK.select_entries`` of a vector's non-zeros gives ``select_covering`` of
     the dense vector bit for bit (positions, values, covering) at sizes of at least
     ``BRACKET_MIN``: ties at the k-th magnitude broken by position, NaN and
     infinities ranked as the dense selection ranks them, fewer than ``k`` non-zeros
-    all taken (covering), ``-0.0`` never an entry."""
+    all taken (covering), ``-0.0`` never an entry, and (``many``) entries enough for
+    ``top_k_exact``'s one pass over them."""
     from sparcml.compress.threshold_reuse import BRACKET_MIN
     from sparcml.compress.topk import TopK
     from sparcml.stream import SparseStream
 
-    n = BRACKET_MIN + 5
+    n = 4 * BRACKET_MIN + 5 if kind == "many" else BRACKET_MIN + 5
     g = torch.Generator().manual_seed(5)
-    support = torch.randperm(n, generator=g)[: {"few": 40}.get(kind, 3000)].sort().values
+    m = {"few": 40, "many": BRACKET_MIN + 3000}.get(kind, 3000)
+    support = torch.randperm(n, generator=g)[:m].sort().values
     vals = {
         "randn": lambda m: torch.randn(m, generator=g),
         "ties": lambda m: (
@@ -676,6 +678,7 @@ def test_topk_of_entries_is_the_dense_selection(kind: str, dtype: torch.dtype) -
             .index_fill_(0, torch.arange(9, m, 307), float("-inf"))
         ),
         "few": lambda m: torch.randn(m, generator=g),
+        "many": lambda m: torch.randn(m, generator=g),
     }[kind](support.numel()).to(dtype)
     x = torch.zeros(n, dtype=dtype)
     x[support] = vals

@@ -200,17 +200,19 @@ def test_a_quantized_topk_sends_a_sparse_gradient_below_k_as_it_is(monkeypatch, 
 
 
 @pytest.mark.parametrize("quantizer", [None, "natural", "qsgd"])
-@pytest.mark.parametrize("nan_policy", ["propagate", "raise"])
+@pytest.mark.parametrize("nan_policy", ["propagate", "raise", "unchecked"])
 def test_topk_of_a_sparse_gradient_above_k_selects_from_its_entries(  # type: ignore[no-untyped-def]
     monkeypatch, quantizer, nan_policy
 ) -> None:
     """A sparse gradient with ``k`` entries or more, or one that meets a residual left
     by such a step, is selected from the entries of ``residual + g`` (no dense
-    bucket) at ``2^16`` rows and more: every step's average and residual are those of
-    the run in which every rank densifies, bit for bit (the residual as numbers: a
-    zero's sign may differ), on every rank, with ties at the k-th magnitude, stored
-    zeros, a rank that covers its residual again, and (``"propagate"``) a NaN that
-    sends every rank dense with the residuals untouched."""
+    bucket) at ``2^16`` entries and more: every step's average and residual are those
+    of the run in which every rank densifies, bit for bit (the residual as numbers: a
+    zero's sign may differ), on every rank, also when one rank densifies while the
+    others select from the entries, with ties at the k-th magnitude, stored zeros, a
+    rank that covers its residual again, and a NaN: under ``"propagate"`` every rank
+    goes dense with the residuals untouched, under ``"unchecked"`` it is selected
+    and stays in the residual (``NaN - NaN``)."""
     import sparcml.torch.reduce as red
     from sparcml.compress.threshold_reuse import BRACKET_MIN
     from sparcml.torch.reduce import reduce_sparse_gradient
@@ -219,13 +221,16 @@ def test_topk_of_a_sparse_gradient_above_k_selects_from_its_entries(  # type: ig
     # rows per (step, rank); k = 66 (density 0.001): the first step has no residual
     # yet (dense); then rank 1 above k; rank 1 with its residual; ties (every rank
     # above k); every rank below k with a residual, ranks 0 and 2 covering theirs;
-    # rank 1 covering; a NaN on rank 2 (propagate only)
+    # rank 1 covering; a NaN on ranks 1 and 2, and a step after it
     plan = [
         (20, 30, 25), (20, 200, 30), (20, 40, 30), (90, 70, 100), (5, 3, 4), (5, 3, 4),
-        (80, 9, 70),
+        (80, 9, 70), (5, 3, 4),
     ]  # fmt: skip
-    if nan_policy == "raise":
-        plan = plan[:-1]
+    # (a quantizer cannot encode a NaN: under "unchecked" the collective refuses it
+    # on every rank, on both paths)
+    nan_step = nan_policy == "propagate" or (nan_policy == "unchecked" and quantizer is None)
+    if not nan_step:
+        plan = plan[:-2]
     entries: list[tuple[int, int]] = []
     from_entries = red._reduce_whole_selection
 
@@ -245,7 +250,7 @@ def test_topk_of_a_sparse_gradient_above_k_selects_from_its_entries(  # type: ig
             if t == 3:  # ties at every magnitude, and stored zeros
                 vals = torch.randint(-2, 3, (idx.numel(), 1), generator=gen).float()
                 vals[:2] = torch.tensor([[0.0], [-0.0]])
-            if t == 6 and comm.rank == 2:
+            if t == 6 and comm.rank in (1, 2):
                 vals[3, 0] = float("nan")
             g = torch.sparse_coo_tensor(idx[None], vals, (n, 1)).coalesce()
             outs.append(reduce_sparse_gradient(state, Bucket(("w",), (n,), g, t)))
@@ -259,24 +264,46 @@ def test_topk_of_a_sparse_gradient_above_k_selects_from_its_entries(  # type: ig
     # k again in step 6
     want = [(1, 1), (2, 1), (3, 0), (3, 1), (3, 2), (4, 0), (4, 1), (4, 2), (5, 1)]
     if nan_policy == "propagate":
-        want += [(6, 0), (6, 2)]
+        want += [(6, 0), (6, 2)]  # (rank 1, below k, sends its entries as they are)
+    elif nan_step:
+        # rank 1's NaN leaves NaN - NaN in its residual: no zero mark for step 7
+        want += [(6, 0), (6, 1), (6, 2), (7, 0), (7, 1), (7, 2)]
     assert sorted(entries) == want
     entries.clear()
+    # rank 0 densifies every step, the others as before: the same collectives
+    sparse_way, entries_way = red._selection_is_the_gradient, red._residual_for_entries
+    monkeypatch.setattr(
+        red, "_selection_is_the_gradient",
+        lambda group, *a: group.comm.rank != 0 and sparse_way(group, *a),
+    )  # fmt: skip
+    monkeypatch.setattr(
+        red, "_residual_for_entries",
+        lambda group, *a: None if group.comm.rank == 0 else entries_way(group, *a),
+    )  # fmt: skip
+    mixed = run_ranks(3, fn)
+    assert sorted(entries) == [e for e in want if e[1] != 0]
     monkeypatch.setattr(red, "_selection_is_the_gradient", lambda *a: False)
     monkeypatch.setattr(red, "_residual_for_entries", lambda *a: None)
+    entries.clear()
     dense = run_ranks(3, fn)  # every rank densifies every step
     assert entries == []
-    _assert_same_averages([o[0] for o in out], [d[0] for d in dense])
-    for t in range(len(plan)):
-        for r in range(3):
-            assert torch.equal(out[r][1][t], dense[r][1][t]), (t, r)
+    for run in (out, mixed):
+        _assert_same_averages([o[0] for o in run], [d[0] for d in dense])
+        for t in range(len(plan)):
+            for r in range(3):
+                torch.testing.assert_close(
+                    run[r][1][t], dense[r][1][t], rtol=0, atol=0, equal_nan=True
+                )
     assert float(out[1][1][4].abs().max()) > 0  # a residual was kept
     assert float(out[1][1][5].abs().max()) == 0  # and covered again
     assert float(out[0][1][4].abs().max()) == 0
-    if nan_policy == "propagate":
+    if nan_step:
         assert bool(out[0][0][6].to_dense().isnan().any())
+    if nan_policy == "propagate":
         for r in range(3):
             assert torch.equal(out[r][1][6], out[r][1][5])  # residuals untouched
+    if nan_step and nan_policy == "unchecked":
+        assert bool(out[2][1][6].isnan().any())  # NaN - NaN, as the dense path keeps
 
 
 def test_ranks_that_straddle_k_take_both_sparse_paths_and_agree(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -324,7 +324,10 @@ class ErrorFeedback(NamedBuffers):
         ``residual + g`` wherever either is non-zero (zeros included where they
         cancelled), so writing them into the stored residual (:meth:`stored`, which
         must exist) and subtracting the sent entries leaves ``acc - sent`` there,
-        with :meth:`update_bucket`'s arithmetic, in O(nnz) writes."""
+        with :meth:`update_bucket`'s arithmetic, in O(nnz) writes. The stored tensor
+        changes in place (where :meth:`update_bucket` stores a new one): a buffer
+        read from :attr:`buffers` during a step is not a snapshot; clone it, or read
+        it between steps, as ``state_dict`` does."""
         like = acc.values
         flat = self.stored(names, sizes, like)
         if flat is None:

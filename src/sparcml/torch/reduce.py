@@ -233,9 +233,13 @@ def _selection_is_the_gradient(group: Group, bucket: Bucket, g: torch.Tensor) ->
 def _residual_for_entries(group: Group, bucket: Bucket, g: torch.Tensor) -> torch.Tensor | None:
     """The stored residual of a ``topk`` bucket whose top-k may be taken from the
     entries of ``residual + g`` (:meth:`~sparcml.compress.topk.TopK.select_entries`)
-    instead of the dense accumulator, with :func:`reduce_group`'s bits: a sparse
-    float32/float64 CPU gradient of at least ``BRACKET_MIN`` entries (where the
-    dense selection is ``top_k_exact`` too), a residual kept in its dtype; else None.
+    instead of the dense accumulator, with :func:`reduce_group`'s bits: a selector
+    method of :func:`_stream_selector` whose selector is ``TopK``, a sparse
+    float32/float64 CPU gradient of at least ``BRACKET_MIN`` entries (rows times the
+    dense dimensions; where the dense selection is ``top_k_exact`` too), and a
+    residual stored by an earlier step (:meth:`~sparcml.sgd.feedback.NamedBuffers.stored`:
+    not after a checkpoint load, a reset or a rebuilt bucket, whose next step
+    densifies); else None. The residual is then updated in place.
 
     This is the step after a sparse gradient with ``k`` entries or more (or one with
     a residual left from such a step): :func:`reduce_group` would write the dense
@@ -251,8 +255,7 @@ def _residual_for_entries(group: Group, bucket: Bucket, g: torch.Tensor) -> torc
     values = g.values()
     if (
         g.device.type != "cpu"
-        or values.dtype not in (torch.float32, torch.float64)
-        or _work_dtype(group, values) != values.dtype
+        or values.dtype not in (torch.float32, torch.float64)  # (kept in their dtype)
         or g.numel() < BRACKET_MIN
         or not selector.spec.of(g.numel())
     ):
