@@ -224,6 +224,35 @@ def test_torch_sparse_any_layout_and_dense_streams() -> None:
         s.to_torch_sparse((5, 5))
 
 
+@pytest.mark.parametrize(
+    ("shape", "sparse_dim"),
+    [((7,), 1), ((4, 3), 1), ((4, 3), 2), ((3, 4, 5), 1), ((3, 4, 5), 2), ((3, 4, 5), 3),
+     ((6, 1), 1), ((6, 1), 2), ((5, 0), 1), ((0, 3), 1), ((0,), 1), ((1 << 33, 1), 1)],
+)  # fmt: skip
+def test_torch_sparse_round_trip_of_every_layout(shape: tuple[int, ...], sparse_dim: int) -> None:
+    """Every sparse/dense split of COO tensors, zero-sized and zero-wide ones (an
+    ``Embedding(n, 0)``'s gradient) and rows beyond 2^32 included: the stream holds
+    the row-major entries, and converting back gives the same coalesced tensor (a
+    single sparse dimension's coordinates are the offsets themselves, the first
+    coordinate needs no remainder)."""
+    g = torch.Generator().manual_seed(sum(shape) + sparse_dim)
+    if shape[0] == 1 << 33:  # (too large to densify: three rows near the ends)
+        rows = torch.tensor([[0, 5, (1 << 33) - 1]])
+        t = torch.sparse_coo_tensor(rows, torch.tensor([[1.0], [-2.0], [3.0]]), shape).coalesce()
+        s = SparseStream.from_torch_sparse(t)
+        assert s.indices.tolist() == [0, 5, (1 << 33) - 1] and s.size == 1 << 33
+        back = s.to_torch_sparse(shape, sparse_dim=1)
+        assert torch.equal(back.indices(), t.indices()) and torch.equal(back.values(), t.values())
+        return
+    dense = torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) < 0.4)
+    t = dense.to_sparse(sparse_dim)
+    s = SparseStream.from_torch_sparse(t)
+    assert s.size == dense.numel() and torch.equal(s.to_dense(), dense.reshape(-1))
+    back = s.to_torch_sparse(shape, sparse_dim=sparse_dim)
+    assert back.is_coalesced() and back.sparse_dim() == sparse_dim
+    assert torch.equal(back.to_dense(), dense)
+
+
 @pytest.mark.parametrize("span", [40, 2_000, 1 << 20, 1 << 40])
 @pytest.mark.parametrize("runs", [2, 3, 8, 11])
 def test_merge_positions_match_a_sort(span: int, runs: int) -> None:

@@ -310,12 +310,18 @@ class SparseStream:
         size = math.prod(shape)
         coords = t.indices()  # (sparse_dim, nnz), lexicographically sorted by coalesce
         device = coords.device
-        strides = torch.tensor(
-            [math.prod(shape[i + 1 : sd]) for i in range(sd)], dtype=torch.int64, device=device
-        )
-        linear = (coords * strides[:, None]).sum(0) if sd else coords.new_zeros(1)
-        values = t.values().reshape(-1, inner) if inner else t.values().reshape(-1, 0)
-        flat = (linear[:, None] * inner + torch.arange(inner, device=device)).reshape(-1)
+        if sd == 1:  # (an embedding's rows, a vector: the coordinates are the offsets)
+            linear = coords[0]
+        else:
+            strides = torch.tensor(
+                [math.prod(shape[i + 1 : sd]) for i in range(sd)], dtype=torch.int64, device=device
+            )
+            linear = (coords * strides[:, None]).sum(0) if sd else coords.new_zeros(1)
+        values = t.values().reshape(coords.shape[1], inner)  # (0 wide: no -1 to infer)
+        if inner == 1:
+            flat = linear
+        else:
+            flat = (linear[:, None] * inner + torch.arange(inner, device=device)).reshape(-1)
         return cls.from_sorted(flat, dense_1d(values.reshape(-1)), size)
 
     def to_torch_sparse(
@@ -350,12 +356,15 @@ class SparseStream:
             idx, vals = rows, dense_rows.reshape(rows.numel(), *shape[sd:])
         elif sd < len(shape):  # trailing dimensions of size 1 (an embedding of width 1)
             vals = vals.reshape(vals.numel(), *shape[sd:])
+        # row-major coordinates; the first needs no remainder (idx < its extent times
+        # the rest), so a single sparse dimension is idx itself: no division
         coords = []
         rest = idx
-        for d in reversed(shape[:sd]):
+        for d in reversed(shape[1:sd]):
             coords.append(rest % d)
             rest = rest // d
-        index = torch.stack(coords[::-1]) if coords else idx.new_zeros(0, idx.numel())
+        coords.append(rest)
+        index = torch.stack(coords[::-1])
         return torch.sparse_coo_tensor(
             index,
             vals,
