@@ -316,7 +316,8 @@ class SparseStream:
             strides = torch.tensor(
                 [math.prod(shape[i + 1 : sd]) for i in range(sd)], dtype=torch.int64, device=device
             )
-            linear = (coords * strides[:, None]).sum(0) if sd else coords.new_zeros(1)
+            # (no sparse dimension: at most one entry, the whole tensor, at offset 0)
+            linear = (coords * strides[:, None]).sum(0) if sd else coords.new_zeros(coords.shape[1])
         values = t.values().reshape(coords.shape[1], inner)  # (0 wide: no -1 to infer)
         if inner == 1:
             flat = linear
