@@ -234,10 +234,10 @@ def test_topk_of_a_sparse_gradient_above_k_selects_from_its_entries(  # type: ig
     entries: list[tuple[int, int]] = []
     from_entries = red._reduce_whole_selection
 
-    def counted(group, bucket, g, shape, sparse_dim, residual=None):  # type: ignore[no-untyped-def]
+    def counted(group, bucket, g, shape, sparse_dim, residual=None, rows=None):  # type: ignore[no-untyped-def]
         if residual is not None:
             entries.append((bucket.step, group.comm.rank))
-        return from_entries(group, bucket, g, shape, sparse_dim, residual)
+        return from_entries(group, bucket, g, shape, sparse_dim, residual, rows)
 
     def fn(comm):  # type: ignore[no-untyped-def]
         method = "topk" if quantizer is None else f"topk+{quantizer}"
@@ -304,6 +304,51 @@ def test_topk_of_a_sparse_gradient_above_k_selects_from_its_entries(  # type: ig
             assert torch.equal(out[r][1][6], out[r][1][5])  # residuals untouched
     if nan_step and nan_policy == "unchecked":
         assert bool(out[2][1][6].isnan().any())  # NaN - NaN, as the dense path keeps
+
+
+def test_topk_densifies_where_the_entries_fill_the_bucket(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where the residual's non-zeros and the gradient's entries hold more than
+    ``ENTRIES_MAX`` of the bucket, densifying is faster than selecting from the
+    entries: such a step densifies (the same bits either way), a sparser one after
+    it selects from the entries again."""
+    import sparcml.torch.reduce as red
+    from sparcml.compress.threshold_reuse import BRACKET_MIN
+    from sparcml.torch.reduce import reduce_sparse_gradient
+
+    n = BRACKET_MIN  # k = 6,554 (density 0.1); ENTRIES_MAX of the bucket: 8,192 entries
+    # rows per step: a residual of about 450 left; 12,000 rows (more than 8,192 alone:
+    # dense, a residual of about 5,900 left); 3,000 rows (the residual's count, about
+    # 5,900, over what is left: dense, about 2,300 left); 300 rows (about 2,600
+    # entries: from the entries, covering); 300 rows with a zero residual (as they are)
+    plan = [7000, 12000, 3000, 300, 300]
+    entries: list[int] = []
+    from_entries = red._reduce_whole_selection
+
+    def counted(group, bucket, g, shape, sparse_dim, residual=None, rows=None):  # type: ignore[no-untyped-def]
+        if residual is not None:
+            entries.append(bucket.step)
+        return from_entries(group, bucket, g, shape, sparse_dim, residual, rows)
+
+    def fn(comm):  # type: ignore[no-untyped-def]
+        state = SparcmlState("topk", comm=comm, density=0.1)
+        outs = []
+        for t, rows in enumerate(plan):
+            gen = torch.Generator().manual_seed(10 * comm.rank + t)
+            idx = torch.randperm(n, generator=gen)[:rows].sort().values
+            g = torch.sparse_coo_tensor(idx[None], torch.randn(rows, 1, generator=gen), (n, 1))
+            outs.append(reduce_sparse_gradient(state, Bucket(("w",), (n,), g.coalesce(), t)))
+        return outs, state.residuals["w"].clone()
+
+    monkeypatch.setattr(red, "_reduce_whole_selection", counted)
+    out = run_ranks(2, fn)
+    assert entries == [3, 3]
+    monkeypatch.setattr(red, "ENTRIES_MAX", 1.0)
+    entries.clear()
+    everywhere = run_ranks(2, fn)  # steps 1 and 2 from the entries too
+    assert sorted(entries) == [1, 1, 2, 2, 3, 3]
+    _assert_same_averages([o[0] for o in out], [e[0] for e in everywhere])
+    for r in range(2):
+        torch.testing.assert_close(out[r][1], everywhere[r][1], rtol=0, atol=0)
 
 
 def test_ranks_that_straddle_k_take_both_sparse_paths_and_agree(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -51,7 +51,7 @@ import torch
 from ..collectives import sparse_allreduce
 from ..comm import Communicator
 from ..compress.base import Selector, selector_and_quantizer
-from ..compress.selection import k_of, select_above
+from ..compress.selection import count_above, k_of, select_above
 from ..compress.threshold_reuse import BRACKET_MIN
 from ..compress.topk import TopK
 from ..errors import NonFiniteError
@@ -239,7 +239,9 @@ def _residual_for_entries(group: Group, bucket: Bucket, g: torch.Tensor) -> torc
     dense dimensions; where the dense selection is ``top_k_exact`` too), and a
     residual stored by an earlier step (:meth:`~sparcml.sgd.feedback.NamedBuffers.stored`:
     not after a checkpoint load, a reset or a rebuilt bucket, whose next step
-    densifies); else None. The residual is then updated in place.
+    densifies); else None. :func:`_reduce_sparse` then takes this path where the
+    residual's non-zeros and the gradient's entries hold at most :data:`ENTRIES_MAX`
+    of the bucket, and the residual is updated in place.
 
     This is the step after a sparse gradient with ``k`` entries or more (or one with
     a residual left from such a step): :func:`reduce_group` would write the dense
@@ -263,6 +265,32 @@ def _residual_for_entries(group: Group, bucket: Bucket, g: torch.Tensor) -> torc
     return group.feedback.stored(bucket.names, bucket.sizes, values)
 
 
+ENTRIES_MAX = 1 / 8
+"""The largest share of a bucket that ``residual + g``'s entries may hold for the
+top-k to be taken from them; beyond it the step densifies. One step of a
+2^20-entry ``topk`` bucket with a 10,000-row gradient, one process, two runs
+(``benchmarks/entries_fill.py``, docs/results/train/sparse_residual/entries_fill.txt):
+with the residual's non-zeros at 1%, 6%, 15%, 25% and 50% of the bucket, from the
+entries 0.27-0.37x, 0.43-0.46x, 0.43-0.58x, 0.75-0.94x and 0.74-1.35x the
+densifying step's time; 1/8 stays clear of where it reaches 1."""
+
+
+def _residual_rows(
+    group: Group, bucket: Bucket, residual: torch.Tensor, g: torch.Tensor, budget: int
+) -> torch.Tensor | None:
+    """The sorted positions of the stored ``residual``'s non-zeros (NaN included):
+    none, without reading it, when it is known to be zero; None when there are more
+    than ``budget`` (counted first, without writing a position: a residual that fills
+    the bucket would cost a large write for nothing)."""
+    if budget < 0:
+        return None
+    if group.feedback.known_zero(bucket.names, bucket.sizes, g.values()):
+        return torch.empty(0, dtype=torch.int64, device=residual.device)
+    if count_above(residual, 0.0) > budget:
+        return None
+    return select_above(residual, 0.0)
+
+
 def _reduce_whole_selection(
     group: Group,
     bucket: Bucket,
@@ -270,12 +298,14 @@ def _reduce_whole_selection(
     shape: tuple[int, ...],
     sparse_dim: int,
     residual: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Steps 2-7 of :func:`reduce_group` for a sparse gradient, on its entries.
 
     Without ``residual``: a selection that is all of the gradient's non-zeros
     (:func:`_selection_is_the_gradient`), the residual left zero. With the stored
-    ``residual`` (:func:`_residual_for_entries`): step 4's ``acc = residual + g``
+    ``residual`` (:func:`_residual_for_entries`) and the positions of its non-zeros
+    (``rows``, :func:`_residual_rows`): step 4's ``acc = residual + g``
     on the union of their non-zeros (summed in that order, as
     :meth:`~sparcml.sgd.feedback.ErrorFeedback.compensate_bucket` adds them), its
     top-k taken from those entries, and step 6's ``residual = acc - TopK(acc)``
@@ -295,12 +325,8 @@ def _reduce_whole_selection(
         # (NaN kept, -0.0 not: what a top-k selects)
         selected = _without_zeros(stream.indices, stream.values, stream.size)
     else:
-        # Step 4 on the entries: -0.0 + r + g is r + g, bit for bit (merge_sum); a
-        # residual known to be zero is not read
-        if group.feedback.known_zero(bucket.names, bucket.sizes, stream.values):
-            rows = torch.empty(0, dtype=torch.int64, device=stream.device)
-        else:
-            rows = select_above(residual, 0.0)
+        # Step 4 on the entries: -0.0 + r + g is r + g, bit for bit (merge_sum)
+        assert rows is not None
         idx, vals = merge_sum([rows, stream.indices], [residual[rows], stream.values])
         acc = SparseStream.from_sorted(idx, vals, stream.size)
         selector = _stream_selector(group, bucket)
@@ -369,7 +395,10 @@ def _reduce_sparse(group: Group, bucket: Bucket) -> torch.Tensor:
     if selects and _selection_is_the_gradient(group, bucket, g):
         return _reduce_whole_selection(group, bucket, g, shape, sparse_dim)
     if selects and (residual := _residual_for_entries(group, bucket, g)) is not None:
-        return _reduce_whole_selection(group, bucket, g, shape, sparse_dim, residual)
+        budget = int(g.numel() * ENTRIES_MAX) - g.values().numel()
+        rows = _residual_rows(group, bucket, residual, g, budget)
+        if rows is not None:
+            return _reduce_whole_selection(group, bucket, g, shape, sparse_dim, residual, rows)
     if settings.momentum or selects:
         flat = g.to_dense().reshape(-1)
         avg = reduce_group(group, Bucket(bucket.names, bucket.sizes, flat, bucket.step))
