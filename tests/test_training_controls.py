@@ -317,8 +317,8 @@ def test_topk_densifies_where_the_entries_fill_the_bucket(monkeypatch) -> None: 
 
     n = BRACKET_MIN  # k = 6,554 (density 0.1); ENTRIES_MAX of the bucket: 8,192 entries
     # rows per step: a residual of about 450 left; 12,000 rows (more than 8,192 alone:
-    # dense, a residual of about 5,900 left); 3,000 rows (the residual's count, about
-    # 5,900, over what is left: dense, about 2,300 left); 300 rows (about 2,600
+    # dense, a residual of about 5,800 left); 3,000 rows (the residual's count, about
+    # 5,800, over the 5,192 left: dense, about 2,000 left); 300 rows (about 2,300
     # entries: from the entries, covering); 300 rows with a zero residual (as they are)
     plan = [7000, 12000, 3000, 300, 300]
     entries: list[int] = []
