@@ -70,6 +70,24 @@ def _rank(comm: Any, args: argparse.Namespace, profile: bool) -> tuple[float, fl
     for i in range(args.warmup):
         step(i)
     prof = cProfile.Profile()
+    if profile and args.torch_ops:  # torch's operators on the engine thread, self CPU
+        ops = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        engines: list[Engine] = []
+        submit = Engine.submit
+
+        def first(self: Engine, fn: Any) -> Any:
+            if not engines:  # (the profiler records the thread that starts it)
+                engines.append(self)
+                submit(self, ops.start).wait()
+            return submit(self, fn)
+
+        Engine.submit = first  # type: ignore[method-assign]
+        for i in range(args.steps):
+            step(args.warmup + i)
+        submit(engines[0], ops.stop).wait()
+        Engine.submit = submit  # type: ignore[method-assign]
+        table = ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
+        return 0.0, 0.0, table
     if profile:  # every call the engine runs, on the engine's own thread
         submit = Engine.submit
         Engine.submit = lambda self, fn: submit(self, lambda: prof.runcall(fn))  # type: ignore[method-assign]
@@ -102,6 +120,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--top", type=int, default=25, help="functions printed")
+    ap.add_argument(
+        "--torch-ops",
+        action="store_true",
+        help="profile torch's operators (self CPU, every thread) instead of Python functions",
+    )
     args = ap.parse_args()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     what = f"{args.nonzeros} non-zeros" if args.nonzeros else "dense"
@@ -119,7 +142,8 @@ def main() -> None:
         label = "profiled" if profile else "unprofiled"
         for r, (wall, cpu, _) in enumerate(res):
             print(f"rank {r} ({label}): {wall:.2f} ms a step, process CPU {cpu:.2f} ms a step")
-    print(f"rank 0's engine thread, {args.steps} steps (divide by them for a step):")
+    what = "torch operators, every thread" if args.torch_ops else "engine thread"
+    print(f"rank 0's {what}, {args.steps} steps (divide by them for a step):")
     print(res[0][2])
 
 

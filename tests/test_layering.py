@@ -20,6 +20,7 @@ CORE = {
     "stream", "merge", "kernels", "cpu_kernels", "wire", "indexcode", "errors", "reinterpret",
     "costmodel",
     "finite",
+    "nonzero",
 }  # fmt: skip
 # layer -> the layers it may import (besides itself and the core)
 ALLOWED: dict[str, set[str]] = {

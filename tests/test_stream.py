@@ -448,3 +448,61 @@ def test_a_dense_result_that_cannot_exist_is_refused_before_any_message(algorith
 
     for sent, nnz, last in run_ranks(3, fn):
         assert sent == 0 and nnz == 4 and last == 6.0
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_nonzero_scans_match_torch(dtype: torch.dtype) -> None:
+    """sparcml.nonzero's compiled passes against torch's nonzero, count_nonzero and
+    boolean masks: -0.0 and +0.0 dropped, NaN and Inf kept, subnormals kept, every
+    position of a zero (first, last, runs), strided and empty inputs; no copy when
+    no value is zero."""
+    from sparcml.nonzero import count_nonzero, drop_zeros, nonzero_positions
+    from sparcml.reinterpret import as_bytes
+
+    g = torch.Generator().manual_seed(11)
+    tiny = torch.finfo(dtype).smallest_normal / 4  # a subnormal of the dtype
+    for n in (0, 1, 2, 9, 1000):
+        x = torch.randn(n, generator=g).to(dtype)
+        if n:
+            mask = torch.rand(n, generator=g) < 0.3
+            x[mask] = 0.0
+            x[torch.rand(n, generator=g) < 0.1] = -0.0
+            specials = [float("nan"), float("inf"), float("-inf"), tiny, -0.0, 0.0]
+            where = torch.randint(0, n, (6,), generator=g).tolist()
+            for at, v in zip(where, specials, strict=True):
+                x[at] = v
+            x[0], x[-1] = 0.0, -0.0
+        idx = torch.arange(5, 5 + 3 * n, 3)
+        for view, ids in ((x, idx), (x[::2], idx[::2]), (x.flip(0), idx)):
+            want = torch.nonzero(view).flatten()
+            assert torch.equal(nonzero_positions(view), want)
+            assert count_nonzero(view) == int(torch.count_nonzero(view))
+            got_i, got_v = drop_zeros(ids, view)
+            keep = view != 0
+            assert torch.equal(got_i, ids[keep])
+            assert torch.equal(as_bytes(got_v), as_bytes(view[keep]))
+    y = torch.randn(50, generator=g).to(dtype)
+    ids = torch.arange(50)
+    got_i, got_v = drop_zeros(ids, y)
+    assert got_i is ids and got_v is y  # none is zero: the same tensors
+    assert count_nonzero(y.reshape(5, 10)) == 50
+    z = torch.zeros(7, dtype=dtype)
+    assert nonzero_positions(z).numel() == 0 and drop_zeros(torch.arange(7), z)[0].numel() == 0
+
+
+def test_from_dense_takes_the_compiled_positions() -> None:
+    """from_dense (and split's sparsified pieces) keep what torch.nonzero keeps, values
+    bit for bit; a stated count that is wrong is refused, not written past."""
+    from sparcml.nonzero import nonzero_positions
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.zeros(1 << 16)
+    at = torch.randperm(x.numel(), generator=g)[:300]
+    x[at] = torch.randn(300, generator=g)
+    x[at[:3]] = torch.tensor([float("nan"), -0.0, float("-inf")])
+    s = SparseStream.from_dense(x)
+    want = torch.nonzero(x).flatten()
+    assert not s.is_dense and torch.equal(s.indices, want)
+    assert torch.equal(s.values.view(torch.int32), x[want].view(torch.int32))
+    with pytest.raises(ValueError, match="non-zeros given"):
+        nonzero_positions(x, count=10)

@@ -17,8 +17,12 @@ import numpy as np
 
 __all__ = [
     "above_positions",
+    "all_finite_bits",
+    "count_nonzero_bits",
+    "drop_zero_pairs",
     "elias_fano_decode",
     "elias_fano_encode",
+    "first_zero_bits",
     "merge2",
     "merge2_sum",
     "merge_bitmap",
@@ -26,6 +30,7 @@ __all__ = [
     "narrow_bytes",
     "natural9_decode",
     "natural9_encode",
+    "nonzero_bits_positions",
     "widen_increasing",
 ]
 
@@ -452,3 +457,62 @@ def natural9_decode(exps: Any, plane: Any, out: Any) -> None:  # pragma: no cove
     for i in range(exps.shape[0]):
         sign = (np.int32(plane[i >> 3]) >> (i & 7)) & 1
         out[i] = (sign << 31) | (np.int32(exps[i]) << 23)
+
+
+@numba.njit(cache=True, nogil=True)
+def count_nonzero_bits(words: Any, mask: Any) -> int:  # pragma: no cover - compiled
+    # how many entries have magnitude bits (sign masked off): not +0.0 or -0.0
+    n = 0
+    for i in range(words.shape[0]):
+        n += (words[i] & mask) != 0
+    return n
+
+
+@numba.njit(cache=True, nogil=True)
+def nonzero_bits_positions(words: Any, mask: Any, out: Any) -> int:  # pragma: no cover
+    # the positions of those entries, at most len(out) of them written; returns
+    # how many there are
+    n = 0
+    cap = out.shape[0]
+    for i in range(words.shape[0]):
+        if (words[i] & mask) != 0:
+            if n < cap:
+                out[n] = i
+            n += 1
+    return n
+
+
+@numba.njit(cache=True, nogil=True)
+def first_zero_bits(words: Any, mask: Any) -> int:  # pragma: no cover - compiled
+    # the first entry whose magnitude bits are all zero (+0.0 or -0.0), or -1
+    for i in range(words.shape[0]):
+        if (words[i] & mask) == 0:
+            return i
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def drop_zero_pairs(  # pragma: no cover - compiled
+    indices: Any, words: Any, mask: Any, out_indices: Any, out_words: Any
+) -> int:
+    # the pairs whose value is not zero (NaN kept, -0.0 not), in order; returns
+    # how many
+    n = 0
+    for i in range(words.shape[0]):
+        w = words[i]
+        if (w & mask) != 0:
+            out_indices[n] = indices[i]
+            out_words[n] = w
+            n += 1
+    return n
+
+
+@numba.njit(cache=True, nogil=True)
+def all_finite_bits(words: Any, exponent: Any) -> bool:  # pragma: no cover - compiled
+    # whether no entry has all exponent bits set (Inf or NaN); a reduction without
+    # an early exit, which the compiler vectorises (an early exit was 2.4x slower
+    # at 2^20 entries)
+    bad = 0
+    for i in range(words.shape[0]):
+        bad |= (words[i] & exponent) == exponent
+    return bad == 0

@@ -9,7 +9,19 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import compiled
+from .reinterpret import dense_1d
+
 __all__ = ["all_finite"]
+
+#: the integer view of each float dtype and the mask of its exponent bits: all set
+#: for Inf and NaN only
+_EXPONENT: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float32: (torch.int32, 0x7F80_0000),
+    torch.float64: (torch.int64, 0x7FF0_0000_0000_0000),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7F80),
+}
 
 
 def all_finite(values: torch.Tensor) -> bool:
@@ -21,10 +33,16 @@ def all_finite(values: torch.Tensor) -> bool:
     +-Inf when any element is, and are finite otherwise, so two finite extremes prove
     the whole tensor finite. Unlike a sum, finite values cannot overflow into a false
     alarm. Any stride; CPU or CUDA (one device synchronisation); integer and bool
-    tensors are finite.
+    tensors are finite. On the CPU a float tensor's bit patterns are read in one
+    compiled pass instead (no exponent with all its bits set): 218 against 333 us at
+    2^20 float32 entries, 2.3 against 25.8 us at 8,770 (``benchmarks/nonzero_scan.py``).
     """
     if values.numel() == 0 or not (values.is_floating_point() or values.is_complex()):
         return True
+    if values.device.type == "cpu" and values.dtype in _EXPONENT:
+        idtype, exponent = _EXPONENT[values.dtype]
+        words = dense_1d(values.detach()).view(idtype).numpy()
+        return bool(compiled().all_finite_bits(words, words.dtype.type(exponent)))
     if values.is_complex():
         values = torch.view_as_real(values.resolve_conj())
     return bool(torch.isfinite(torch.stack(torch.aminmax(values))).all())

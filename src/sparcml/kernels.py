@@ -2,8 +2,10 @@
 
 :mod:`sparcml.cpu_kernels` holds every compiled loop (numba, a declared
 dependency): the merges of :mod:`sparcml.merge`, the index widening and narrowing
-of :mod:`sparcml.wire`, the threshold scans of :mod:`sparcml.compress.selection`
-and natural compression's 9-bit codes (:mod:`sparcml.compress.natural`). Each
+of :mod:`sparcml.wire`, the threshold scans of :mod:`sparcml.compress.selection`,
+the non-zero and finiteness scans of :mod:`sparcml.nonzero` and
+:mod:`sparcml.finite`, and natural compression's 9-bit codes
+(:mod:`sparcml.compress.natural`). Each
 sits behind a torch-facing function in the module that uses it, with torch ops on
 other devices (one implementation per device). Loading numba takes a moment, so
 the kernels are imported when first needed; :func:`sparcml.compress.warmup.warm_kernels`

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 import torch
 
 from .merge import merge_sum
+from .nonzero import count_nonzero, nonzero_positions
 from .reinterpret import dense_1d
 
 __all__ = [
@@ -275,11 +276,12 @@ class SparseStream:
         ``tensor``'s storage (no copy)."""
         size = tensor.numel()
         # count first (one read pass): a dense tensor never materialises its N int64
-        # positions (torch.nonzero writes them all; count_nonzero only reads, far cheaper)
-        if int(torch.count_nonzero(tensor)) > dense_threshold(size, tensor.dtype):
+        # positions (writing them all costs far more than reading)
+        count = count_nonzero(tensor)
+        if count > dense_threshold(size, tensor.dtype):
             return cls.dense(tensor)
-        idx = torch.nonzero(tensor).flatten()
-        return cls.from_sorted(idx, tensor[idx], size)
+        idx = nonzero_positions(tensor, count)
+        return cls.from_sorted(idx, tensor.index_select(0, idx), size)
 
     @classmethod
     def from_torch_sparse(cls, tensor: torch.Tensor) -> SparseStream:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ..finite import all_finite
 from ..indexcode import elias_fano_nbytes, read_elias_fano, write_elias_fano
 from ..merge import merge_positions, merge_sum
+from ..nonzero import drop_zeros, nonzero_positions
 from ..reinterpret import index_low_bytes
 from ..wire import widen_increasing, write_index_field
 from .natural import natural9_decode, natural9_encode
@@ -53,3 +55,9 @@ def warm_kernels() -> None:
         bits = torch.tensor([1.5, -3.0], dtype=torch.float32).view(torch.int32)
         natural9_encode(bits, bits, deterministic, codes[:2], codes[2:3])
     natural9_decode(codes[:2], codes[2:3], torch.empty(2, dtype=torch.int32))
+    pair = torch.tensor([1, 2])
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        values = torch.tensor([1.0, 0.0], dtype=dtype)
+        all_finite(values)  # every kernel of sparcml.nonzero and all_finite's, each word width
+        nonzero_positions(values)
+        drop_zeros(pair, values)

@@ -57,6 +57,7 @@ from ..compress.topk import TopK
 from ..errors import NonFiniteError
 from ..finite import all_finite
 from ..merge import merge_sum
+from ..nonzero import drop_zeros
 from ..stream import SparseStream, dense_threshold
 from .bucket import Bucket
 from .methods.dense import scatter_dense
@@ -379,12 +380,8 @@ def _reduce_whole_selection(
 
 def _without_zeros(indices: torch.Tensor, values: torch.Tensor, size: int) -> SparseStream:
     """The pairs whose value is not zero (NaN kept, -0.0 not), as a stream; without
-    the two masked copies when none is zero (the usual case)."""
-    zero = values == 0
-    if bool(zero.any()):
-        keep = ~zero
-        indices, values = indices[keep], values[keep]
-    return SparseStream.from_sorted(indices, values, size)
+    copies when none is zero (the usual case)."""
+    return SparseStream.from_sorted(*drop_zeros(indices, values), size)
 
 
 def _reduce_sparse(group: Group, bucket: Bucket) -> torch.Tensor:
