@@ -37,6 +37,7 @@ per device).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -96,6 +97,7 @@ class _Parts:
     nbytes: int  # the field, padded to a multiple of 8
 
     @classmethod
+    @functools.lru_cache(maxsize=4096)  # (every message asks; a few sizes recur)
     def of(cls, size: int, nnz: int, low_bits: int) -> _Parts:
         a, b = divmod(low_bits, 8)
         plane_len = (nnz + 7) // 8
@@ -110,6 +112,7 @@ def elias_fano_nbytes(size: int, nnz: int, low_bits: int) -> int:
     return _Parts.of(size, nnz, low_bits).nbytes
 
 
+@functools.lru_cache(maxsize=4096)  # (every message asks; a few sizes recur)
 def layout(size: int, nnz: int, *, elias_fano: bool = True) -> IndexLayout:
     """The smaller index field for ``nnz`` strictly increasing indices below ``size``.
 
@@ -161,18 +164,23 @@ def write_elias_fano(out: torch.Tensor, indices: torch.Tensor, size: int, low_bi
         raise ValueError(f"an Elias-Fano field of {n} indices takes {parts.nbytes} bytes")
     # both writers fill the low bytes and planes; the bitmap's empty words and the
     # padding stay as zeroed here
-    out[parts.bitmap_at :].zero_()
-    if not n:
-        return
-    idx = dense_1d(indices.to(torch.int64))
     if out.device.type == "cpu" and out.is_contiguous():
-        a, b = parts.low_bytes, parts.planes
-        lows, planes, bitmap = (t.numpy() for t in _pieces(out, n, parts))
+        # (the pieces as numpy views: a torch slice costs microseconds, a message's
+        # field is written in tens)
+        field = out.numpy()
+        field[parts.bitmap_at :] = 0
+        if not n:
+            return
+        at = n * parts.low_bytes
         compiled().elias_fano_encode(
-            idx.numpy(), low_bits, a, b, parts.plane_len, lows, planes, bitmap
-        )
-    else:
-        _write_torch(out, idx, n, low_bits, parts)
+            dense_1d(indices.to(torch.int64)).numpy(), low_bits, parts.low_bytes,
+            parts.planes, parts.plane_len, field[:at], field[at : parts.bitmap_at],
+            field[parts.bitmap_at : parts.used],
+        )  # fmt: skip
+        return
+    out[parts.bitmap_at :].zero_()
+    if n:
+        _write_torch(out, dense_1d(indices.to(torch.int64)), n, low_bits, parts)
 
 
 def _pieces(field: torch.Tensor, n: int, parts: _Parts) -> tuple[torch.Tensor, ...]:
@@ -218,29 +226,24 @@ def read_elias_fano(
     if raw.numel() != parts.nbytes:
         raise ValueError(f"an Elias-Fano field of {n} indices takes {parts.nbytes} bytes")
     raw = dense_1d(raw)
+    if raw.device.type == "cpu":
+        field = raw.numpy()  # (numpy views: see write_elias_fano)
+        if field[parts.used :].any():
+            return -2
+        if not n:
+            return -2 if field.any() else -1
+        at = n * parts.low_bytes
+        return int(
+            compiled().elias_fano_decode(
+                field[:at], parts.low_bytes, field[at : parts.bitmap_at], parts.planes,
+                parts.plane_len, field[parts.bitmap_at : parts.used], parts.nbits,
+                low_bits, size, out.numpy(), offset,
+            )
+        )  # fmt: skip
     if bool(raw[parts.used :].any()):
         return -2
     if not n:
         return -2 if bool(raw.any()) else -1
-    if raw.device.type == "cpu":
-        lows, planes, bitmap = (t.numpy() for t in _pieces(raw, n, parts))
-        a, b = parts.low_bytes, parts.planes
-        kernel = compiled().elias_fano_decode
-        return int(
-            kernel(
-                lows,
-                a,
-                planes,
-                b,
-                parts.plane_len,
-                bitmap,
-                parts.nbits,
-                low_bits,
-                size,
-                out.numpy(),
-                offset,
-            )
-        )
     return _read_torch(raw, size, low_bits, out, offset, parts)
 
 

@@ -67,7 +67,7 @@ from ..compress.base import Quantizer, decode_quantized_stream, encode_quantized
 from ..errors import RankMismatchError, WireFormatError
 from ..reinterpret import as_bytes, bytes_as
 from ..stream import SparseStream
-from ..wire import decode, decode_concat, encode
+from ..wire import decode, decode_concat, encode, host_bytes
 
 __all__ = [
     "EXACT",
@@ -355,7 +355,7 @@ class StreamCodec:
         self, buf: torch.Tensor, size: int | None, dtype: torch.dtype, device: torch.device
     ) -> SparseStream:
         """Decode a message of either kind, checking its size (unless None) and dtype."""
-        if buf.numel() >= 3 and bytes(buf[:3].tolist()) == b"SpQ":
+        if buf.numel() >= 3 and host_bytes(buf, 0, 3) == b"SpQ":
             if self.quantizer is None:
                 raise WireFormatError("received a quantized message but no quantizer is set")
             s = decode_quantized_stream(buf, self.quantizer, dtype, device)
@@ -378,7 +378,7 @@ class StreamCodec:
         already held as the streams the messages decode to (not decoded again)."""
         known = known or {}
         quantized = (
-            b.numel() >= 3 and bytes(b[:3].tolist()) == b"SpQ"
+            b.numel() >= 3 and host_bytes(b, 0, 3) == b"SpQ"
             for j, b in enumerate(bufs)
             if j not in known
         )

@@ -44,9 +44,9 @@ from ..indexcode import (
     read_elias_fano_checked,
     write_elias_fano,
 )
-from ..reinterpret import as_bytes, bytes_as, dense_1d, index_low_bytes, indices_from_low_bytes
+from ..reinterpret import dense_1d, index_low_bytes, indices_from_low_bytes
 from ..stream import SUPPORTED_DTYPES, SparseStream, index_bytes
-from ..wire import check_indices
+from ..wire import check_indices, host_bytes
 from .packing import decode_index_deltas, encode_index_deltas
 
 __all__ = [
@@ -102,6 +102,9 @@ def make_header(
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
 
+_INT64 = struct.Struct("<q")
+
+
 def read_header(payload: torch.Tensor, code: int, what: str) -> tuple[int, int, torch.Tensor]:
     """Check a payload header; return ``(n, flags, body)``.
 
@@ -112,7 +115,7 @@ def read_header(payload: torch.Tensor, code: int, what: str) -> tuple[int, int, 
         raise WireFormatError(f"{what}: a payload must be a 1-D uint8 tensor")
     if payload.numel() < HEADER_BYTES:
         raise WireFormatError(f"{what}: truncated payload ({payload.numel()} bytes)")
-    magic, version, got, flags, reserved, n = _HEADER.unpack(bytes(payload[:HEADER_BYTES].tolist()))
+    magic, version, got, flags, reserved, n = _HEADER.unpack(host_bytes(payload, 0, HEADER_BYTES))
     if magic != _MAGIC or version != _VERSION or reserved:
         raise WireFormatError(f"{what}: not a compressed payload of this version")
     if got != code:
@@ -421,7 +424,7 @@ def encode_quantized_stream(
     if stream.is_dense:
         parts = [make_header(QUANTIZED_STREAM_CODE, n, flags=_Q_DENSE, device=device)]
     else:
-        nnz = as_bytes(torch.tensor([stream.nnz], dtype=torch.int64)).to(device)
+        nnz = torch.frombuffer(bytearray(_INT64.pack(stream.nnz)), dtype=torch.uint8).to(device)
         fields = None if index_coding == "delta" else elias_fano(stream.nnz)
         if index_coding == "delta":
             idx = encode_index_deltas(stream.indices)
@@ -460,7 +463,7 @@ def decode_quantized_stream(
         return SparseStream.dense(values)
     if body.numel() < 8:
         raise WireFormatError(f"{what}: truncated payload")
-    nnz = int(bytes_as(body[:8].cpu(), torch.int64)[0])
+    (nnz,) = _INT64.unpack(host_bytes(body, 0, 8))
     if nnz < 0 or nnz > n:
         raise WireFormatError(f"{what}: malformed payload (nnz={nnz}, n={n})")
     if flags & _Q_DELTA:
@@ -468,7 +471,7 @@ def decode_quantized_stream(
         check_indices(indices, n, what)
         used += 8
     elif flags & _Q_ELIAS_FANO:
-        low_bits = int(bytes_as(body[8:16].cpu(), torch.int64)[0]) if body.numel() >= 16 else -1
+        low_bits = _INT64.unpack(host_bytes(body, 8, 8))[0] if body.numel() >= 16 else -1
         if not 0 <= low_bits <= MAX_LOW_BITS:
             raise WireFormatError(f"{what}: malformed payload (Elias-Fano low bits {low_bits})")
         used = 16 + elias_fano_nbytes(n, nnz, low_bits)

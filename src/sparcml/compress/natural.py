@@ -138,11 +138,15 @@ class NaturalCompression(Quantizer):
         gen = None if self.deterministic else (generator or self._generator(v.device))
         code = 2 if self.format == 9 else 3
         header = make_header(code, n, device=v.device)
+        # one message, its header written in front (no concatenation afterwards)
+        payload = torch.empty(
+            header.numel() + (n + (n + 7) // 8 if self.format == 9 else n),
+            dtype=torch.uint8, device=v.device,
+        )  # fmt: skip
+        payload[: header.numel()].copy_(header)
+        out = payload[header.numel() :]
         if self.format == 9:
-            out = torch.empty(n + (n + 7) // 8, dtype=torch.uint8, device=v.device)
             exps, plane = out[:n], out[n:]
-        else:
-            out = torch.empty(n, dtype=torch.uint8, device=v.device)
         compiled = self.format == 9 and v.device.type == "cpu"
         for lo, hi in chunks(n, v.device):
             if compiled:  # one compiled call per chunk; the draws as exact_bernoulli's
@@ -165,7 +169,7 @@ class NaturalCompression(Quantizer):
                 out[lo:hi] = codes
             if not finite and self.check_finite:
                 check_finite(v, "natural")
-        return torch.cat([header, out])
+        return payload
 
     def _encode8(self, v: torch.Tensor, gen: torch.Generator | None) -> tuple[torch.Tensor, bool]:
         lo = 2.0**self.e_min
