@@ -8,10 +8,15 @@ hashed bag-of-words, embedding inputs), or is dense with ``--nonzeros 0``; with
 ``EmbeddingBag(features, 1, sparse=True)`` gives. After
 a few warm-up steps, every call the engine thread runs is profiled (cProfile),
 and rank 0's functions are printed by their own time per step. The wall and
-process CPU per step are printed for each rank, unprofiled, from a first pass.
+process CPU per step are printed for each rank, unprofiled, from a first pass
+(``--no-profile``: that pass alone). ``--torch-ops`` profiles torch's operators on
+the engine thread instead (``torch.profiler``, by their own CPU time): where a
+step's many small tensor operations go.
 
     .venv/bin/python benchmarks/engine_profile.py --features 1M --nonzeros 6000
     .venv/bin/python benchmarks/engine_profile.py --features 1M --nonzeros 6000 --sparse-gradient
+    .venv/bin/python benchmarks/engine_profile.py --method topk+natural --features 1M \
+        --nonzeros 4400 --sparse-gradient --torch-ops
 
 Times depend on the machine: run it on a quiet one (the load average is printed).
 """
@@ -121,6 +126,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--top", type=int, default=25, help="functions printed")
     ap.add_argument(
+        "--no-profile", action="store_true", help="the unprofiled pass only (time per step)"
+    )
+    ap.add_argument(
         "--torch-ops",
         action="store_true",
         help="profile torch's operators (self CPU, every thread) instead of Python functions",
@@ -137,14 +145,15 @@ def main() -> None:
         f"({what}), {args.world_size} gloo processes, {args.steps} steps after "
         f"{args.warmup}; load average {load}"
     )
-    for profile in (False, True):
+    for profile in (False,) if args.no_profile else (False, True):
         res = run_processes(args.world_size, _rank, args, profile, timeout=600)
         label = "profiled" if profile else "unprofiled"
         for r, (wall, cpu, _) in enumerate(res):
             print(f"rank {r} ({label}): {wall:.2f} ms a step, process CPU {cpu:.2f} ms a step")
-    what = "torch operators, every thread" if args.torch_ops else "engine thread"
-    print(f"rank 0's {what}, {args.steps} steps (divide by them for a step):")
-    print(res[0][2])
+    if not args.no_profile:
+        what = "torch operators on the engine thread" if args.torch_ops else "engine thread"
+        print(f"rank 0's {what}, {args.steps} steps (divide by them for a step):")
+        print(res[0][2])
 
 
 if __name__ == "__main__":
