@@ -7,10 +7,11 @@ one value with no other bit set. One implementation per device:
 
 * CPU (float32, float64, float16, bfloat16): one compiled pass each
   (:mod:`sparcml.cpu_kernels`). torch's ``nonzero`` and boolean-mask indexing cost
-  several microseconds a call and nanoseconds an entry on the CPU build this
-  library is developed on: dropping two zeros from 8,770 pairs took about 200 us
-  with a mask, 2.7 ms found a 2^20 vector's 5,000 non-zeros
-  (``benchmarks/nonzero_scan.py`` measures both against the compiled passes);
+  microseconds a call and nanoseconds an entry on the CPU build this library is
+  developed on: dropping two zeros from 8,770 pairs is 4.1x-5.0x faster here, from
+  65,536 pairs 8.7x-9.0x, and a 2^20 vector's non-zero positions 3.1x-3.3x
+  (``benchmarks/nonzero_scan.py``, docs/training.md "Torch's small operations on
+  the CPU");
 * other devices: torch operations.
 
 Under ``torch.set_flush_denormal(True)`` a subnormal value still counts as
