@@ -38,7 +38,7 @@ import sparcml
 from sparcml.tools.cli.common import size_arg
 
 
-def _load(src: str) -> ModuleType:
+def load_before(src: str) -> ModuleType:
     """The library of ``src`` imported as ``sparcml_before`` (its imports are relative)."""
     where = tempfile.mkdtemp(prefix="codec_ab_")
     shutil.copytree(os.path.join(src, "sparcml"), os.path.join(where, "sparcml_before"))
@@ -67,6 +67,12 @@ def _calls(lib: ModuleType, n: int, k: int) -> dict[str, Callable[[], object]]:
     }
 
 
+def ratio_text(before: list[float], after: list[float]) -> str:
+    """The median of the per-round ratios before / after, and their range."""
+    ratios = [x / y for x, y in zip(before, after, strict=True)]
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}x-{max(ratios):.2f}x)"
+
+
 def _p50(fn: Callable[[], object], calls: int) -> float:
     fn()
     times = []
@@ -87,7 +93,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     sparcml.comm.keep_freed_memory()
-    before = _load(args.before)
+    before = load_before(args.before)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"N={args.size:,}, one thread, {args.rounds} rounds of {args.calls} calls, "
           f"alternated; load average {load}")  # fmt: skip
@@ -101,10 +107,8 @@ def main() -> None:
                 got[name][0].append(_p50(old[name], args.calls))
                 got[name][1].append(_p50(new[name], args.calls))
         for name, (a, b) in got.items():
-            ratios = [x / y for x, y in zip(a, b, strict=True)]
-            spread = f"({min(ratios):.2f}x-{max(ratios):.2f}x)"
             print(f"{k:>7,} {name:<15} {statistics.median(a):>10.1f} {statistics.median(b):>9.1f} "
-                  f"{statistics.median(ratios):>22.2f}x {spread}")  # fmt: skip
+                  f"{ratio_text(a, b):>40}")  # fmt: skip
     print("load average after:", " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 

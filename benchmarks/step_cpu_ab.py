@@ -29,7 +29,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from codec_ab import _load  # this folder, on sys.path when run as a script
+from codec_ab import load_before, ratio_text  # this folder, on sys.path when run as a script
 
 import sparcml
 from sparcml.tools.cli.common import size_arg
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    before = _load(args.before)
+    before = load_before(args.before)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"P={args.world_size} in-process ranks, {args.features:,} rows, "
           f"{args.nonzeros:,} a rank a step, {args.rounds} rounds of {args.steps} steps "
@@ -91,10 +91,8 @@ def main() -> None:
         for _ in range(args.rounds):
             a.append(_round(before, method, args) * 1e3)
             b.append(_round(sparcml, method, args) * 1e3)
-        ratios = [x / y for x, y in zip(a, b, strict=True)]
-        spread = f"({min(ratios):.2f}x-{max(ratios):.2f}x)"
         print(f"{method:<14} {statistics.median(a):>10.3f} {statistics.median(b):>9.3f}  "
-              f"{statistics.median(ratios):.2f}x {spread}")  # fmt: skip
+              f"{ratio_text(a, b)}")  # fmt: skip
     print("load average after:", " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
