@@ -488,6 +488,11 @@ def test_nonzero_scans_match_torch(dtype: torch.dtype) -> None:
     assert count_nonzero(y.reshape(5, 10)) == 50
     z = torch.zeros(7, dtype=dtype)
     assert nonzero_positions(z).numel() == 0 and drop_zeros(torch.arange(7), z)[0].numel() == 0
+    with pytest.raises(ValueError, match="2 indices for 4 values"):  # (never read past them)
+        drop_zeros(torch.arange(2), torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=dtype))
+    narrow = torch.arange(3, dtype=torch.int32)  # another index dtype keeps its dtype
+    got_i, _ = drop_zeros(narrow, torch.tensor([1.0, 0.0, 2.0], dtype=dtype))
+    assert got_i.dtype == torch.int32 and got_i.tolist() == [0, 2]
 
 
 def test_from_dense_takes_the_compiled_positions() -> None:

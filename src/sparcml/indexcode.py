@@ -97,14 +97,21 @@ class _Parts:
     nbytes: int  # the field, padded to a multiple of 8
 
     @classmethod
-    @functools.lru_cache(maxsize=4096)  # (every message asks; a few sizes recur)
     def of(cls, size: int, nnz: int, low_bits: int) -> _Parts:
-        a, b = divmod(low_bits, 8)
-        plane_len = (nnz + 7) // 8
-        nbits = nnz + ((size - 1) >> low_bits) + 1 if size else nnz
-        bitmap_at = nnz * a + b * plane_len
-        used = bitmap_at + (nbits + 7) // 8
-        return cls(a, b, plane_len, nbits, bitmap_at, used, (used + 7) // 8 * 8)
+        # (plain ints as the cache's keys: an equal numpy integer would otherwise
+        # share the entry and hand its own type back in the fields)
+        return _parts(int(size), int(nnz), int(low_bits))
+
+
+@functools.lru_cache(maxsize=4096)  # (every message asks; a few sizes recur)
+def _parts(size: int, nnz: int, low_bits: int) -> _Parts:
+    """:meth:`_Parts.of`, cached."""
+    a, b = divmod(low_bits, 8)
+    plane_len = (nnz + 7) // 8
+    nbits = nnz + ((size - 1) >> low_bits) + 1 if size else nnz
+    bitmap_at = nnz * a + b * plane_len
+    used = bitmap_at + (nbits + 7) // 8
+    return _Parts(a, b, plane_len, nbits, bitmap_at, used, (used + 7) // 8 * 8)
 
 
 def elias_fano_nbytes(size: int, nnz: int, low_bits: int) -> int:
@@ -112,7 +119,6 @@ def elias_fano_nbytes(size: int, nnz: int, low_bits: int) -> int:
     return _Parts.of(size, nnz, low_bits).nbytes
 
 
-@functools.lru_cache(maxsize=4096)  # (every message asks; a few sizes recur)
 def layout(size: int, nnz: int, *, elias_fano: bool = True) -> IndexLayout:
     """The smaller index field for ``nnz`` strictly increasing indices below ``size``.
 
@@ -126,6 +132,12 @@ def layout(size: int, nnz: int, *, elias_fano: bool = True) -> IndexLayout:
         >>> layout(1 << 24, 10)  # too few indices for the bitmap to pay
         IndexLayout(coding='fixed', width=3, nbytes=30)
     """
+    return _layout(int(size), int(nnz), bool(elias_fano))
+
+
+@functools.lru_cache(maxsize=4096)  # (every message asks; a few sizes recur)
+def _layout(size: int, nnz: int, elias_fano: bool) -> IndexLayout:
+    """:func:`layout`, cached (plain ints as keys, as :func:`_parts`)."""
     c = index_bytes(size)
     best = IndexLayout(FIXED, c, nnz * c)
     if nnz == 0 or size == 0 or not elias_fano:

@@ -16,7 +16,9 @@ one value with no other bit set. One implementation per device:
 
 Under ``torch.set_flush_denormal(True)`` a subnormal value still counts as
 non-zero here, where the CPU's ``x != 0`` would call it zero: the bits decide, so
-every rank keeps the same pairs whatever its floating-point mode.
+every rank keeps the same pairs whatever its floating-point mode. (Comparisons the
+library still makes in torch, such as momentum factor masking's ``!= 0``, follow the
+mode; the difference is a subnormal's worth.)
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ def drop_zeros(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
         >>> i.tolist(), v.tolist()
         ([2, 7], [1.0, 2.0])
     """
-    found = _words(values)
+    if indices.numel() != values.numel():
+        raise ValueError(f"{indices.numel()} indices for {values.numel()} values")
+    found = _words(values) if indices.dtype == torch.int64 else None
     if found is None:
         zero = values == 0
         if not bool(zero.any()):

@@ -444,8 +444,9 @@ class SparseStream:
         return dense_threshold(self._size, self.dtype)
 
     def count_nonzero(self) -> int:
-        """Number of non-zero entries of the vector (NaN counts as non-zero)."""
-        return int(torch.count_nonzero(self._values))
+        """Number of non-zero entries of the vector (NaN counts as non-zero; read from
+        the values' bits, :func:`sparcml.nonzero.count_nonzero`)."""
+        return count_nonzero(self._values)
 
     def __repr__(self) -> str:
         kind = "dense" if self._dense else f"sparse, nnz={self.nnz}"
