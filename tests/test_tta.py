@@ -313,3 +313,42 @@ def test_seeds_rotate_the_methods_after_the_baseline(monkeypatch) -> None:  # ty
         assert ran == order and out["run_order"] == order
         assert list(out["runs"]) == ["ddp", "topk", "nonzeros", "fp16"]
     assert rotated(["a", "b"], 3) == ["b", "a"] and rotated(["x"], 2, keep_first=True) == ["x"]
+
+
+def test_the_hosts_steal_is_read_and_flagged(tmp_path: Path) -> None:
+    """Runs on a virtual machine whose host took CPU time (steal, which the load average
+    does not show) are reported with it, and flagged past STEAL_FLAG, per run and per
+    seed; /proc/stat's cpu line is read as user..steal."""
+    from sparcml.tools.bench.harness import STEAL_FLAG, cpu_times, steal_share
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n")
+    assert cpu_times(str(stat)) == (35, 1000)
+    assert cpu_times(str(tmp_path / "none")) is None
+    stat.write_text("intr 1 2 3\n")
+    assert cpu_times(str(stat)) is None
+    assert steal_share((35, 1000), (45, 2000)) == pytest.approx(0.01)
+    assert steal_share(None, (45, 2000)) is None and steal_share((35, 1000), (35, 1000)) is None
+    quiet, busy = 0.002, 2.3 * STEAL_FLAG
+    result = _result({
+        "ddp": _run([0.1, 0.6, 0.80, 0.85], [0, 10, 20, 30], 1000.0, cpu_steal=quiet),
+        "topk": _run([0.1, 0.7, 0.845, 0.86], [0, 2, 4, 6], 20.0, cpu_steal=busy),
+    })  # fmt: skip
+    write_tta_report(result, tmp_path, "c", 1e8)
+    md = (tmp_path / "results.md").read_text()
+    assert "CPU steal during each run" in md and "ddp 0.2%; topk 2.3%" in md
+    assert "**Contended host** (topk: more than 1% steal)" in md
+    result["runs"]["topk"]["cpu_steal"] = quiet
+    write_tta_report(result, tmp_path, "c", 1e8)
+    assert "Contended host" not in (tmp_path / "results.md").read_text()
+    seeds = [{**result, "seed": s} for s in (0, 1)]
+    seeds[1] = {**seeds[1], "runs": {**result["runs"], "topk": {**result["runs"]["topk"],
+                                                               "cpu_steal": busy}}}  # fmt: skip
+    write_seeds_report(seeds, tmp_path, "c", 1e8)
+    md = (tmp_path / "results.md").read_text()
+    assert "Highest CPU steal of a run, per seed" in md and "seed 0 0.2%; seed 1 2.3%" in md
+    assert "**Contended host** (seed 1:" in md
+    for run in result["runs"].values():  # no reading (not Linux): no line
+        del run["cpu_steal"]
+    write_tta_report(result, tmp_path, "c", 1e8)
+    assert "CPU steal" not in (tmp_path / "results.md").read_text()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ...comm.launch import run_processes
-from ..bench.harness import write_json
+from ..bench.harness import STEAL_FLAG, cpu_times, steal_share, write_json
 
 __all__ = ["check_device", "run_recipe", "train_worker", "write_report"]
 
@@ -591,7 +591,7 @@ def join_recipe(
     try:
         for method in methods:
             h = method_hyper(method, hyper or {}, bool(options.get("fsdp")), recipe_cls.momentum)
-            t0 = time.monotonic()
+            t0, ticks = time.monotonic(), cpu_times()
             run = train_worker(comm, recipe_name, method, h, epochs, seed, options, progress)
             if options.get("stop_after") and options.get("target") is None:
                 # the baseline ran first: its "within" figure is every later run's target
@@ -602,10 +602,19 @@ def join_recipe(
             run["hyper"] = h
             # the machine's load when the run ended (1, 5, 15 min): other work on shared cores
             run["loadavg"] = list(os.getloadavg())
+            # and the host's: CPU time a virtual machine's host took for other guests
+            run["cpu_steal"] = steal_share(ticks, cpu_times())
             runs[method] = run
             if comm.rank == 0:
                 log.info("%s %s: done, %.1f s of training (%.1f s in all)", recipe_name,
                          method, run["train_s"], run["wall_s"])  # fmt: skip
+                if (run["cpu_steal"] or 0.0) > STEAL_FLAG:
+                    log.warning(
+                        "%s %s: the host took %.1f%% of this machine's CPU time during the "
+                        "run (steal): its times are slower than the machine's own; compare "
+                        "runs made on a quiet host", recipe_name, method,
+                        100 * run["cpu_steal"],
+                    )  # fmt: skip
         world, rank = comm.world_size, comm.rank
     finally:
         comm.close()

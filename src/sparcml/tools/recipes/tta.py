@@ -339,6 +339,33 @@ def _links_line(result: dict[str, Any]) -> list[str]:
     return [f'Links: {result["link"]} (docs/cluster.md, "The token bucket\'s burst")', ""]
 
 
+def _steal_lines(
+    steal: dict[str, float | None], what: str = "CPU steal during each run"
+) -> list[str]:
+    """The report's lines on the host's steal (``/proc/stat``), flagged past
+    :data:`~sparcml.tools.bench.harness.STEAL_FLAG`; none without readings."""
+    from ..bench.harness import STEAL_FLAG
+
+    known = {k: v for k, v in steal.items() if v is not None}
+    if not known:
+        return []
+    lines = [
+        f"{what} (CPU time the host gave to other work while this machine's cores had "
+        "work; the load average does not show it): "
+        + "; ".join(f"{k} {100 * v:.1f}%" for k, v in known.items()),
+        "",
+    ]
+    contended = [k for k, v in known.items() if v > STEAL_FLAG]
+    if contended:
+        lines += [
+            f"**Contended host** ({', '.join(contended)}: more than {100 * STEAL_FLAG:g}% "
+            "steal): those times are slower than the machine's own; compare runs made on "
+            "a quiet host.",
+            "",
+        ]
+    return lines
+
+
 def write_tta_report(
     result: dict[str, Any],
     out: Path,
@@ -406,6 +433,7 @@ def write_tta_report(
             + "; ".join(f"{m} {' / '.join(f'{x:.1f}' for x in v)}" for m, v in loads.items()),
             "",
         ]
+    md += _steal_lines({m: r.get("cpu_steal") for m, r in result["runs"].items()})
     (out / "results.md").write_text("\n".join(md))
     written.append(out / "results.md")
     from .train import pyplot
@@ -708,5 +736,10 @@ def write_seeds_report(
             + " (2 cores).",
             "",
         ]
+    worst: dict[str, float | None] = {}
+    for i, r in enumerate(results):
+        steals = [v for run in r["runs"].values() if (v := run.get("cpu_steal")) is not None]
+        worst[f"seed {r.get('seed', i)}"] = max(steals) if steals else None
+    md += _steal_lines(worst, "Highest CPU steal of a run, per seed")
     (out / "results.md").write_text("\n".join(md))
     return [out / "seeds.json", out / "results.md"]
