@@ -22,6 +22,7 @@ uniform random indices below ``N`` with float32 values, p50 microseconds of
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import os
 import shutil
@@ -41,6 +42,7 @@ from sparcml.tools.cli.common import size_arg
 def load_before(src: str) -> ModuleType:
     """The library of ``src`` imported as ``sparcml_before`` (its imports are relative)."""
     where = tempfile.mkdtemp(prefix="codec_ab_")
+    atexit.register(shutil.rmtree, where, True)  # (the copy goes when this process ends)
     shutil.copytree(os.path.join(src, "sparcml"), os.path.join(where, "sparcml_before"))
     sys.path.insert(0, where)
     return importlib.import_module("sparcml_before")
