@@ -29,10 +29,13 @@ import torch
 from .kernels import compiled
 from .reinterpret import dense_1d
 
-__all__ = ["count_nonzero", "drop_zeros", "nonzero_positions"]
+__all__ = ["MAGNITUDE_BITS", "count_nonzero", "drop_zeros", "nonzero_positions"]
 
-#: the integer view of each value dtype and the mask of its magnitude bits
-_MAGNITUDE: dict[torch.dtype, tuple[torch.dtype, int]] = {
+#: the integer view of each float dtype and the mask of its magnitude bits (the sign
+#: masked off): zero is the only value without any, and non-negative magnitudes order
+#: like the masked patterns, NaN above +inf (the top-k selection's threshold scans
+#: compare them so: :mod:`sparcml.compress.selection`)
+MAGNITUDE_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.float32: (torch.int32, 0x7FFF_FFFF),
     torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF),
     torch.float16: (torch.int16, 0x7FFF),
@@ -44,9 +47,9 @@ def _words(x: torch.Tensor) -> tuple[np.ndarray, np.generic] | None:
     """The bit patterns of a CPU float vector as a 1-D array, and its magnitude mask
     as a scalar of the words' own type (numba then compares without widening);
     None where the compiled passes do not apply."""
-    if x.device.type != "cpu" or x.dtype not in _MAGNITUDE:
+    if x.device.type != "cpu" or x.dtype not in MAGNITUDE_BITS:
         return None
-    idtype, mask = _MAGNITUDE[x.dtype]
+    idtype, mask = MAGNITUDE_BITS[x.dtype]
     words = dense_1d(x.detach()).view(idtype).numpy()
     return words, words.dtype.type(mask)
 
@@ -105,7 +108,7 @@ def drop_zeros(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     if kernels.first_zero_bits(words, mask) < 0:
         return indices, values
     out_indices = torch.empty(words.shape[0], dtype=torch.int64)
-    out_words = torch.empty(words.shape[0], dtype=_MAGNITUDE[values.dtype][0])
+    out_words = torch.empty(words.shape[0], dtype=MAGNITUDE_BITS[values.dtype][0])
     n = int(
         kernels.drop_zero_pairs(
             dense_1d(indices).numpy(), words, mask, out_indices.numpy(), out_words.numpy()

@@ -7,6 +7,7 @@ import math
 import torch
 
 from ..kernels import compiled
+from ..nonzero import MAGNITUDE_BITS  # (magnitudes order like the masked bit patterns)
 from ..reinterpret import dense_1d
 from ..stream import SparseStream
 from ._kernels import chunks, scratch
@@ -125,16 +126,6 @@ def _above_flags_f32(chunk: torch.Tensor, t: float, strict: bool) -> torch.Tenso
     flags >>= 31
     flags += 1
     return flags
-
-
-#: the integer type and sign mask of each float dtype: magnitudes order like the
-#: masked bit patterns (NaN above +inf)
-MAGNITUDE_BITS = {
-    torch.float32: (torch.int32, 0x7FFF_FFFF),
-    torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF),
-    torch.float16: (torch.int16, 0x7FFF),
-    torch.bfloat16: (torch.int16, 0x7FFF),
-}
 
 
 def _above_positions_cpu(x: torch.Tensor, t: float, strict: bool) -> torch.Tensor:
