@@ -40,10 +40,19 @@ from sparcml.tools.cli.common import size_arg
 
 
 def load_before(src: str) -> ModuleType:
-    """The library of ``src`` imported as ``sparcml_before`` (its imports are relative)."""
+    """The library of ``src`` imported as ``sparcml_before`` (its imports are relative;
+    the one absolute import, its compiled kernels', is pointed at the copy)."""
     where = tempfile.mkdtemp(prefix="codec_ab_")
     atexit.register(shutil.rmtree, where, True)  # (the copy goes when this process ends)
-    shutil.copytree(os.path.join(src, "sparcml"), os.path.join(where, "sparcml_before"))
+    copy = os.path.join(where, "sparcml_before")
+    shutil.copytree(os.path.join(src, "sparcml"), copy)
+    # libraries up to 2f5c076 import their compiled kernels by the absolute name
+    # sparcml.cpu_kernels, which would load this checkout's: the copy gets its own
+    kernels = os.path.join(copy, "kernels.py")
+    with open(kernels) as f:
+        text = f.read()
+    with open(kernels, "w") as f:
+        f.write(text.replace("sparcml.cpu_kernels", "sparcml_before.cpu_kernels"))
     sys.path.insert(0, where)
     return importlib.import_module("sparcml_before")
 

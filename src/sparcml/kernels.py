@@ -22,6 +22,7 @@ __all__ = ["compiled"]
 def compiled() -> ModuleType:
     """:mod:`sparcml.cpu_kernels`, imported on first use (numba compiles the kernels
     once per machine and caches them on disk)."""
-    import sparcml.cpu_kernels
+    from . import cpu_kernels  # (relative: a copy of the library under another
+    # name, as benchmarks/codec_ab.py loads one, runs its own kernels)
 
-    return sparcml.cpu_kernels
+    return cpu_kernels
