@@ -16,6 +16,9 @@ ratio.
     git worktree add /tmp/before 42a2376
     .venv/bin/python benchmarks/step_cpu_ab.py --before /tmp/before/src \
         --methods nonzeros,topk,topk+natural --nonzeros 4400
+
+``--nonzeros 0`` gives each rank a dense gradient of ``--features`` normal entries
+instead (a dense layer: ``wordlm``'s 1,323,280 entries with ``--features 1323280``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def _round(lib: ModuleType, method: str, args: argparse.Namespace) -> float:
     n = args.features
 
     def rank(comm: Any) -> float:
-        p = torch.nn.Parameter(torch.zeros(n, 1))
+        # (a sparse gradient is an EmbeddingBag(n, 1, sparse=True)'s: rows of one entry)
+        p = torch.nn.Parameter(torch.zeros(n, 1) if args.nonzeros else torch.zeros(n))
         hyper = train.method_hyper(
             method, {"density": args.density, "index_coding": "delta"}, momentum=0
         )
@@ -51,6 +55,9 @@ def _round(lib: ModuleType, method: str, args: argparse.Namespace) -> float:
         gen = torch.Generator().manual_seed(comm.rank)
         grads = []
         for _ in range(8):
+            if not args.nonzeros:  # a dense gradient (a layer of normal entries)
+                grads.append(torch.randn(n, generator=gen))
+                continue
             rows = torch.randint(0, n, (args.nonzeros,), generator=gen)
             values = torch.randn(args.nonzeros, 1, generator=gen)
             grads.append(torch.sparse_coo_tensor(rows[None], values, (n, 1)).coalesce())
@@ -71,7 +78,12 @@ def main() -> None:
     ap.add_argument("--before", required=True, help="another checkout's src folder")
     ap.add_argument("--methods", default="nonzeros,topk,topk+natural")
     ap.add_argument("--features", type=size_arg, default=size_arg("1M"))
-    ap.add_argument("--nonzeros", type=int, default=4400, help="rows of each rank's gradient")
+    ap.add_argument(
+        "--nonzeros",
+        type=int,
+        default=4400,
+        help="rows of each rank's sparse gradient; 0: a dense gradient of --features entries",
+    )
     ap.add_argument("-d", "--density", type=float, default=0.01)
     ap.add_argument("-P", "--world-size", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
@@ -81,8 +93,10 @@ def main() -> None:
     torch.set_num_threads(1)
     before = load_before(args.before)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    what = (f"{args.nonzeros:,} a rank a step" if args.nonzeros
+            else "a dense gradient of normal entries")  # fmt: skip
     print(f"P={args.world_size} in-process ranks, {args.features:,} rows, "
-          f"{args.nonzeros:,} a rank a step, {args.rounds} rounds of {args.steps} steps "
+          f"{what}, {args.rounds} rounds of {args.steps} steps "
           f"after {args.warmup}, libraries alternated; load average {load}")  # fmt: skip
     print(f"{'method':<14} {'before ms':>10} {'after ms':>9}  before/after per round")
     for method in args.methods.split(","):

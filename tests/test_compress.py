@@ -717,6 +717,52 @@ def test_top_k_exact_falls_back_when_infinities_rank_below_the_sample() -> None:
     assert torch.equal(got, top_k_positions(mag, t, k)) and got.numel() == k
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", ["none", "nan", "inf", "-inf", "inf_past_k", "zeros"])
+def test_topk_tells_whether_the_accumulator_is_finite(bad: str, dtype: torch.dtype) -> None:
+    """``TopK.select_checked`` is ``select_covering`` plus ``isfinite(x).all()``
+    where its one-pass search saw every candidate for NaN/Inf, None elsewhere: a
+    lone non-finite entry anywhere; more infinities than k (``inf_past_k``: 50 and
+    a NaN, k = 10, so 40 of them left out of the selection); and a tensor with
+    fewer non-zeros than k (the scan for non-zeros: not known)."""
+    from sparcml.compress.topk import TopK
+
+    n = 100_003
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(n, generator=g, dtype=dtype)
+    if bad in ("nan", "inf", "-inf"):
+        x[int(torch.randint(0, n, (1,), generator=g))] = float(bad)
+    elif bad == "inf_past_k":
+        x[torch.arange(3, 3 + 50 * 101, 101)] = float("inf")
+        x[n - 1] = float("nan")
+    elif bad == "zeros":
+        x = torch.zeros(n, dtype=dtype).index_fill_(0, torch.arange(0, n, 1000), 2.0)
+    sel = TopK(k=10 if bad == "inf_past_k" else n // 100)
+    selected, covering, finite = sel.select_checked(x)
+    want, want_cov = sel.select_covering(x)
+    assert torch.equal(selected.indices, want.indices) and covering == want_cov
+    assert torch.equal(selected.values.view(torch.uint8), want.values.view(torch.uint8))
+    if bad == "zeros":
+        assert finite is None and covering
+    else:
+        assert finite is (bad == "none"), (bad, finite)  # the one pass answered
+
+
+def test_the_threshold_scan_resumes_past_its_buffer() -> None:
+    """A selection of more entries than the scan's buffer (``CHUNK``) is cut where
+    the buffer fills and resumed: every position, in order, none twice, against
+    torch's mask; a threshold no entry reaches selects none."""
+    from sparcml.compress._kernels import CHUNK
+    from sparcml.compress.selection import select_above
+
+    n = 3 * CHUNK + 11
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    for t in (0.0, 0.5, 3.0, float("inf")):
+        want = (x.abs() > t).nonzero().flatten()
+        assert torch.equal(select_above(x, t), want), t
+    assert select_above(x, 0.0).numel() == n > 2 * CHUNK  # (resumed twice)
+
+
 @pytest.mark.parametrize(
     ("name", "params", "scale"),
     [

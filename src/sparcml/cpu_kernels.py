@@ -31,6 +31,7 @@ __all__ = [
     "natural9_decode",
     "natural9_encode",
     "nonzero_bits_positions",
+    "top_k_of_candidates",
     "widen_increasing",
 ]
 
@@ -355,16 +356,54 @@ def narrow_bytes(indices: Any, c: int, out: Any) -> None:  # pragma: no cover - 
 
 @numba.njit(cache=True, nogil=True)
 def above_positions(  # pragma: no cover - compiled
-    words: Any, mask: Any, tb: Any, offset: int, out: Any
-) -> int:
-    # the threshold scan and compaction in one pass: positions (plus offset)
-    # of the entries whose magnitude bits (sign masked off) reach tb
+    words: Any, mask: Any, tb: Any, start: int, out: Any
+) -> tuple[int, int]:
+    # the threshold scan and compaction in one pass: from start, the positions of
+    # the entries whose magnitude bits (sign masked off) reach tb, into out until
+    # it is full; returns (how many, where the scan stopped: len(words) when done)
     n = 0
-    for i in range(words.shape[0]):
+    cap = out.shape[0]
+    m = words.shape[0]
+    for i in range(start, m):
         if (words[i] & mask) >= tb:
-            out[n] = i + offset
+            if n == cap:
+                return n, i
+            out[n] = i
             n += 1
-    return n
+    return n, m
+
+
+@numba.njit(cache=True, nogil=True)
+def top_k_of_candidates(  # pragma: no cover - compiled
+    words: Any, cand: Any, mask: Any, inf_bits: Any, k: int, out: Any
+) -> tuple[Any, int, bool]:
+    # the exact top-k among candidate positions (sorted) of the words: their
+    # magnitude bits (sign masked off) with +-inf as the largest finite value and
+    # NaN as +inf; tb the k-th largest of them (a selection, O(len(cand))); the
+    # positions above tb, then the first ones at tb in index order up to k, into
+    # out. Returns (tb, how many, whether a candidate was NaN or +-inf)
+    m = cand.shape[0]
+    vals = np.empty(m, words.dtype)
+    nonfinite = False
+    for i in range(m):
+        b = words[cand[i]] & mask
+        if b >= inf_bits:
+            nonfinite = True
+            b = inf_bits - 1 if b == inf_bits else inf_bits
+        vals[i] = b
+    tb = np.partition(vals.copy(), m - k)[m - k]
+    above = 0
+    for i in range(m):
+        above += vals[i] > tb
+    ties = k - above
+    n = 0
+    for i in range(m):
+        v = vals[i]
+        if v > tb or (v == tb and ties > 0):
+            ties -= v == tb
+            out[n] = cand[i]
+            n += 1
+    return tb, n, nonfinite
 
 
 #: entries per block of bracket_band's counting loop

@@ -288,6 +288,12 @@ class Selector(Compressor):
         False unless the selector knows it without another pass (this default)."""
         return self.select(tensor), False
 
+    def select_checked(self, tensor: torch.Tensor) -> tuple[SparseStream, bool, bool | None]:
+        """:meth:`select_covering`, and whether ``tensor`` holds no NaN or +-inf, where
+        the selection learns it without another pass (None otherwise: this default;
+        the caller then reads ``tensor`` for them)."""
+        return *self.select_covering(tensor), None
+
     def takes_all_nonzeros(self, nonzeros: int, numel: int) -> bool:
         """Whether a tensor of ``numel`` entries with at most ``nonzeros`` non-zeros
         would have every one of them selected (a top-k below ``k``): its selection is

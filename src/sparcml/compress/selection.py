@@ -10,7 +10,7 @@ from ..kernels import compiled
 from ..nonzero import MAGNITUDE_BITS  # (magnitudes order like the masked bit patterns)
 from ..reinterpret import dense_1d
 from ..stream import SparseStream
-from ._kernels import chunks, scratch
+from ._kernels import CHUNK, chunks, scratch
 from .base import Selector, check_input
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "scratch_magnitude",
     "select_above",
     "stream_of",
+    "top_k_of_candidates",
 ]
 
 
@@ -129,21 +130,29 @@ def _above_flags_f32(chunk: torch.Tensor, t: float, strict: bool) -> torch.Tenso
 
 
 def _above_positions_cpu(x: torch.Tensor, t: float, strict: bool) -> torch.Tensor:
-    """CPU: the compiled scan and compaction in one pass per chunk, on bit patterns.
+    """CPU: the compiled scan and compaction in one pass on bit patterns.
 
     Non-negative IEEE magnitudes order like their bit patterns with the sign masked
     off, and NaN patterns lie above +inf's, so NaN counts as the largest magnitude.
     The threshold is rounded to ``x``'s dtype first, as torch's comparison of a
-    tensor with a Python scalar does.
+    tensor with a Python scalar does. The positions go into a scratch buffer of
+    ``CHUNK`` entries; a scan that fills it stops there and resumes into a fresh
+    one (a selection of more than ``CHUNK`` entries is cut where the buffer fills;
+    a smaller one is one call over the whole tensor, where a chunked scan paid
+    a few tensor operations a chunk).
     """
     idtype, mask = MAGNITUDE_BITS[x.dtype]
     tb = int(torch.tensor(t, dtype=x.dtype).view(idtype)) + (1 if strict else 0)
     words = dense_1d(x).view(idtype)
+    n = words.numel()
+    out = scratch("above_pos", min(n, CHUNK), torch.int64, x.device)
     parts = []
-    for lo, hi in chunks(x.numel(), x.device):
-        out = scratch("above_pos", hi - lo, torch.int64, x.device)
-        n = above_positions(words[lo:hi], mask, tb, lo, out)
-        parts.append(out[:n].clone())
+    start = 0
+    while True:
+        count, start = above_positions(words, mask, tb, start, out)
+        parts.append(out[:count].clone())
+        if start >= n:
+            break
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -214,22 +223,46 @@ class ReusedThreshold(Selector):
         return SparseStream.from_sorted(idx, x[idx], x.numel())
 
 
-def above_positions(words: torch.Tensor, mask: int, tb: int, offset: int, out: torch.Tensor) -> int:
-    """CPU only: positions (plus ``offset``) of the ``words`` with ``words & mask >= tb``
-    written into ``out`` (int64, as long as ``words``), in one compiled pass; returns
-    how many. The threshold scan of :func:`sparcml.compress.selection.select_above`
-    on IEEE bit patterns (``mask`` drops the sign bit).
+def above_positions(
+    words: torch.Tensor, mask: int, tb: int, start: int, out: torch.Tensor
+) -> tuple[int, int]:
+    """CPU only: from ``start``, the positions of the ``words`` with ``words & mask
+    >= tb`` written into ``out`` (int64) until it is full, in one compiled pass;
+    returns how many, and where the scan stopped (``len(words)`` when it reached
+    the end; else the position of the first one that did not fit). The threshold
+    scan of :func:`sparcml.compress.selection.select_above` on IEEE bit patterns
+    (``mask`` drops the sign bit).
 
     ``mask`` and ``tb`` go in as scalars of the words' own integer type: as Python
     ints, numba compares in int64 and widens every 32-bit word first, about 1.4x
     slower (``benchmarks/topk_one_pass.py --nonzeros``)."""
     info = torch.iinfo(words.dtype)
     if tb > info.max:  # no word reaches it
-        return 0
+        return 0, words.numel()
     w = words.numpy()
     kind = w.dtype.type
     kernel = compiled().above_positions
-    return int(kernel(w, kind(mask), kind(max(tb, info.min)), offset, out.numpy()))
+    count, stop = kernel(w, kind(mask), kind(max(tb, info.min)), start, out.numpy())
+    return int(count), int(stop)
+
+
+def top_k_of_candidates(
+    x: torch.Tensor, cand: torch.Tensor, k: int, out: torch.Tensor
+) -> tuple[int, int, bool]:
+    """CPU only, a float32/float64 ``x`` (contiguous): the exact top-k by magnitude
+    among the sorted positions ``cand`` (at least ``k`` of them), in
+    :func:`magnitude`'s order (NaN largest, +-inf with the largest finite value),
+    in one compiled call: the k-th largest magnitude's bit pattern ``tb``, the
+    positions above it, then the first ones at it in index order, ``k`` in all,
+    written into ``out`` (int64); returns ``(tb, k, whether a candidate is NaN or
+    +-inf)``."""
+    idtype, mask = MAGNITUDE_BITS[x.dtype]
+    w = x.view(idtype).numpy()
+    kind = w.dtype.type
+    inf_bits = kind(torch.tensor(float("inf"), dtype=x.dtype).view(idtype).item())
+    kernel = compiled().top_k_of_candidates
+    tb, count, nonfinite = kernel(w, cand.numpy(), kind(mask), inf_bits, k, out.numpy())
+    return int(tb), int(count), bool(nonfinite)
 
 
 def bracket_band(

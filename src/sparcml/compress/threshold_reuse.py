@@ -27,6 +27,7 @@ from .selection import (
     magnitude,
     scratch_magnitude,
     select_above,
+    top_k_of_candidates,
 )
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "kth_largest",
     "kth_magnitude",
     "top_k_exact",
+    "top_k_exact_checked",
     "top_k_positions",
 ]
 
@@ -118,14 +120,23 @@ def top_k_exact(x: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
     zeros with ``k`` non-zeros or more, other sizes, dtypes and devices; the same
     bits either way.
     """
+    t, idx, _ = top_k_exact_checked(x, k)
+    return t, idx
+
+
+def top_k_exact_checked(x: torch.Tensor, k: int) -> tuple[float, torch.Tensor, bool | None]:
+    """:func:`top_k_exact`, and whether ``x`` holds no NaN or +-inf where the one
+    pass can tell (None where it cannot): its scan keeps every entry at or above
+    ``t_lo``, the non-finite ones among them, so a caller that must check ``x``
+    for them (``nan_policy="propagate"``) need not read ``x`` again."""
     found = _by_bits(x, k, positions=True) if _by_bits_applies(x, k) else None
     if found is not None:
-        t, idx = found
+        t, idx, finite = found
         assert idx is not None
-        return t, idx
+        return t, idx, finite
     mag = scratch_magnitude(x)  # (dropped before this call returns)
     t = kth_largest(mag, k)
-    return t, top_k_positions(mag, t, k)
+    return t, top_k_positions(mag, t, k), None
 
 
 def kth_magnitude(x: torch.Tensor, k: int) -> float:
@@ -143,9 +154,11 @@ def _by_bits_applies(x: torch.Tensor, k: int) -> bool:
     return x.device.type == "cpu" and floats and n >= BRACKET_MIN and k <= n // 4
 
 
-def _by_bits(x: torch.Tensor, k: int, positions: bool) -> tuple[float, torch.Tensor | None] | None:
-    """:func:`top_k_exact`'s one pass: ``(t, positions or None)``, or None when the
-    general path must answer."""
+def _by_bits(
+    x: torch.Tensor, k: int, positions: bool
+) -> tuple[float, torch.Tensor | None, bool | None] | None:
+    """:func:`top_k_exact`'s one pass: ``(t, positions or None, whether x is
+    finite or None when not known)``, or None when the general path must answer."""
     n = x.numel()
     t_lo, _ = _bracket(magnitude(x[:: _stride(n)]), k, n)
     if t_lo == 0:  # the sample's top reaches zeros: the scan would keep every entry
@@ -154,29 +167,24 @@ def _by_bits(x: torch.Tensor, k: int, positions: bool) -> tuple[float, torch.Ten
         nonzero = select_above(x, 0.0)
         if nonzero.numel() >= k:
             return None
-        return 0.0, nonzero if positions else None
-    cand = select_above(x, t_lo, strict=False)  # sorted; NaN and +-inf included
+        return 0.0, nonzero if positions else None, None
+    flat = dense_1d(x)  # (the scan's positions index it)
+    cand = select_above(flat, t_lo, strict=False)  # sorted; NaN and +-inf included
     if cand.numel() < k:
         return None  # the sample missed
-    idtype, mask = MAGNITUDE_BITS[x.dtype]
-    inf_bits = int(torch.tensor(float("inf"), dtype=x.dtype).view(idtype))
-    # the candidates' magnitudes in magnitude()'s order, as bits: +-inf as the
-    # largest finite value, NaN as +inf (nan_to_num's mapping)
-    bits = x[cand].view(idtype) & mask
-    bits = torch.where(bits == inf_bits, inf_bits - 1, bits).clamp_(max=inf_bits)
-    tb = int(torch.topk(bits, k, sorted=False).values.min())
+    # the candidates' k-th largest magnitude and top-k in one compiled call (+-inf
+    # as the largest finite value, NaN as +inf: nan_to_num's mapping)
+    out = scratch("top_k_of_candidates", cand.numel(), torch.int64, x.device)
+    tb, count, nonfinite = top_k_of_candidates(flat, cand, k, out)
+    idtype, _ = MAGNITUDE_BITS[x.dtype]
     if tb < int(torch.tensor(t_lo, dtype=x.dtype).view(idtype)):
         # fewer than k candidates reach t_lo once infinities count as the largest
         # finite value (t_lo = inf): entries below t_lo may belong to the top-k
         return None
     t = float(torch.tensor(tb, dtype=idtype).view(x.dtype))
-    if not positions or cand.numel() == k:
-        return t, cand if positions else None
-    keep = bits > tb
-    above = int(keep.sum())
-    if above < k:  # the first entries tied at t, in index order
-        keep[(bits == tb).nonzero().flatten()[: k - above]] = True
-    return t, cand[keep]
+    # (every NaN and +-inf of x is a candidate: they reach any finite t_lo, and
+    # t_lo = inf keeps them all)
+    return t, out[:count].clone() if positions else None, not nonfinite
 
 
 def top_k_positions(mag: torch.Tensor, t: float, k: int) -> torch.Tensor:

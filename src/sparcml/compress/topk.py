@@ -7,7 +7,7 @@ import torch
 from ..stream import SparseStream
 from .base import Selector, check_input, register
 from .selection import KSpec, scratch_magnitude, stream_of
-from .threshold_reuse import BRACKET_MIN, top_k_exact
+from .threshold_reuse import BRACKET_MIN, top_k_exact, top_k_exact_checked
 
 __all__ = ["TopK"]
 
@@ -46,25 +46,34 @@ class TopK(Selector):
         self.k, self.density = k, density
 
     def select(self, tensor: torch.Tensor) -> SparseStream:
-        x = check_input(tensor, self.name)
-        k = self.spec.of(x.numel())
-        # (the bracketed search reads counts back to the host at every step: on a GPU
-        # torch.topk is faster, docs/benchmarks.md "On a GPU")
-        if k and x.numel() >= BRACKET_MIN and x.device.type == "cpu":
-            # (t = 0, fewer than k non-zeros: idx holds the non-zeros)
-            _, idx = top_k_exact(x, k)
-            return SparseStream.from_sorted(idx, x[idx], x.numel())
-        idx = torch.topk(scratch_magnitude(x), k, sorted=False).indices
-        if x.device.type == "cpu":  # (a mask's size on a GPU would cost a device sync)
-            idx = idx[x[idx] != 0]  # (NaN != 0: kept)
-        return stream_of(x, idx)
+        return self.select_checked(tensor)[0]
 
     def select_covering(self, tensor: torch.Tensor) -> tuple[SparseStream, bool]:
         """:meth:`select`; on the CPU, fewer than ``k`` entries are the non-zeros, all
         of them (a top-k that reached zeros). On a GPU the zeros stay: never known."""
-        selected = self.select(tensor)
-        k = self.spec.of(selected.size)
-        return selected, selected.device.type == "cpu" and selected.nnz < k
+        selected, covering, _ = self.select_checked(tensor)
+        return selected, covering
+
+    def select_checked(self, tensor: torch.Tensor) -> tuple[SparseStream, bool, bool | None]:
+        """:meth:`select_covering`, and whether ``tensor`` is finite where the one-pass
+        search saw every entry that could be NaN or +-inf (its candidates:
+        :func:`~.threshold_reuse.top_k_exact_checked`); None elsewhere."""
+        x = check_input(tensor, self.name)
+        k = self.spec.of(x.numel())
+        finite = None
+        # (the bracketed search reads counts back to the host at every step: on a GPU
+        # torch.topk is faster, docs/benchmarks.md "On a GPU")
+        if k and x.numel() >= BRACKET_MIN and x.device.type == "cpu":
+            # (t = 0, fewer than k non-zeros: idx holds the non-zeros)
+            _, idx, finite = top_k_exact_checked(x, k)
+            selected = SparseStream.from_sorted(idx, x[idx], x.numel())
+        else:
+            idx = torch.topk(scratch_magnitude(x), k, sorted=False).indices
+            if x.device.type == "cpu":  # (a mask's size on a GPU would cost a device sync)
+                idx = idx[x[idx] != 0]  # (NaN != 0: kept)
+            selected = stream_of(x, idx)
+        covering = selected.device.type == "cpu" and selected.nnz < k
+        return selected, covering, finite
 
     def select_entries(self, entries: SparseStream) -> tuple[SparseStream, bool]:
         """:meth:`select_covering` of the vector whose non-zeros are ``entries`` (a

@@ -17,7 +17,7 @@ from ..nonzero import drop_zeros, nonzero_positions
 from ..reinterpret import index_low_bytes
 from ..wire import widen_increasing, write_index_field
 from .natural import natural9_decode, natural9_encode
-from .selection import above_positions, bracket_band
+from .selection import above_positions, bracket_band, top_k_of_candidates
 
 __all__ = ["warm_kernels"]
 
@@ -50,6 +50,7 @@ def warm_kernels() -> None:
     for dtype in (torch.float32, torch.float64):
         mags = torch.tensor([0.5, 1.0, 2.0], dtype=dtype)
         bracket_band(mags, 0.75, 1.5, torch.empty_like(mags))
+        top_k_of_candidates(mags, torch.tensor([0, 2]), 1, out)
     codes = torch.empty(4, dtype=torch.uint8)
     for deterministic in (False, True):
         bits = torch.tensor([1.5, -3.0], dtype=torch.float32).view(torch.int32)

@@ -149,15 +149,19 @@ def run_sparse(group: GroupView, bucket: Bucket, acc: torch.Tensor) -> MethodRes
     # which the bucket goes dense for this step. A selector with state never sees
     # them; a stateless one selects first: NaN/Inf are non-zeros, so a selection
     # holding every non-zero holds them all, and the check reads it (O(k)) instead
-    # of the bucket
+    # of the bucket; a top-k's one-pass search on the CPU kept every NaN/Inf among
+    # its candidates and tells (select_checked), so nothing is read again
     propagate = group.settings.nan_policy == "propagate"
     nonfinite = propagate and not selector.stateless and not all_finite(acc)
     selected: SparseStream | None = None
     covering = False
     if not nonfinite:
-        selected, covering = selector.select_covering(acc)
+        selected, covering, finite = selector.select_checked(acc)
         if propagate and selector.stateless:
-            nonfinite = not all_finite(selected.values if covering else acc)
+            # (finite: the selection saw every entry that could be NaN or +-inf)
+            if finite is None:
+                finite = all_finite(selected.values if covering else acc)
+            nonfinite = not finite
     if nonfinite or selected is None:
         selected, covering = SparseStream.empty(acc.numel(), acc.dtype, acc.device), False
     select_s = time.perf_counter() - t0
