@@ -748,19 +748,22 @@ def test_topk_tells_whether_the_accumulator_is_finite(bad: str, dtype: torch.dty
         assert finite is (bad == "none"), (bad, finite)  # the one pass answered
 
 
-def test_the_threshold_scan_resumes_past_its_buffer() -> None:
-    """A selection of more entries than the scan's buffer (``CHUNK``) is cut where
-    the buffer fills and resumed: every position, in order, none twice, against
-    torch's mask; a threshold no entry reaches selects none."""
+def test_the_threshold_scan_covers_every_chunk() -> None:
+    """The compiled scan runs chunk by chunk (``CHUNK`` entries, the positions'
+    buffer): every position, in order, none twice, against torch's mask, for
+    selections of a few entries to all of them, and none for a threshold no entry
+    reaches; a strided input too."""
     from sparcml.compress._kernels import CHUNK
     from sparcml.compress.selection import select_above
 
     n = 3 * CHUNK + 11
-    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
-    for t in (0.0, 0.5, 3.0, float("inf")):
-        want = (x.abs() > t).nonzero().flatten()
-        assert torch.equal(select_above(x, t), want), t
-    assert select_above(x, 0.0).numel() == n > 2 * CHUNK  # (resumed twice)
+    x = torch.randn(2 * n, generator=torch.Generator().manual_seed(2))
+    for y in (x[:n], x[::2]):
+        for t in (0.0, 0.5, 3.0, float("inf")):
+            want = (y.abs() > t).nonzero().flatten()
+            assert torch.equal(select_above(y, t), want), t
+            assert torch.equal(select_above(y, t, strict=False), (y.abs() >= t).nonzero().flatten())
+        assert select_above(y, 0.0).numel() == n  # (every chunk's positions)
 
 
 @pytest.mark.parametrize(

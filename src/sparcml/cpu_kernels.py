@@ -356,21 +356,18 @@ def narrow_bytes(indices: Any, c: int, out: Any) -> None:  # pragma: no cover - 
 
 @numba.njit(cache=True, nogil=True)
 def above_positions(  # pragma: no cover - compiled
-    words: Any, mask: Any, tb: Any, start: int, out: Any
-) -> tuple[int, int]:
-    # the threshold scan and compaction in one pass: from start, the positions of
-    # the entries whose magnitude bits (sign masked off) reach tb, into out until
-    # it is full; returns (how many, where the scan stopped: len(words) when done)
+    words: Any, mask: Any, tb: Any, offset: int, out: Any
+) -> int:
+    # the threshold scan and compaction in one pass: positions (plus offset)
+    # of the entries whose magnitude bits (sign masked off) reach tb. (This plain
+    # loop measured about 2x faster than one that also stops when out is full:
+    # callers bound the words by out's length instead)
     n = 0
-    cap = out.shape[0]
-    m = words.shape[0]
-    for i in range(start, m):
+    for i in range(words.shape[0]):
         if (words[i] & mask) >= tb:
-            if n == cap:
-                return n, i
-            out[n] = i
+            out[n] = i + offset
             n += 1
-    return n, m
+    return n
 
 
 @numba.njit(cache=True, nogil=True)

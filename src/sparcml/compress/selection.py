@@ -130,29 +130,32 @@ def _above_flags_f32(chunk: torch.Tensor, t: float, strict: bool) -> torch.Tenso
 
 
 def _above_positions_cpu(x: torch.Tensor, t: float, strict: bool) -> torch.Tensor:
-    """CPU: the compiled scan and compaction in one pass on bit patterns.
+    """CPU: the compiled scan and compaction in one pass per chunk, on bit patterns.
 
     Non-negative IEEE magnitudes order like their bit patterns with the sign masked
     off, and NaN patterns lie above +inf's, so NaN counts as the largest magnitude.
     The threshold is rounded to ``x``'s dtype first, as torch's comparison of a
-    tensor with a Python scalar does. The positions go into a scratch buffer of
-    ``CHUNK`` entries; a scan that fills it stops there and resumes into a fresh
-    one (a selection of more than ``CHUNK`` entries is cut where the buffer fills;
-    a smaller one is one call over the whole tensor, where a chunked scan paid
-    a few tensor operations a chunk).
+    tensor with a Python scalar does. The chunks (``CHUNK`` entries, bounding the
+    positions' scratch buffer) are cut from numpy views of the words and the
+    buffer: a torch slice costs microseconds, and a bucket has dozens of chunks.
     """
     idtype, mask = MAGNITUDE_BITS[x.dtype]
     tb = int(torch.tensor(t, dtype=x.dtype).view(idtype)) + (1 if strict else 0)
     words = dense_1d(x).view(idtype)
     n = words.numel()
+    info = torch.iinfo(idtype)
+    if tb > info.max:  # no word reaches it
+        return torch.empty(0, dtype=torch.int64)
+    w = words.numpy()
+    kind = w.dtype.type
+    mask_w, tb_w = kind(mask), kind(max(tb, info.min))
     out = scratch("above_pos", min(n, CHUNK), torch.int64, x.device)
+    buf = out.numpy()
+    kernel = compiled().above_positions
     parts = []
-    start = 0
-    while True:
-        count, start = above_positions(words, mask, tb, start, out)
-        parts.append(out[:count].clone())
-        if start >= n:
-            break
+    for lo in range(0, n, CHUNK):
+        count = kernel(w[lo : lo + CHUNK], mask_w, tb_w, lo, buf)
+        parts.append(torch.from_numpy(buf[:count].copy()))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -223,27 +226,22 @@ class ReusedThreshold(Selector):
         return SparseStream.from_sorted(idx, x[idx], x.numel())
 
 
-def above_positions(
-    words: torch.Tensor, mask: int, tb: int, start: int, out: torch.Tensor
-) -> tuple[int, int]:
-    """CPU only: from ``start``, the positions of the ``words`` with ``words & mask
-    >= tb`` written into ``out`` (int64) until it is full, in one compiled pass;
-    returns how many, and where the scan stopped (``len(words)`` when it reached
-    the end; else the position of the first one that did not fit). The threshold
-    scan of :func:`sparcml.compress.selection.select_above` on IEEE bit patterns
-    (``mask`` drops the sign bit).
+def above_positions(words: torch.Tensor, mask: int, tb: int, offset: int, out: torch.Tensor) -> int:
+    """CPU only: positions (plus ``offset``) of the ``words`` with ``words & mask >= tb``
+    written into ``out`` (int64, as long as ``words``), in one compiled pass; returns
+    how many. The threshold scan of :func:`sparcml.compress.selection.select_above`
+    on IEEE bit patterns (``mask`` drops the sign bit).
 
     ``mask`` and ``tb`` go in as scalars of the words' own integer type: as Python
     ints, numba compares in int64 and widens every 32-bit word first, about 1.4x
     slower (``benchmarks/topk_one_pass.py --nonzeros``)."""
     info = torch.iinfo(words.dtype)
     if tb > info.max:  # no word reaches it
-        return 0, words.numel()
+        return 0
     w = words.numpy()
     kind = w.dtype.type
     kernel = compiled().above_positions
-    count, stop = kernel(w, kind(mask), kind(max(tb, info.min)), start, out.numpy())
-    return int(count), int(stop)
+    return int(kernel(w, kind(mask), kind(max(tb, info.min)), offset, out.numpy()))
 
 
 def top_k_of_candidates(
