@@ -360,8 +360,9 @@ def above_positions(  # pragma: no cover - compiled
 ) -> int:
     # the threshold scan and compaction in one pass: positions (plus offset)
     # of the entries whose magnitude bits (sign masked off) reach tb. (This plain
-    # loop measured about 2x faster than one that also stops when out is full:
-    # callers bound the words by out's length instead)
+    # loop compiled faster than one that also stops when out is full, which made
+    # the selection slower: docs/training.md; callers bound the words by out's
+    # length instead)
     n = 0
     for i in range(words.shape[0]):
         if (words[i] & mask) >= tb:
