@@ -332,6 +332,24 @@ def test_merge_sum_of_two_runs_is_the_run_ordered_index_add(
     assert torch.equal(got_i, union) and torch.equal(got_v.view(bits), ref.view(bits))
 
 
+def test_from_sorted_widens_narrower_indices() -> None:
+    """``from_sorted`` holds its indices as int64, as the constructor does: pairs given
+    with int32 or int16 indices densify, subtract and merge like int64 ones (the
+    index_copy_ / index_select paths take int64 only)."""
+    from sparcml.sgd.feedback import ErrorFeedback
+
+    values = torch.tensor([2.0, -3.0, 0.5])
+    want = torch.zeros(1000).index_put_((torch.tensor([1, 4, 9]),), values)
+    for dtype in (torch.int16, torch.int32, torch.int64):
+        s = SparseStream.from_sorted(torch.tensor([1, 4, 9], dtype=dtype), values, 1000)
+        assert not s.is_dense and s.indices.dtype == torch.int64
+        assert torch.equal(s.to_dense(), want)
+        fb = ErrorFeedback()
+        acc = torch.arange(1000, dtype=torch.float32)
+        fb.update(acc, s, "w")
+        assert torch.equal(fb.buffers["w"], acc - want)
+
+
 _CACHE_PROBE = """
 from sparcml import cpu_kernels as k
 from sparcml.compress.warmup import warm_kernels

@@ -389,7 +389,7 @@ def top_k_of_candidates(  # pragma: no cover - compiled
             nonfinite = True
             b = inf_bits - 1 if b == inf_bits else inf_bits
         vals[i] = b
-    tb = np.partition(vals.copy(), m - k)[m - k]
+    tb = np.partition(vals, m - k)[m - k]  # (a partitioned copy: vals stays in order)
     above = 0
     for i in range(m):
         above += vals[i] > tb

@@ -220,7 +220,9 @@ class SparseStream:
     @classmethod
     def from_sorted(cls, indices: torch.Tensor, values: torch.Tensor, size: int) -> SparseStream:
         """Build from pairs the caller guarantees: 1-D, sorted, unique, in ``[0, size)``,
-        of a supported dtype, on one device (nothing is checked: no device sync).
+        of a supported dtype, on one device (nothing is checked: no device sync;
+        integer indices of another width are widened to int64, as every stream holds
+        them).
 
         The fast path of the collectives, selectors and decoders, which produce
         such pairs by construction; anything else should use the constructor.
@@ -230,6 +232,8 @@ class SparseStream:
             >>> SparseStream.from_sorted(torch.tensor([1, 4]), torch.tensor([2.0, 3.0]), 8).nnz
             2
         """
+        if indices.dtype != torch.int64:  # (as the constructor holds them; a no-op check)
+            indices = indices.to(torch.int64)
         s = cls.__new__(cls)
         s._set_sparse(indices, values, size)
         s._maybe_densify()
