@@ -57,6 +57,15 @@ def load_before(src: str) -> ModuleType:
     return importlib.import_module("sparcml_before")
 
 
+def start_ab(src: str) -> tuple[ModuleType, str]:
+    """An A/B process's start: one thread, freed memory kept for reuse, the library of
+    ``src`` loaded (:func:`load_before`); returns it and the load average, as text."""
+    torch.set_num_threads(1)
+    sparcml.comm.keep_freed_memory()
+    before = load_before(src)
+    return before, " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def _calls(lib: ModuleType, n: int, k: int) -> dict[str, Callable[[], object]]:
     base = importlib.import_module(lib.__name__ + ".compress.base")
     wire = importlib.import_module(lib.__name__ + ".wire")
@@ -102,10 +111,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=51)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    sparcml.comm.keep_freed_memory()
-    before = load_before(args.before)
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    before, load = start_ab(args.before)
     print(f"N={args.size:,}, one thread, {args.rounds} rounds of {args.calls} calls, "
           f"alternated; load average {load}")  # fmt: skip
     print(f"{'k':>7} {'message':<15} {'before us':>10} {'after us':>9} "

@@ -31,9 +31,8 @@ from collections.abc import Callable
 from types import ModuleType
 
 import torch
-from codec_ab import load_before, ratio_text  # this folder, on sys.path when run as a script
+from codec_ab import ratio_text, start_ab  # this folder, on sys.path when run as a script
 
-import sparcml
 from sparcml.tools.cli.common import size_arg
 
 
@@ -82,10 +81,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=11, help="timed calls a round (median)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    sparcml.comm.keep_freed_memory()
-    before = load_before(args.before)
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    before, load = start_ab(args.before)
     print(f"topk selection and its NaN/Inf check on one thread, float32, uniform normal "
           f"entries; {args.rounds} rounds of {args.calls} calls, libraries alternated; "
           f"load average {load}")  # fmt: skip
