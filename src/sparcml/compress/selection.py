@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ..kernels import compiled
@@ -143,12 +144,11 @@ def _above_positions_cpu(x: torch.Tensor, t: float, strict: bool) -> torch.Tenso
     tb = int(torch.tensor(t, dtype=x.dtype).view(idtype)) + (1 if strict else 0)
     words = dense_1d(x).view(idtype)
     n = words.numel()
-    info = torch.iinfo(idtype)
-    if tb > info.max:  # no word reaches it
+    scalars = _scan_scalars(idtype, mask, tb)
+    if scalars is None:  # no word reaches it
         return torch.empty(0, dtype=torch.int64)
+    mask_w, tb_w = scalars
     w = words.numpy()
-    kind = w.dtype.type
-    mask_w, tb_w = kind(mask), kind(max(tb, info.min))
     out = scratch("above_pos", min(n, CHUNK), torch.int64, x.device)
     buf = out.numpy()
     kernel = compiled().above_positions
@@ -235,13 +235,28 @@ def above_positions(words: torch.Tensor, mask: int, tb: int, offset: int, out: t
     ``mask`` and ``tb`` go in as scalars of the words' own integer type: as Python
     ints, numba compares in int64 and widens every 32-bit word first, about 1.4x
     slower (``benchmarks/topk_one_pass.py --nonzeros``)."""
-    info = torch.iinfo(words.dtype)
-    if tb > info.max:  # no word reaches it
+    scalars = _scan_scalars(words.dtype, mask, tb)
+    if scalars is None:  # no word reaches it
         return 0
-    w = words.numpy()
-    kind = w.dtype.type
     kernel = compiled().above_positions
-    return int(kernel(w, kind(mask), kind(max(tb, info.min)), offset, out.numpy()))
+    return int(kernel(words.numpy(), *scalars, offset, out.numpy()))
+
+
+def _scan_scalars(idtype: torch.dtype, mask: int, tb: int) -> tuple[np.generic, np.generic] | None:
+    """The scan's mask and threshold as scalars of the words' own type (numba then
+    compares without widening every word), the threshold clamped to the type's
+    range; None when no word can reach it."""
+    info = torch.iinfo(idtype)
+    if tb > info.max:
+        return None
+    kind = _NUMPY_INT[idtype]
+    return kind(mask), kind(max(tb, info.min))
+
+
+#: the numpy scalar type of each integer view of the floats' bits
+_NUMPY_INT = {torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+#: +inf's bit pattern in each float width the compiled top-k takes
+_INF_BITS = {torch.float32: 0x7F80_0000, torch.float64: 0x7FF0_0000_0000_0000}
 
 
 def top_k_of_candidates(
@@ -255,11 +270,12 @@ def top_k_of_candidates(
     written into ``out`` (int64); returns ``(tb, k, whether a candidate is NaN or
     +-inf)``."""
     idtype, mask = MAGNITUDE_BITS[x.dtype]
-    w = x.view(idtype).numpy()
-    kind = w.dtype.type
-    inf_bits = kind(torch.tensor(float("inf"), dtype=x.dtype).view(idtype).item())
+    kind = _NUMPY_INT[idtype]
     kernel = compiled().top_k_of_candidates
-    tb, count, nonfinite = kernel(w, cand.numpy(), kind(mask), inf_bits, k, out.numpy())
+    tb, count, nonfinite = kernel(
+        x.view(idtype).numpy(), cand.numpy(), kind(mask), kind(_INF_BITS[x.dtype]), k,
+        out.numpy(),
+    )  # fmt: skip
     return int(tb), int(count), bool(nonfinite)
 
 
